@@ -1,0 +1,31 @@
+"""Privacy accounting: the one place every noise scale, threshold and composition is derived.
+
+Nothing else in dpstream re-derives a formula; the pipeline asks :func:`plan_query`.
+"""
+from accountant.calibration import (
+    cks_delta,
+    cks_epsilon,
+    cks_rho,
+    read_levels,
+    prefix_variance_factor,
+    honaker_variance_factor,
+)
+from accountant.plan import (
+    BudgetError,
+    PrivacyPlan,
+    QueryBudget,
+    plan_query,
+)
+
+__all__ = [
+    "BudgetError",
+    "PrivacyPlan",
+    "QueryBudget",
+    "cks_delta",
+    "cks_epsilon",
+    "cks_rho",
+    "honaker_variance_factor",
+    "plan_query",
+    "prefix_variance_factor",
+    "read_levels",
+]

@@ -1,0 +1,284 @@
+"""Calibration of one DP-SQLP query: (epsilon, delta, T, C, L, beta, split) -> sigmas and thresholds.
+
+The mechanism (DP-SQLP sections 3-4) has two noisy parts:
+
+* **Key selection** (Algorithm 2): per key and round a DP binary tree over the round's
+  incremental unique-user counts. A user adds 1 to one leaf of a tree and takes part in at most
+  C rounds overall (section 4.4), so with ``h`` read levels each tree costs
+  ``h / (2 sigma_k^2)`` zCDP and the user ``C h / (2 sigma_k^2)``.
+* **Hierarchical perturbation** (Algorithm 3): one tree per key and aggregate column. All C
+  contributions (each clamped to L) may land in one node, so per level the user's L2 change is at
+  most ``C L`` and the user costs ``h (C L)^2 / (2 sigma_m^2)`` across all keys (sum of squares
+  <= square of sums).
+
+Key selection's thresholding adds a failure term (Theorem 3.1). Let A' be the pipeline that
+tests the user's keys at every trigger, with no gate and no "key not seen yet". A' is a
+composition of Gaussian mechanisms. A and A' differ only if A' releases one of the user's (at
+most C) keys while its true round count is <= mu, which the threshold bounds by beta per key.
+Hence ``delta = delta_zCDP + (e^eps + 1) * C * beta`` (the proof of Theorem 3.1, with a union
+bound over the user's keys).
+
+Two compositions are offered:
+
+* ``zcdp`` (default): both parts are Gaussian mechanisms, so their rho's add and one optimal
+  CKS conversion gives (eps, delta). ``key_selection_share`` splits rho. The per-part
+  (eps, delta) in the report are what each part satisfies on its own; they add up to more than
+  the total because composing in zCDP is tighter than adding epsilons.
+* ``basic``: the paper's section 5 split: eps_k = share * eps, eps_m = (1 - share) * eps,
+  delta_k = 2 delta / 3 (half of it for the beta term), delta_m = delta / 3; each part
+  calibrated separately and the totals added.
+
+The integer noise sampler is within total variation ``SAMPLER_TV_BOUND`` of the exact discrete
+Gaussian per node; a user influences at most ``2 C h`` nodes, which adds
+``(e^eps + 1) 2 C h SAMPLER_TV_BOUND`` to delta (reported; ~1e-25 in practice).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+from accountant.calibration import (
+    cks_delta,
+    cks_epsilon,
+    cks_rho,
+    prefix_variance_factor,
+    read_levels,
+    tail_multiplier,
+)
+
+#: Upper bound on the total-variation distance between one node's sampled integer noise and the
+#: exact discrete Gaussian. The sampler (processor.noise) asserts its tables meet it.
+SAMPLER_TV_BOUND = 2.0 ** -100
+#: Largest noise scale, in grid units, the table sampler accepts (table of ~24 sigma entries).
+MAX_SAMPLER_SIGMA = 131072.0
+#: Sums are quantized to a grid L / 2^j with the largest j keeping sigma_m at most this many units.
+TARGET_SAMPLER_SIGMA = 4096.0
+#: Share of delta given to the thresholding failure term when beta is not declared.
+DEFAULT_BETA_DELTA_SHARE = 1.0 / 3.0
+
+
+class BudgetError(ValueError):
+    """A declared budget cannot be met; ``field`` names the offending parameter."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+@dataclass(frozen=True)
+class QueryBudget:
+    """What a user declares for one query (all public)."""
+
+    epsilon: float
+    delta: float
+    triggers: int
+    contribution_bound: int
+    clamp: float = 1.0
+    aggregate: str = "count"  # count | sum
+    key_threshold: float = 0.0
+    beta: Optional[float] = None
+    key_selection_share: float = 0.5
+    composition: str = "zcdp"  # zcdp | basic
+    tail_bound: str = "subgaussian"  # subgaussian | gaussian
+    resolution: Optional[float] = None  # value grid for sums; counts use 1
+
+
+@dataclass(frozen=True)
+class PrivacyPlan:
+    """Everything the mechanisms need, and every term of the privacy argument."""
+
+    epsilon: float
+    delta: float
+    composition: str
+    tail_bound: str
+    triggers: int
+    tree_height: int
+    contribution_bound: int
+    clamp: float
+    aggregate: str
+    resolution: float
+    key_threshold: float
+    beta: float
+    delta_beta: float
+    delta_sampler: float
+    delta_conversion: float
+    rho_total: float
+    rho_key_selection: float
+    rho_key_selection_per_tree: float
+    rho_perturbation: float
+    sigma_key_selection: float
+    sigma_perturbation: float
+    sigma_perturbation_units: float
+    epsilon_key_selection: float
+    delta_key_selection: float
+    epsilon_perturbation: float
+    delta_perturbation: float
+    epsilon_spent: float
+    delta_spent: float
+    tail_multiplier: float
+    thresholds: tuple = field(repr=False)
+    expected_stddev: float = 0.0
+    conversion: str = "zCDP -> (eps, delta): Canonne-Kamath-Steinke 2020 Prop. 12 (optimal)"
+
+    @property
+    def perturbation_sensitivity_units(self) -> int:
+        """Per-tree L1 sensitivity of the perturbation tree in grid units: C * L / resolution."""
+        return int(round(self.contribution_bound * self.clamp / self.resolution))
+
+    def threshold(self, leaf: int) -> float:
+        """tau for a round tree's ``leaf`` (1-based)."""
+        return self.thresholds[leaf - 1]
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["thresholds"] = list(self.thresholds)
+        return out
+
+
+def _check(budget: QueryBudget) -> None:
+    def positive(name, value):
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise BudgetError(name, f"must be a positive finite number, got {value!r}")
+
+    positive("epsilon", budget.epsilon)
+    if not 0 < budget.delta < 1:
+        raise BudgetError("delta", f"must be in (0, 1), got {budget.delta!r}")
+    if not (isinstance(budget.triggers, int) and 1 <= budget.triggers <= 1 << 24):
+        raise BudgetError("triggers", f"must be an integer in [1, 2^24], got {budget.triggers!r}")
+    if not (isinstance(budget.contribution_bound, int) and budget.contribution_bound >= 1):
+        raise BudgetError("contribution_bound", f"must be an integer >= 1, got {budget.contribution_bound!r}")
+    positive("clamp", budget.clamp)
+    if budget.aggregate not in ("count", "sum"):
+        raise BudgetError("aggregate", f"must be 'count' or 'sum', got {budget.aggregate!r}")
+    if budget.aggregate == "count" and budget.clamp != 1.0:
+        raise BudgetError("clamp", "a count contributes 1 per record; clamp must be 1.0 for aggregate 'count'")
+    if not (math.isfinite(budget.key_threshold) and budget.key_threshold >= 0):
+        raise BudgetError("key_threshold", f"must be >= 0, got {budget.key_threshold!r}")
+    if budget.beta is not None and not 0 < budget.beta < 1:
+        raise BudgetError("beta", f"must be in (0, 1) or null, got {budget.beta!r}")
+    if not 0 < budget.key_selection_share < 1:
+        raise BudgetError("key_selection_share", f"must be in (0, 1), got {budget.key_selection_share!r}")
+    if budget.composition not in ("zcdp", "basic"):
+        raise BudgetError("composition", f"must be 'zcdp' or 'basic', got {budget.composition!r}")
+    if budget.tail_bound not in ("subgaussian", "gaussian"):
+        raise BudgetError("tail_bound", f"must be 'subgaussian' or 'gaussian', got {budget.tail_bound!r}")
+    if budget.resolution is not None:
+        positive("resolution", budget.resolution)
+        steps = budget.clamp / budget.resolution
+        if abs(steps - round(steps)) > 1e-9 * steps:
+            raise BudgetError("resolution", "clamp must be a whole multiple of resolution")
+        if budget.aggregate == "count" and budget.resolution != 1.0:
+            raise BudgetError("resolution", "counts are integers; resolution must be 1 (or null)")
+
+
+def _choose_resolution(budget: QueryBudget, sigma_m: float) -> float:
+    """Value grid for the perturbation tree (noise is added on this grid, DESIGN section 5).
+
+    Counts are integers (grid 1). A sum's values are rounded to a grid ``L / 2^j`` before they
+    are aggregated, so that integer noise on the grid is the discrete Gaussian mechanism on
+    integer data; otherwise the fractional part of a noisy sum would expose the raw sum. ``j``
+    is the largest in [0, 20] keeping sigma within ``TARGET_SAMPLER_SIGMA`` grid steps.
+    """
+    if budget.aggregate == "count":
+        return 1.0
+    if budget.resolution is not None:
+        return float(budget.resolution)
+    j = 0
+    while j < 20 and sigma_m / (budget.clamp / 2 ** (j + 1)) <= TARGET_SAMPLER_SIGMA:
+        j += 1
+    return budget.clamp / 2 ** j
+
+
+def plan_query(budget: QueryBudget) -> PrivacyPlan:
+    """Calibrate a query. Raises :class:`BudgetError` naming the field when it cannot be met."""
+    _check(budget)
+    eps, delta, C = budget.epsilon, budget.delta, budget.contribution_bound
+    h = read_levels(budget.triggers)
+    share = budget.key_selection_share
+    nodes_touched = 2 * C * h
+
+    if budget.composition == "zcdp":
+        beta = budget.beta
+        if beta is None:
+            beta = DEFAULT_BETA_DELTA_SHARE * delta / ((math.exp(eps) + 1.0) * C)
+        delta_beta = (math.exp(eps) + 1.0) * C * beta
+        delta_sampler = (math.exp(eps) + 1.0) * nodes_touched * SAMPLER_TV_BOUND
+        delta_conv = delta - delta_beta - delta_sampler
+        if delta_conv <= 0:
+            raise BudgetError("beta", f"the thresholding term (e^eps+1)*C*beta = {delta_beta:.3g} leaves no delta")
+        rho = cks_rho(eps, delta_conv)
+        rho_k, rho_m = share * rho, (1.0 - share) * rho
+        eps_k = cks_epsilon(rho_k, share * delta_conv)
+        delta_k = share * delta_conv + delta_beta
+        eps_m = cks_epsilon(rho_m, (1.0 - share) * delta_conv)
+        delta_m = (1.0 - share) * delta_conv
+        eps_spent = cks_epsilon(rho, delta_conv)
+        delta_spent = cks_delta(rho, eps) + delta_beta + delta_sampler
+    else:
+        eps_k, eps_m = share * eps, (1.0 - share) * eps
+        delta_k, delta_m = 2.0 * delta / 3.0, delta / 3.0
+        beta = budget.beta
+        if beta is None:
+            beta = 0.5 * delta_k / ((math.exp(eps_k) + 1.0) * C)
+        delta_beta = (math.exp(eps_k) + 1.0) * C * beta
+        sampler_k = (math.exp(eps_k) + 1.0) * C * h * SAMPLER_TV_BOUND
+        sampler_m = (math.exp(eps_m) + 1.0) * C * h * SAMPLER_TV_BOUND
+        delta_sampler = sampler_k + sampler_m
+        conv_k = delta_k - delta_beta - sampler_k
+        if conv_k <= 0:
+            raise BudgetError("beta", f"the thresholding term (e^eps_k+1)*C*beta = {delta_beta:.3g} exceeds delta_k")
+        rho_k = cks_rho(eps_k, conv_k)
+        rho_m = cks_rho(eps_m, delta_m - sampler_m)
+        rho = rho_k + rho_m
+        delta_conv = conv_k + delta_m - sampler_m
+        eps_spent = eps_k + eps_m
+        delta_spent = cks_delta(rho_k, eps_k) + delta_beta + cks_delta(rho_m, eps_m) + delta_sampler
+
+    sigma_k = math.sqrt(C * h / (2.0 * rho_k))
+    sigma_m = C * budget.clamp * math.sqrt(h / (2.0 * rho_m))
+    if sigma_k > MAX_SAMPLER_SIGMA:
+        raise BudgetError("contribution_bound", f"key-selection noise sigma {sigma_k:.4g} is beyond the sampler's range")
+    resolution = _choose_resolution(budget, sigma_m)
+    sigma_m_units = sigma_m / resolution
+    if sigma_m_units > MAX_SAMPLER_SIGMA:
+        field_name = "contribution_bound" if budget.aggregate == "count" else "resolution"
+        raise BudgetError(field_name, f"perturbation noise is {sigma_m_units:.4g} grid steps, beyond the sampler's range")
+
+    z = tail_multiplier(budget.triggers, beta, budget.tail_bound)
+    thresholds = tuple(z * sigma_k * math.sqrt(prefix_variance_factor(r)) for r in range(1, budget.triggers + 1))
+    expected_stddev = sigma_m * math.sqrt(prefix_variance_factor(budget.triggers))
+
+    return PrivacyPlan(
+        epsilon=eps,
+        delta=delta,
+        composition=budget.composition,
+        tail_bound=budget.tail_bound,
+        triggers=budget.triggers,
+        tree_height=h,
+        contribution_bound=C,
+        clamp=float(budget.clamp),
+        aggregate=budget.aggregate,
+        resolution=resolution,
+        key_threshold=float(budget.key_threshold),
+        beta=beta,
+        delta_beta=delta_beta,
+        delta_sampler=delta_sampler,
+        delta_conversion=delta_conv,
+        rho_total=rho,
+        rho_key_selection=rho_k,
+        rho_key_selection_per_tree=rho_k / C,
+        rho_perturbation=rho_m,
+        sigma_key_selection=sigma_k,
+        sigma_perturbation=sigma_m,
+        sigma_perturbation_units=sigma_m_units,
+        epsilon_key_selection=eps_k,
+        delta_key_selection=delta_k,
+        epsilon_perturbation=eps_m,
+        delta_perturbation=delta_m,
+        epsilon_spent=eps_spent,
+        delta_spent=delta_spent,
+        tail_multiplier=z,
+        thresholds=thresholds,
+        expected_stddev=expected_stddev,
+    )

@@ -1,0 +1,189 @@
+"""Query configuration: one YAML file of queries, plus environment overrides.
+
+A bad config fails at start with a message naming the field, e.g.
+``queries[0].epsilon: must be a positive finite number, got -1``. Unknown fields are errors (a
+typo must not silently fall back to a default budget).
+
+Environment overrides: ``DPSTREAM_QUERY_<NAME>_<FIELD>=<yaml scalar>``, with the query name
+upper-cased and non-alphanumerics as ``_``; e.g. ``DPSTREAM_QUERY_URL_CLICKS_EPSILON=3``.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+from pathlib import Path
+from typing import Literal, Mapping, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from accountant import BudgetError, PrivacyPlan, QueryBudget, plan_query
+
+_DURATION = re.compile(r"^\s*(\d+)\s*(ms|s|m|h|d)\s*$")
+_UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
+
+
+class ConfigError(ValueError):
+    """Invalid configuration; the message names the file and the field."""
+
+
+def parse_duration_ms(text: str | int) -> int:
+    """``'1d'``, ``'15m'``, ``'30s'``, ``'250ms'`` or an integer number of milliseconds."""
+    if isinstance(text, bool):
+        raise ValueError("must be a duration like '1d', '15m', '30s'")
+    if isinstance(text, int):
+        value = text
+    else:
+        match = _DURATION.match(str(text))
+        if not match:
+            raise ValueError(f"must be a duration like '1d', '15m', '30s', got {text!r}")
+        value = int(match.group(1)) * _UNIT_MS[match.group(2)]
+    if value <= 0:
+        raise ValueError("must be positive")
+    return value
+
+
+class QueryConfig(BaseModel):
+    """One continually released DP histogram (DP-SQLP section 3), all fields public."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=100)
+    input_topic: str = "events"
+    output_topic: str = "dp-histograms"
+    user_field: str = "user_id"
+    key_fields: list[str] = Field(default_factory=lambda: ["key"], min_length=1)
+    value_field: Optional[str] = None
+    time_field: str = "ts"
+    aggregate: Literal["count", "sum"] = "count"
+    clamp: float = 1.0
+    contribution_bound: int = Field(32, ge=1)
+    window: str = "1d"
+    triggers: int = Field(100, ge=1, le=1 << 24)
+    key_threshold: float = Field(0.0, ge=0)
+    epsilon: float
+    delta: float
+    beta: Optional[float] = None
+    key_selection_share: float = 0.5
+    composition: Literal["zcdp", "basic"] = "zcdp"
+    tail_bound: Literal["subgaussian", "gaussian"] = "subgaussian"
+    resolution: Optional[float] = None
+
+    @field_validator("window")
+    @classmethod
+    def _window(cls, value: str) -> str:
+        parse_duration_ms(value)
+        return value
+
+    @field_validator("epsilon", "delta", "clamp")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError("must be finite")
+        return value
+
+    @model_validator(mode="after")
+    def _value_matches_aggregate(self) -> "QueryConfig":
+        if self.aggregate == "sum" and not self.value_field:
+            raise ValueError("value_field: aggregate 'sum' needs a value_field")
+        if self.aggregate == "count" and self.value_field:
+            raise ValueError("value_field: must be null for aggregate 'count' (COUNT(*))")
+        if self.window_ms % self.triggers:
+            raise ValueError(f"triggers: the window ({self.window}) must split into {self.triggers} whole milliseconds")
+        return self
+
+    @property
+    def window_ms(self) -> int:
+        return parse_duration_ms(self.window)
+
+    def budget(self) -> QueryBudget:
+        return QueryBudget(
+            epsilon=self.epsilon,
+            delta=self.delta,
+            triggers=self.triggers,
+            contribution_bound=self.contribution_bound,
+            clamp=self.clamp,
+            aggregate=self.aggregate,
+            key_threshold=self.key_threshold,
+            beta=self.beta,
+            key_selection_share=self.key_selection_share,
+            composition=self.composition,
+            tail_bound=self.tail_bound,
+            resolution=self.resolution,
+        )
+
+
+class DpstreamConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    queries: list[QueryConfig] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> "DpstreamConfig":
+        seen = set()
+        for q in self.queries:
+            if q.name in seen:
+                raise ValueError(f"queries: duplicate query name {q.name!r}")
+            seen.add(q.name)
+        return self
+
+
+def _format_location(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part not in ("function-after", "function-before") and not str(part).startswith("function-"):
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def _env_overrides(raw: dict, environ: Mapping[str, str]) -> None:
+    fields = set(QueryConfig.model_fields)
+    for i, query in enumerate(raw.get("queries") or []):
+        if not isinstance(query, dict) or "name" not in query:
+            continue
+        prefix = "DPSTREAM_QUERY_" + re.sub(r"[^A-Za-z0-9]", "_", str(query["name"])).upper() + "_"
+        for var, text in environ.items():
+            if var.startswith(prefix):
+                field_name = var[len(prefix):].lower()
+                if field_name not in fields:
+                    raise ConfigError(f"environment {var}: queries[{i}] has no field {field_name!r}")
+                query[field_name] = yaml.safe_load(text)
+
+
+def load_config(path: str | os.PathLike, environ: Mapping[str, str] = os.environ) -> DpstreamConfig:
+    """Read, override from the environment, validate, and calibrate every query."""
+    source = Path(path)
+    try:
+        raw = yaml.safe_load(source.read_text())
+    except OSError as exc:
+        raise ConfigError(f"config file {source}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {source}: not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {source}: expected a mapping with a 'queries' list")
+    _env_overrides(raw, environ)
+    try:
+        config = DpstreamConfig.model_validate(raw)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            where = _format_location(err["loc"])
+            message = err["msg"].removeprefix("Value error, ")
+            if ": " in message and where and not message.startswith(("must", "Input", "Field", "Extra")):
+                field_name, message = message.split(": ", 1)
+                where = f"{where}.{field_name}"
+            problems.append(f"{where or 'config'}: {message}")
+        raise ConfigError(f"config file {source}: " + "; ".join(problems)) from None
+    for i, query in enumerate(config.queries):
+        try:
+            plan_query(query.budget())
+        except BudgetError as exc:
+            raise ConfigError(f"config file {source}: queries[{i}].{exc}") from None
+    return config
+
+
+def plan_for(query: QueryConfig) -> PrivacyPlan:
+    return plan_query(query.budget())

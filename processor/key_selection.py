@@ -1,0 +1,161 @@
+"""Streaming private key selection (DP-SQLP Algorithm 2) and empty-key release prediction (Algorithm 4).
+
+Per key and *round*, a DP tree over the triggers is fed with the round's incremental unique-user
+counts. At trigger i the tree's noisy prefix sum ``q_hat`` is compared with ``mu + tau_r`` (r the
+tree's leaf for trigger i); a key above it is *selected* (its buffered aggregate is released by
+:mod:`processor.perturbation`) and starts a new round with a fresh tree. Each user adds 1 to one
+leaf of a round's tree and takes part in at most C rounds (section 4.4): the accountant's
+sensitivity.
+
+Tree layout, chosen so that the tree's shape never depends on private data:
+
+* round 0 uses absolute leaves (leaf i = trigger i): the trigger at which a key first appears is
+  data, so the tree starts at trigger 1 with zero increments before that (Algorithm 2, line 5);
+* round k >= 1 starts right after the release that closed round k-1 (public: it is an output),
+  so its leaf r is trigger ``start + r - 1``: shorter prefixes, less noise.
+
+Gate (Algorithm 2, line 4): a key is only tested once ``participations > mu``, where
+``participations`` counts (user, round) arrivals and therefore bounds every round's count from
+above. The gate never closes again, so after a release the new round is tested from its first
+trigger, also with no new data; prediction covers those triggers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from accountant.plan import PrivacyPlan
+from processor.noise import NodeNoise, TreeIdentity, discrete_gaussian
+from processor.tree import HonakerForest
+
+SELECT_KIND = "select"
+#: Bound on (tree, leaf) pairs materialized at once while scanning the future.
+PREDICTION_CHUNK = 1 << 21
+
+
+@dataclass
+class SelectionBatch:
+    """Key-selection state of a batch of keys, column-wise (one row per key)."""
+
+    keys: list
+    round: np.ndarray
+    start: np.ndarray  # trigger of the round's leaf 1
+    done: np.ndarray  # leaves of the round tree already processed
+    count: np.ndarray  # true unique-user count of the current round
+    participations: np.ndarray  # gate statistic: sum of all rounds' counts
+    cache: np.ndarray  # (n, levels) frontier noise estimates at `done`
+    _tree_ids: np.ndarray | None = field(default=None, repr=False)
+
+    @classmethod
+    def new(cls, keys: Sequence[str], levels: int) -> "SelectionBatch":
+        n = len(keys)
+        zeros = np.zeros(n, dtype=np.int64)
+        return cls(list(keys), zeros.copy(), np.ones(n, dtype=np.int64), zeros.copy(), zeros.copy(), zeros.copy(), np.full((n, levels), np.nan))
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+@dataclass
+class SelectionStep:
+    selected: np.ndarray  # bool per key
+    tested: np.ndarray  # bool per key (gate open)
+    noisy_count: np.ndarray  # q_hat per key (NaN where not tested)
+
+
+class KeySelector:
+    """Algorithm 2 for one (query, window), vectorized over the keys of a micro-batch."""
+
+    def __init__(self, plan: PrivacyPlan, noise: NodeNoise, query: str, window_start: int):
+        self.plan = plan
+        self.query = query
+        self.window_start = int(window_start)
+        self.triggers = plan.triggers
+        self.mu = plan.key_threshold
+        self.release_at = plan.key_threshold + np.asarray(plan.thresholds)  # mu + tau_r, index r-1
+        self.forest = HonakerForest(plan.triggers, discrete_gaussian(plan.sigma_key_selection), noise)
+        self.noise = noise
+
+    @property
+    def levels(self) -> int:
+        return self.forest.levels
+
+    def new_batch(self, keys: Sequence[str]) -> SelectionBatch:
+        return SelectionBatch.new(keys, self.levels)
+
+    def tree_ids(self, batch: SelectionBatch) -> np.ndarray:
+        if batch._tree_ids is None:
+            batch._tree_ids = self.noise.tree_ids(
+                TreeIdentity(self.query, self.window_start, k, SELECT_KIND, int(r)) for k, r in zip(batch.keys, batch.round)
+            )
+        return batch._tree_ids
+
+    def step(self, batch: SelectionBatch, trigger: int, new_users: np.ndarray) -> SelectionStep:
+        """Run trigger ``trigger`` (1..T) for every key in ``batch``; mutates ``batch``.
+
+        ``new_users[k]``: users new to key k's current round in this micro-batch (0 for keys
+        loaded only because prediction named this trigger).
+        """
+        if not 1 <= trigger <= self.triggers:
+            raise ValueError(f"trigger {trigger} outside 1..{self.triggers}")
+        new_users = np.asarray(new_users, dtype=np.int64)
+        batch.count += new_users
+        batch.participations += new_users
+        leaf = trigger - batch.start + 1
+        if (leaf < 1).any() or (leaf < batch.done).any():
+            raise ValueError("trigger is before a key's current round or already processed")
+        tested = batch.participations > self.mu
+        noisy = np.full(len(batch), np.nan)
+        idx = np.nonzero(tested)[0]
+        selected = np.zeros(len(batch), dtype=bool)
+        if len(idx):
+            ids = self.tree_ids(batch)[idx]
+            walk = self.forest.walk(ids, batch.done[idx], leaf[idx], batch.cache[idx])
+            noise = walk.prefix_noise(np.arange(len(idx)), leaf[idx])
+            noisy[idx] = batch.count[idx] + noise
+            selected[idx] = noisy[idx] > self.release_at[leaf[idx] - 1]
+            batch.cache[idx] = walk.cache_at(leaf[idx])
+            batch.done[idx] = leaf[idx]
+        if selected.any():
+            self._start_next_round(batch, selected, trigger)
+        return SelectionStep(selected, tested, noisy)
+
+    def _start_next_round(self, batch: SelectionBatch, selected: np.ndarray, trigger: int) -> None:
+        batch.round[selected] += 1
+        batch.start[selected] = trigger + 1
+        batch.done[selected] = 0
+        batch.count[selected] = 0
+        batch.cache[selected] = np.nan
+        batch._tree_ids = None
+
+    def predict(self, batch: SelectionBatch) -> np.ndarray:
+        """Algorithm 4: for each key, the first trigger after its processed leaves at which it
+        would be selected if no new data arrived, or 0 if none in this window.
+
+        Uses exactly the noise the future triggers will see (same PRF), so a key that is neither
+        in a micro-batch nor predicted for a trigger would not have been selected there.
+        """
+        n = len(batch)
+        out = np.zeros(n, dtype=np.int64)
+        last_leaf = self.triggers - batch.start + 1
+        candidates = np.nonzero((batch.participations > self.mu) & (last_leaf > batch.done))[0]
+        if not len(candidates):
+            return out
+        ids = self.tree_ids(batch)
+        remaining = (last_leaf - batch.done)[candidates]
+        # chunk so that at most PREDICTION_CHUNK future leaves are materialized at once
+        cumulative = np.cumsum(remaining)
+        lo = 0
+        while lo < len(candidates):
+            base = cumulative[lo - 1] if lo else 0
+            hi = max(int(np.searchsorted(cumulative, base + PREDICTION_CHUNK, side="right")), lo + 1)
+            part = candidates[lo:hi]
+            walk = self.forest.walk(ids[part], batch.done[part], last_leaf[part], batch.cache[part])
+            tree, leaf = walk.future()
+            hit = batch.count[part][tree] + walk.prefix_noise(tree, leaf) > self.release_at[leaf - 1]
+            hit_tree, first = np.unique(tree[hit], return_index=True)
+            out[part[hit_tree]] = batch.start[part[hit_tree]] + leaf[hit][first] - 1
+            lo = hi
+        return out
