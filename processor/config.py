@@ -171,8 +171,8 @@ def load_config(path: str | os.PathLike, environ: Mapping[str, str] = os.environ
         problems = []
         for err in exc.errors():
             where = _format_location(err["loc"])
-            message = err["msg"].removeprefix("Value error, ")
-            if ": " in message and where and not message.startswith(("must", "Input", "Field", "Extra")):
+            message = "unknown field" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
+            if ": " in message and where and not message.startswith(("must", "Input", "Field", "unknown")):
                 field_name, message = message.split(": ", 1)
                 where = f"{where}.{field_name}"
             problems.append(f"{where or 'config'}: {message}")

@@ -1,0 +1,1 @@
+"""Storage behind one small interface (RocksDB in production, in-memory for tests). Lands with the pipeline."""

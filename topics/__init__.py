@@ -1,0 +1,1 @@
+"""Kafka topic declarations, record schemas and input validation. Lands with the Kafka service."""

@@ -1,0 +1,131 @@
+"""Config validation names the field; `dpstream plan` reports every term, with no secret."""
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from processor.cli import main
+from processor.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "queries.yaml"
+
+PAPER = """
+queries:
+  - name: url_clicks
+    input_topic: events
+    output_topic: dp-histograms
+    user_field: user_id
+    key_fields: [key]
+    value_field: null
+    aggregate: count
+    clamp: 1.0
+    contribution_bound: 32
+    window: 1d
+    triggers: {T}
+    key_threshold: 0
+    epsilon: 6.0
+    delta: 1.0e-9
+    beta: null
+"""
+
+
+def write(tmp_path, text, name="q.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_example_config_loads():
+    config = load_config(EXAMPLE, environ={})
+    assert [q.name for q in config.queries] == ["url_clicks", "url_clicks_fine", "basket_value"]
+    assert config.queries[0].window_ms == 86_400_000
+
+
+@pytest.mark.parametrize(
+    "patch, field",
+    [
+        ("epsilon: -1", "queries[0].epsilon"),
+        ("delta: 1.5", "queries[0].delta"),
+        ("epsilonn: 1", "queries[0].epsilonn"),
+        ("aggregate: median", "queries[0].aggregate"),
+        ("aggregate: sum", "queries[0].value_field"),
+        ("window: 1 fortnight", "queries[0].window"),
+        ("triggers: 7", "queries[0].triggers"),
+        ("contribution_bound: 0", "queries[0].contribution_bound"),
+        ("beta: 0.5", "queries[0].beta"),
+        ("key_threshold: -2", "queries[0].key_threshold"),
+        ("epsilon: .nan", "queries[0].epsilon"),
+        ("composition: advanced", "queries[0].composition"),
+    ],
+)
+def test_bad_config_fails_naming_the_field(tmp_path, patch, field):
+    text = "queries:\n  - name: q\n    epsilon: 1.0\n    delta: 1.0e-6\n    window: 1d\n    triggers: 100\n"
+    key = patch.split(":")[0]
+    lines = [line for line in text.splitlines() if not line.strip().startswith(key + ":")]
+    path = write(tmp_path, "\n".join(lines) + f"\n    {patch}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, environ={})
+    assert field in str(info.value)
+
+
+def test_duplicate_names_missing_file_and_bad_yaml(tmp_path):
+    dup = write(tmp_path, "queries:\n  - {name: a, epsilon: 1, delta: 1.0e-6}\n  - {name: a, epsilon: 1, delta: 1.0e-6}\n")
+    with pytest.raises(ConfigError, match="duplicate query name"):
+        load_config(dup, environ={})
+    with pytest.raises(ConfigError, match="No such file"):
+        load_config(tmp_path / "missing.yaml", environ={})
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(write(tmp_path, "queries: [\n"), environ={})
+    with pytest.raises(ConfigError, match="queries"):
+        load_config(write(tmp_path, "queries: []\n"), environ={})
+
+
+def test_environment_overrides(tmp_path):
+    path = write(tmp_path, PAPER.format(T=100))
+    config = load_config(path, environ={"DPSTREAM_QUERY_URL_CLICKS_EPSILON": "3", "DPSTREAM_QUERY_URL_CLICKS_TRIGGERS": "96"})
+    assert config.queries[0].epsilon == 3.0 and config.queries[0].triggers == 96
+    with pytest.raises(ConfigError, match="DPSTREAM_QUERY_URL_CLICKS_EPSLON"):
+        load_config(path, environ={"DPSTREAM_QUERY_URL_CLICKS_EPSLON": "3"})
+
+
+@pytest.mark.parametrize("T", [100, 1000])
+def test_plan_json_has_every_term(tmp_path, capsys, monkeypatch, T):
+    monkeypatch.delenv("DPSTREAM_NOISE_KEY", raising=False)
+    monkeypatch.delenv("DPSTREAM_NOISE_KEY_FILE", raising=False)
+    path = write(tmp_path, PAPER.format(T=T))
+    assert main(["plan", "--config", str(path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    (entry,) = out["queries"]
+    for field in [
+        "name", "epsilon", "delta", "epsilon_key_selection", "delta_key_selection", "epsilon_perturbation",
+        "delta_perturbation", "beta", "tree_height", "sigma_key_selection", "sigma_perturbation", "thresholds",
+        "expected_stddev",
+    ]:
+        assert field in entry, field
+    assert entry["name"] == "url_clicks"
+    assert len(entry["thresholds"]) == T and all(t > 0 for t in entry["thresholds"])
+    assert entry["tree_height"] == int(math.floor(math.log2(T))) + 1
+    assert entry["epsilon_spent"] <= 6.0 * (1 + 1e-9) and entry["delta_spent"] <= 1e-9 * (1 + 1e-9)
+
+
+def test_plan_text_and_bad_config_exit_code(tmp_path, capsys):
+    assert main(["plan", "--config", str(EXAMPLE)]) == 0
+    text = capsys.readouterr().out
+    assert "query url_clicks:" in text and "tau_1" in text and "expected stddev" in text
+    bad = write(tmp_path, "queries:\n  - {name: a, epsilon: 0, delta: 1.0e-6}\n")
+    assert main(["plan", "--config", str(bad)]) == 2
+    assert "queries[0].epsilon" in capsys.readouterr().err
+
+
+def test_console_script_runs_without_a_secret(tmp_path):
+    env = {"PATH": "/usr/bin:/bin"}
+    result = subprocess.run(
+        [sys.executable, "-m", "processor.cli", "plan", "--config", str(EXAMPLE), "--json"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert len(json.loads(result.stdout)["queries"]) == 3
