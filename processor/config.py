@@ -28,7 +28,7 @@ class ConfigError(ValueError):
     """Invalid configuration; the message names the file and the field."""
 
 
-def parse_duration_ms(text: str | int) -> int:
+def parse_duration_ms(text: str | int, allow_zero: bool = False) -> int:
     """``'1d'``, ``'15m'``, ``'30s'``, ``'250ms'`` or an integer number of milliseconds."""
     if isinstance(text, bool):
         raise ValueError("must be a duration like '1d', '15m', '30s'")
@@ -39,7 +39,7 @@ def parse_duration_ms(text: str | int) -> int:
         if not match:
             raise ValueError(f"must be a duration like '1d', '15m', '30s', got {text!r}")
         value = int(match.group(1)) * _UNIT_MS[match.group(2)]
-    if value <= 0:
+    if value < 0 or (value == 0 and not allow_zero):
         raise ValueError("must be positive")
     return value
 
@@ -60,6 +60,7 @@ class QueryConfig(BaseModel):
     clamp: float = 1.0
     contribution_bound: int = Field(32, ge=1)
     window: str = "1d"
+    allowed_lateness: str = "1m"
     triggers: int = Field(100, ge=1, le=1 << 24)
     key_threshold: float = Field(0.0, ge=0)
     epsilon: float
@@ -74,6 +75,12 @@ class QueryConfig(BaseModel):
     @classmethod
     def _window(cls, value: str) -> str:
         parse_duration_ms(value)
+        return value
+
+    @field_validator("allowed_lateness")
+    @classmethod
+    def _lateness(cls, value: str) -> str:
+        parse_duration_ms(value, allow_zero=True)
         return value
 
     @field_validator("epsilon", "delta", "clamp")

@@ -182,17 +182,55 @@ def node_ids(levels: np.ndarray, indices: np.ndarray) -> np.ndarray:
     return (np.asarray(levels, dtype=np.uint32) << np.uint32(LEVEL_SHIFT)) | np.asarray(indices, dtype=np.uint32)
 
 
+def derive_key(secret: bytes, label: bytes, size: int = 32) -> bytes:
+    """Domain-separated subkey of the noise secret (BLAKE2b as a PRF)."""
+    if len(secret) < MIN_SECRET_BYTES:
+        raise NoiseSecretError(f"the noise secret is shorter than {MIN_SECRET_BYTES} bytes")
+    master = hashlib.blake2b(secret, digest_size=64, person=b"dpstream-master").digest()
+    return hashlib.blake2b(label, key=master, digest_size=size).digest()
+
+
+class Pseudonymizer:
+    """Keyed 64-bit pseudonyms for user ids and group-by keys, used as state keys.
+
+    State never holds raw user ids. Two users colliding (probability ~ n^2 / 2^65) would share a
+    contribution budget: less data, never more privacy loss.
+    """
+
+    def __init__(self, secret: bytes):
+        self._user_key = derive_key(secret, b"user pseudonym v1")
+        self._group_key = derive_key(secret, b"group key pseudonym v1")
+        self._int_cipher = Cipher(algorithms.AES(derive_key(secret, b"integer user pseudonym v1", 16)), modes.ECB())
+
+    def users(self, users: Iterable[str]) -> np.ndarray:
+        key = self._user_key
+        return np.fromiter(
+            (int.from_bytes(hashlib.blake2b(u.encode(), key=key, digest_size=8).digest(), "little") for u in users), dtype=np.uint64
+        )
+
+    def integer_users(self, ids: np.ndarray) -> np.ndarray:
+        """Vectorized pseudonyms for integer user ids (AES on the id)."""
+        blocks = np.zeros((len(ids), 2), dtype="<u8")
+        blocks[:, 0] = ids
+        enc = self._int_cipher.encryptor()
+        raw = enc.update(blocks.tobytes()) + enc.finalize()
+        return np.frombuffer(raw, dtype="<u8")[0::2].copy()
+
+    def group_keys(self, keys: Iterable[str]) -> np.ndarray:
+        key = self._group_key
+        return np.fromiter(
+            (int.from_bytes(hashlib.blake2b(k.encode(), key=key, digest_size=8).digest(), "little") for k in keys), dtype=np.uint64
+        )
+
+
 class NodeNoise:
     """Keyed PRF from (tree identity, node id) to integer noise; vectorized over nodes."""
 
     def __init__(self, secret: bytes):
-        if len(secret) < MIN_SECRET_BYTES:
-            raise NoiseSecretError(f"the noise secret is shorter than {MIN_SECRET_BYTES} bytes")
-        master = hashlib.blake2b(secret, digest_size=64, person=b"dpstream-master").digest()
-        self._aes_key = hashlib.blake2b(b"node-noise aes-128 v1", key=master, digest_size=16).digest()
-        self._id_key = hashlib.blake2b(b"tree identity v1", key=master, digest_size=32).digest()
+        self._aes_key = derive_key(secret, b"node-noise aes-128 v1", 16)
+        self._id_key = derive_key(secret, b"tree identity v1")
         #: A public, non-reversible fingerprint of the secret (names a budget epoch).
-        self.fingerprint = hashlib.blake2b(b"epoch fingerprint v1", key=master, digest_size=8).hexdigest()
+        self.fingerprint = derive_key(secret, b"epoch fingerprint v1", 8).hex()
         self._cipher = Cipher(algorithms.AES(self._aes_key), modes.ECB())
 
     def __repr__(self) -> str:  # never print key material

@@ -1,0 +1,414 @@
+"""The DP-SQLP pipeline of one query (DP-SQLP sections 3-4), shared by the local replay runner,
+the Faust worker and the benchmarks.
+
+Stage 1, by user (:meth:`QueryPipeline.bound`): event-time window and trigger of each event,
+late events dropped, contribution bounding (at most C records per user and window, each with a
+slot 1..C; values clamped and put on the grid).
+
+Stage 2, by key: bounded records are appended to the pending micro-batch of their (window,
+trigger) (:meth:`QueryPipeline.accumulate`); at the trigger, :meth:`QueryPipeline.fire`
+
+1. loads only the keys in the micro-batch plus the keys the prediction index names for this
+   trigger (section 4.3) - never all keys;
+2. drops replayed contributions (a (user, slot) pair already counted for the key: DESIGN.md
+   section 12) and counts users new to each key's current round;
+3. merges the micro-batch into each key's data buffer and runs key selection (Algorithm 2);
+4. releases selected keys' buffers through their perturbation trees (Algorithm 3);
+5. re-plans when each key must next be looked at: a key that had data is visited again at the
+   next trigger (cheap, and most active keys have data again); a key visited without data gets
+   the full release prediction (Algorithm 4) and is indexed under its predicted trigger, if any;
+6. journals the releases and writes all state, the index and the window's progress in one atomic
+   write before anything is published; firing an already fired trigger returns the journal, so
+   a (window, key, trigger) is never released twice with different values.
+
+Micro-batch membership is by event time: an event with time t belongs to trigger
+``i = floor((t - window_start) / (window / T)) + 1`` of its window; the trigger fires once the
+clock (the watermark in replay, wall time in the worker) passes ``window_start + i * window / T
++ allowed_lateness``. Events for a trigger that has fired are late and dropped (counted).
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from accountant.calibration import prefix_variance_factor
+from processor.config import QueryConfig, parse_duration_ms, plan_for
+from processor.key_selection import KeySelector, SelectionBatch
+from processor.noise import NodeNoise
+from processor.perturbation import HierarchicalPerturber, PerturbationBatch
+from state import keys as sk
+from state.store import Store, WriteBatch
+from topics.records import encode_json, key_for_output, release_record
+
+_ABSENT_ROUND = np.uint32(0xFFFFFFFF)
+
+
+def _ordered(releases: list[dict]) -> list[dict]:
+    """Releases of one trigger in a fixed order (by key), for byte-identical output."""
+    return sorted(releases, key=lambda r: json.dumps(r["key"], ensure_ascii=False))
+
+
+@dataclass
+class EventColumns:
+    """Parsed, valid events of one query, in arrival order."""
+
+    users: np.ndarray  # uint64 pseudonyms
+    keys: np.ndarray  # object array of group-by key text
+    key_ids: np.ndarray  # uint64 pseudonyms of the keys
+    values: np.ndarray  # float64
+    ts: np.ndarray  # int64 event time (ms)
+
+    def __len__(self) -> int:
+        return len(self.ts)
+
+
+@dataclass
+class BoundedRecords:
+    """Stage 1 output (what the repartition topic carries), in arrival order."""
+
+    window: np.ndarray  # int64 window start
+    trigger: np.ndarray  # int64
+    key_ids: np.ndarray  # uint64
+    keys: np.ndarray  # object (text)
+    users: np.ndarray  # uint64
+    slots: np.ndarray  # int64, 1..C
+    units: np.ndarray  # int64, value on the grid
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def take(self, index) -> "BoundedRecords":
+        return BoundedRecords(*(getattr(self, f)[index] for f in self.__dataclass_fields__))
+
+
+@dataclass
+class PipelineStats:
+    events_in: int = 0
+    dropped: Counter = field(default_factory=Counter)  # reason -> count
+    releases: int = 0
+    keys_released: set = field(default_factory=set, repr=False)
+    keys_loaded: int = 0  # keys loaded by the last fire()
+    triggers_fired: int = 0
+
+
+class Schedule:
+    """Event-time windows and the fixed trigger schedule of a query (public)."""
+
+    def __init__(self, query: QueryConfig):
+        self.window_ms = query.window_ms
+        self.triggers = query.triggers
+        self.interval = self.window_ms // self.triggers
+        self.lateness = parse_duration_ms(query.allowed_lateness, allow_zero=True)
+
+    def window_of(self, ts: np.ndarray) -> np.ndarray:
+        return ts - ts % self.window_ms
+
+    def trigger_of(self, ts: np.ndarray, window: np.ndarray) -> np.ndarray:
+        return (ts - window) // self.interval + 1
+
+    def trigger_time(self, window, trigger):
+        return window + trigger * self.interval
+
+    def fire_time(self, window, trigger):
+        return self.trigger_time(window, trigger) + self.lateness
+
+
+class QueryPipeline:
+    def __init__(self, query: QueryConfig, noise: NodeNoise, store: Store):
+        self.query = query
+        self.plan = plan_for(query)
+        self.noise = noise
+        self.store = store
+        self.schedule = Schedule(query)
+        self.qid = sk.query_id(query.name)
+        self.stats = PipelineStats()
+        plan = self.plan
+        self.levels = KeySelector(plan, noise, query.name, 0).levels
+        self._max_units = int(round(plan.clamp / plan.resolution))
+        self._words = (plan.contribution_bound + 63) // 64
+        self._pair_dtype = np.dtype([("round", "<u4"), ("bits", "<u8", (self._words,))])
+        L = self.levels
+        self._row = np.dtype([
+            ("round", "<u4"), ("start", "<u4"), ("done", "<u4"), ("predicted", "<u4"),
+            ("count", "<i8"), ("participations", "<i8"), ("buffer", "<i8"), ("released", "<i8"),
+            ("pdone", "<u4"), ("pad", "<u4"), ("sel_cache", "<f8", (L,)), ("pcache", "<f8", (L,)),
+        ])
+        self._progress: dict[int, int] = {}
+        for key, value in store.scan_prefix(sk.PROGRESS + self.qid):
+            self._progress[int.from_bytes(key[5:13], "big")] = int.from_bytes(value, "little")
+
+    # ------------------------------------------------------------------ windows and progress
+    def open_windows(self) -> list[int]:
+        """Windows with state whose last trigger has not fired, in time order."""
+        return sorted(w for w, p in self._progress.items() if p < self.schedule.triggers)
+
+    def progress(self, window: int) -> int:
+        return self._progress.get(int(window), 0)
+
+    def next_fire(self) -> Optional[tuple[int, int, int]]:
+        """(fire time, window, trigger) of the earliest trigger still to fire, or None."""
+        best = None
+        for w in self.open_windows():
+            i = self.progress(w) + 1
+            t = self.schedule.fire_time(w, i)
+            if best is None or t < best[0]:
+                best = (t, w, i)
+        return best
+
+    # ------------------------------------------------------------------ stage 1
+    def bound(self, events: EventColumns, prior_watermark: np.ndarray, batch: WriteBatch) -> BoundedRecords:
+        """Contribution bounding (section 3.2). ``prior_watermark[e]`` is the clock when event e
+        arrived; events whose trigger has already fired by then are late and dropped."""
+        n = len(events)
+        self.stats.events_in += n
+        window = self.schedule.window_of(events.ts)
+        trigger = self.schedule.trigger_of(events.ts, window)
+        on_time = self.schedule.fire_time(window, trigger) > prior_watermark
+        self.stats.dropped["late"] += int(n - on_time.sum())
+        idx = np.nonzero(on_time)[0]
+        window, trigger = window[idx], trigger[idx]
+        users = events.users[idx]
+        units = np.clip(np.rint(events.values[idx] / self.plan.resolution), -self._max_units, self._max_units).astype(np.int64)
+        # group by (window, user) keeping arrival order inside each group
+        order = np.lexsort((np.arange(len(idx)), users, window))
+        w_sorted, u_sorted = window[order], users[order]
+        boundary = np.ones(len(order), dtype=bool)
+        boundary[1:] = (w_sorted[1:] != w_sorted[:-1]) | (u_sorted[1:] != u_sorted[:-1])
+        group_start = np.nonzero(boundary)[0]
+        group_of = np.cumsum(boundary) - 1
+        rank = np.arange(len(order)) - group_start[group_of]
+        gw, gu = w_sorted[group_start], u_sorted[group_start]
+        state_keys = [sk.window_prefix(sk.USERS, self.qid, w) + int(u).to_bytes(8, "big") for w, u in zip(gw.tolist(), gu.tolist())]
+        before = np.array([int.from_bytes(v, "little") if v else 0 for v in self.store.get_many(state_keys)], dtype=np.int64)
+        slot_sorted = before[group_of] + rank + 1
+        admitted_sorted = slot_sorted <= self.plan.contribution_bound
+        after = np.minimum(before + np.bincount(group_of, minlength=len(group_start)), self.plan.contribution_bound)
+        for key, b, a in zip(state_keys, before.tolist(), after.tolist()):
+            if a != b:
+                batch.put(key, a.to_bytes(2, "little"))
+        slots = np.empty(len(order), dtype=np.int64)
+        slots[order] = slot_sorted
+        admitted = np.empty(len(order), dtype=bool)
+        admitted[order] = admitted_sorted
+        self.stats.dropped["contribution_bound"] += int(len(order) - admitted.sum())
+        keep = idx[admitted]
+        return BoundedRecords(window[admitted], trigger[admitted], events.key_ids[keep], events.keys[keep], users[admitted], slots[admitted], units[admitted])
+
+    # ------------------------------------------------------------------ stage 2 input
+    def accumulate(self, records: BoundedRecords, seq: int, batch: WriteBatch) -> None:
+        """Append bounded records to their (window, trigger) pending micro-batch. ``seq`` must be
+        unique per call (e.g. the input offset) so the pending blob keys do not collide."""
+        if not len(records):
+            return
+        fired = np.array([self.progress(w) for w in records.window.tolist()], dtype=np.int64)
+        on_time = records.trigger > fired
+        self.stats.dropped["late"] += int(len(records) - on_time.sum())
+        records = records.take(np.nonzero(on_time)[0])
+        groups = np.lexsort((records.trigger, records.window))
+        wt = np.stack([records.window[groups], records.trigger[groups]], axis=1)
+        cut = np.nonzero(np.any(wt[1:] != wt[:-1], axis=1))[0] + 1
+        for part in np.split(groups, cut):
+            if not len(part):
+                continue
+            w, i = int(records.window[part[0]]), int(records.trigger[part[0]])
+            if w not in self._progress:
+                self._progress[w] = 0
+                batch.put(sk.window_prefix(sk.PROGRESS, self.qid, w), (0).to_bytes(4, "little"))
+            key = sk.trigger_prefix(sk.PENDING, self.qid, w, i) + int(seq).to_bytes(8, "big")
+            batch.put(key, self._pack(records.take(part)))
+
+    def _pack(self, r: BoundedRecords) -> bytes:
+        uniq, first = np.unique(r.key_ids, return_index=True)
+        texts = json.dumps([r.keys[j] for j in first.tolist()], ensure_ascii=False).encode()
+        head = np.array([len(r), len(uniq)], dtype="<u4").tobytes()
+        return b"".join([head, r.key_ids.astype("<u8").tobytes(), r.users.astype("<u8").tobytes(), r.slots.astype("<u2").tobytes(),
+                         r.units.astype("<i8").tobytes(), uniq.astype("<u8").tobytes(), texts])
+
+    @staticmethod
+    def _unpack(blob: bytes):
+        n, m = np.frombuffer(blob[:8], dtype="<u4").tolist()
+        pos = 8
+        out = []
+        for dtype, count in (("<u8", n), ("<u8", n), ("<u2", n), ("<i8", n), ("<u8", m)):
+            size = np.dtype(dtype).itemsize * count
+            out.append(np.frombuffer(blob[pos:pos + size], dtype=dtype))
+            pos += size
+        texts = json.loads(blob[pos:].decode())
+        return out, texts
+
+    # ------------------------------------------------------------------ stage 2 at a trigger
+    def journaled(self, window: int, trigger: int) -> list[dict]:
+        prefix = sk.trigger_prefix(sk.JOURNAL, self.qid, window, trigger)
+        return _ordered([json.loads(v) for _, v in self.store.scan_prefix(prefix)])
+
+    def fire(self, window: int, trigger: int) -> list[dict]:
+        """Run trigger ``trigger`` of ``window``; returns its releases (journaled before return)."""
+        window, trigger = int(window), int(trigger)
+        done = self.progress(window)
+        if trigger <= done:
+            return self.journaled(window, trigger)
+        if trigger != done + 1:
+            raise ValueError(f"trigger {trigger} of window {window} fired out of order (last fired: {done})")
+        T = self.schedule.triggers
+        batch = WriteBatch()
+        # --- the micro-batch
+        pend_prefix = sk.trigger_prefix(sk.PENDING, self.qid, window, trigger)
+        parts, texts = [], {}
+        for key, blob in self.store.scan_prefix(pend_prefix):
+            arrays, key_texts = self._unpack(blob)
+            parts.append(arrays[:4])
+            texts.update(zip(arrays[4].tolist(), key_texts))
+            batch.delete(key)
+        if parts:
+            rec_key, rec_user, rec_slot, rec_units = (np.concatenate([p[c] for p in parts]) for c in range(4))
+        else:
+            rec_key = rec_user = np.zeros(0, dtype=np.uint64)
+            rec_slot = rec_units = np.zeros(0, dtype=np.int64)
+        # --- keys: micro-batch + prediction index for this trigger
+        pred_prefix = sk.trigger_prefix(sk.PREDICTIONS, self.qid, window, trigger)
+        predicted_keys = [k for k, _ in self.store.scan_prefix(pred_prefix)]
+        for k in predicted_keys:
+            batch.delete(k)
+        predicted_ids = sk.suffix_u64(predicted_keys, len(pred_prefix))
+        all_ids = np.unique(np.concatenate([rec_key.astype(np.uint64), predicted_ids]))
+        n = len(all_ids)
+        self.stats.keys_loaded = n
+        rows, names = self._load_keys(window, all_ids, texts)
+        # --- distinct users per round, replay de-duplication
+        new_users = np.zeros(n, dtype=np.int64)
+        delta_units = np.zeros(n, dtype=np.int64)
+        if len(rec_key):
+            kidx = np.searchsorted(all_ids, rec_key)
+            self._count_contributions(window, all_ids, rows, kidx, rec_user, rec_slot.astype(np.int64), rec_units.astype(np.int64), new_users, delta_units, batch)
+        has_data = np.zeros(n, dtype=bool)
+        if len(rec_key):
+            has_data[np.unique(np.searchsorted(all_ids, rec_key))] = True
+        rows["buffer"] += delta_units
+        # --- key selection (Algorithm 2)
+        selector = KeySelector(self.plan, self.noise, self.query.name, window)
+        sel = SelectionBatch(names, rows["round"].astype(np.int64), rows["start"].astype(np.int64), rows["done"].astype(np.int64),
+                             rows["count"].copy(), rows["participations"].copy(), rows["sel_cache"].copy())
+        step = selector.step(sel, trigger, new_users)
+        selected = step.selected
+        # --- perturbation (Algorithm 3)
+        releases = []
+        if selected.any():
+            sidx = np.nonzero(selected)[0]
+            perturber = HierarchicalPerturber(self.plan, self.noise, self.query.name, window)
+            pb = PerturbationBatch([names[j] for j in sidx], rows["released"][sidx].copy(), rows["pdone"][sidx].astype(np.int64), rows["pcache"][sidx].copy())
+            values = perturber.release(pb, trigger, rows["buffer"][sidx])
+            rows["released"][sidx] = pb.released_units
+            rows["pdone"][sidx] = pb.done
+            rows["pcache"][sidx] = pb.cache
+            rows["buffer"][sidx] = 0
+            stddev = self.plan.sigma_perturbation * prefix_variance_factor(trigger) ** 0.5
+            for j, value in zip(sidx.tolist(), values.tolist()):
+                record = release_record(
+                    query=self.query.name, window_start=window, window_end=window + self.schedule.window_ms, trigger=trigger,
+                    trigger_time=self.schedule.trigger_time(window, trigger), key=key_for_output(names[j], self.query.key_fields),
+                    aggregate=self.query.aggregate, value=value, stddev=stddev, epsilon=self.plan.epsilon, delta=self.plan.delta,
+                )
+                releases.append(record)
+                batch.put(sk.trigger_prefix(sk.JOURNAL, self.qid, window, trigger) + int(all_ids[j]).to_bytes(8, "big"), encode_json(record))
+            self.stats.releases += len(sidx)
+            self.stats.keys_released.update((self.query.name, window, names[j]) for j in sidx.tolist())
+        for f, src in (("round", sel.round), ("start", sel.start), ("done", sel.done), ("count", sel.count), ("participations", sel.participations)):
+            rows[f] = src
+        rows["sel_cache"] = sel.cache
+        # --- when to look at each key next (section 4.3)
+        self._plan_visits(window, trigger, all_ids, rows, has_data, step.tested, selector, sel, batch)
+        # --- state, journal and progress in one atomic write
+        for j in range(n):
+            batch.put(sk.window_prefix(sk.KEYS, self.qid, window) + int(all_ids[j]).to_bytes(8, "big"), rows[j].tobytes() + names[j].encode())
+        batch.put(sk.window_prefix(sk.PROGRESS, self.qid, window), trigger.to_bytes(4, "little"))
+        self.store.write(batch)
+        self._progress[window] = trigger
+        self.stats.triggers_fired += 1
+        if trigger == T:
+            self.collect_window(window)
+        return _ordered(releases)
+
+    def _load_keys(self, window: int, ids: np.ndarray, texts: dict) -> tuple[np.ndarray, list[str]]:
+        prefix = sk.window_prefix(sk.KEYS, self.qid, window)
+        values = self.store.get_many([prefix + int(i).to_bytes(8, "big") for i in ids.tolist()])
+        width = self._row.itemsize
+        rows = np.zeros(len(ids), dtype=self._row)
+        rows["start"] = 1
+        rows["sel_cache"] = np.nan
+        rows["pcache"] = np.nan
+        names = []
+        present = [j for j, v in enumerate(values) if v is not None]
+        if present:
+            rows[present] = np.frombuffer(b"".join(values[j][:width] for j in present), dtype=self._row)
+        for j, (i, v) in enumerate(zip(ids.tolist(), values)):
+            names.append(v[width:].decode() if v is not None else texts[i])
+        return rows, names
+
+    def _count_contributions(self, window, all_ids, rows, kidx, users, slots, units, new_users, delta_units, batch) -> None:
+        """Drop (user, slot) pairs already counted for the key; count users new to the round."""
+        order = np.lexsort((np.arange(len(kidx)), users, kidx))
+        k_s, u_s, s_s = kidx[order], users[order], slots[order]
+        boundary = np.ones(len(order), dtype=bool)
+        boundary[1:] = (k_s[1:] != k_s[:-1]) | (u_s[1:] != u_s[:-1])
+        pair_of = np.cumsum(boundary) - 1
+        first = np.nonzero(boundary)[0]
+        pair_k, pair_u = k_s[first], u_s[first]
+        prefix = sk.window_prefix(sk.CONTRIBUTIONS, self.qid, window)
+        pair_keys = sk.fixed_keys(prefix, all_ids[pair_k], pair_u)
+        stored = self.store.get_many(pair_keys)
+        pairs = np.zeros(len(first), dtype=self._pair_dtype)
+        pairs["round"] = _ABSENT_ROUND
+        present = [j for j, v in enumerate(stored) if v is not None]
+        if present:
+            pairs[present] = np.frombuffer(b"".join(stored[j] for j in present), dtype=self._pair_dtype)
+        word = (s_s - 1) // 64
+        bit = np.left_shift(np.uint64(1), ((s_s - 1) % 64).astype(np.uint64))
+        seen_before = (pairs["bits"][pair_of, word] & bit) != 0
+        # the same (pair, slot) twice inside this micro-batch: keep the first
+        dup_in_batch = np.ones(len(order), dtype=bool)
+        _, first_occurrence = np.unique(np.stack([pair_of, s_s], axis=1), axis=0, return_index=True)
+        dup_in_batch[first_occurrence] = False
+        valid = ~seen_before & ~dup_in_batch
+        self.stats.dropped["duplicate"] += int(len(order) - valid.sum())
+        np.bitwise_or.at(pairs["bits"], (pair_of[valid], word[valid]), bit[valid])
+        pair_has_valid = np.bincount(pair_of[valid], minlength=len(first)) > 0
+        key_round = rows["round"][pair_k]
+        fresh = pair_has_valid & (pairs["round"] != key_round)
+        pairs["round"][fresh] = key_round[fresh]
+        np.add.at(new_users, pair_k[fresh], 1)
+        np.add.at(delta_units, k_s[valid], units[order][valid])
+        raw = pairs.tobytes()
+        width = self._pair_dtype.itemsize
+        for j in np.nonzero(pair_has_valid)[0].tolist():
+            batch.put(pair_keys[j], raw[j * width:(j + 1) * width])
+
+    def _plan_visits(self, window, trigger, all_ids, rows, has_data, tested, selector, sel, batch) -> None:
+        T = self.schedule.triggers
+        prefix = sk.window_prefix(sk.PREDICTIONS, self.qid, window)
+        old = rows["predicted"].astype(np.int64)
+        nxt = np.zeros(len(all_ids), dtype=np.int64)
+        if trigger < T:
+            open_gate = sel.participations > self.plan.key_threshold
+            # keys with data now: look again at the next trigger (they usually have data again)
+            nxt[has_data & open_gate] = trigger + 1
+            # keys looked at without data: full release prediction (Algorithm 4)
+            idle = np.nonzero(~has_data & open_gate)[0]
+            if len(idle):
+                sub = SelectionBatch([sel.keys[j] for j in idle], sel.round[idle], sel.start[idle], sel.done[idle], sel.count[idle],
+                                     sel.participations[idle], sel.cache[idle])
+                nxt[idle] = selector.predict(sub)
+        stale = np.nonzero((old > trigger) & (old != nxt))[0]
+        for j in stale.tolist():
+            batch.delete(prefix + int(old[j]).to_bytes(4, "big") + int(all_ids[j]).to_bytes(8, "big"))
+        for j in np.nonzero((nxt > 0) & (nxt != old))[0].tolist():
+            batch.put(prefix + int(nxt[j]).to_bytes(4, "big") + int(all_ids[j]).to_bytes(8, "big"), b"")
+        rows["predicted"] = nxt
+
+    def collect_window(self, window: int) -> None:
+        """Drop a finished window's working state (the journal and progress stay)."""
+        for table in sk.WINDOW_TABLES:
+            self.store.delete_prefix(sk.window_prefix(table, self.qid, window))

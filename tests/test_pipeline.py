@@ -1,0 +1,217 @@
+"""The pipeline and the replay runner: determinism, recovery, bounding, privacy smoke, prediction."""
+import gzip
+import io
+import json
+
+import numpy as np
+import pytest
+
+from processor.cli import main
+from processor.config import DpstreamConfig, QueryConfig
+from processor.noise import NodeNoise, Pseudonymizer
+from processor.pipeline import EventColumns, QueryPipeline
+from processor.replay import ReplayRunner
+from state import keys as sk
+from state.store import MemoryStore, WriteBatch
+from tests.conftest import TEST_SECRET
+
+DAY = 86_400_000
+START = 1_795_132_800_000  # a UTC midnight
+
+
+def small_query(**overrides) -> QueryConfig:
+    fields = dict(name="clicks", window="1d", triggers=24, contribution_bound=4, epsilon=6.0, delta=1e-9, allowed_lateness="0s")
+    fields.update(overrides)
+    return QueryConfig(**fields)
+
+
+def make_events(rng, users=400, keys=30, records=3000, start=START, span=DAY):
+    """Popular keys (many users) plus a tail; events in time order."""
+    user = rng.integers(0, users, records)
+    key = np.minimum(rng.geometric(0.15, records) - 1, keys - 1)
+    ts = np.sort(start + rng.integers(0, span, records))
+    return [{"user_id": f"u{u}", "key": f"k{k}", "ts": int(t)} for u, k, t in zip(user, key, ts)]
+
+
+def write_jsonl(path, events, extra_lines=()):
+    with open(path, "w") as fh:
+        for e in events:
+            fh.write(json.dumps(e) + "\n")
+        for line in extra_lines:
+            fh.write(line + "\n")
+    return path
+
+
+def replay(config, input_path, state_dir=None, stop_after=None, output=None):
+    runner = ReplayRunner(config, TEST_SECRET, state_dir, log=io.StringIO())
+    out = output if output is not None else io.StringIO()
+    try:
+        summary = runner.run(str(input_path), out, stop_after_lines=stop_after)
+        stats = runner.pipelines[0].stats
+    finally:
+        runner.close()
+    return (out.getvalue() if output is None else None), summary, stats
+
+
+def test_replay_is_byte_identical(tmp_path, rng):
+    config = DpstreamConfig(queries=[small_query()])
+    path = write_jsonl(tmp_path / "e.jsonl", make_events(rng))
+    first, summary, _ = replay(config, path)
+    second, _, _ = replay(config, path)
+    assert first == second
+    assert summary.releases > 0 and first.count("\n") == summary.releases
+    record = json.loads(first.splitlines()[0])
+    assert set(record) >= {"query", "window_start", "window_end", "trigger", "key", "count", "stddev", "epsilon", "delta"}
+    assert "user_id" not in first and '"u1' not in first  # never user ids
+
+
+def test_gzip_input_and_cli(tmp_path, rng, monkeypatch):
+    events = make_events(rng, records=500)
+    gz = tmp_path / "e.jsonl.gz"
+    with gzip.open(gz, "wt") as fh:
+        fh.writelines(json.dumps(e) + "\n" for e in events)
+    cfg = tmp_path / "q.yaml"
+    cfg.write_text("queries:\n  - {name: clicks, window: 1d, triggers: 24, contribution_bound: 4, epsilon: 6.0, delta: 1.0e-9}\n")
+    monkeypatch.delenv("DPSTREAM_NOISE_KEY", raising=False)
+    monkeypatch.delenv("DPSTREAM_NOISE_KEY_FILE", raising=False)
+    # no secret: releasing fails clearly
+    assert main(["replay", "--config", str(cfg), "--input", str(gz), "--output", str(tmp_path / "o.jsonl"), "--quiet"]) == 2
+    key_file = tmp_path / "key"
+    key_file.write_bytes(TEST_SECRET)
+    assert main(["replay", "--config", str(cfg), "--input", str(gz), "--output", str(tmp_path / "o.jsonl"), "--quiet",
+                 "--noise-key-file", str(key_file)]) == 0
+    plain = write_jsonl(tmp_path / "e.jsonl", events)
+    expected, _, _ = replay(DpstreamConfig(queries=[small_query(allowed_lateness="1m")]), plain)
+    assert (tmp_path / "o.jsonl").read_text() == expected
+
+
+def test_resumed_run_equals_uninterrupted(tmp_path, rng):
+    config = DpstreamConfig(queries=[small_query()])
+    events = make_events(rng, records=4000)
+    path = write_jsonl(tmp_path / "e.jsonl", events)
+    whole, _, _ = replay(config, path, state_dir=tmp_path / "whole")
+    out = tmp_path / "resumed.jsonl"
+    with open(out, "w") as fh:
+        _, first, _ = replay(config, path, state_dir=tmp_path / "state", stop_after=1234, output=fh)
+    assert first.stopped_early
+    with open(out, "a") as fh:  # a new process: state reopened from RocksDB
+        replay(config, path, state_dir=tmp_path / "state", output=fh)
+    assert out.read_text() == whole
+
+
+def counted_per_user(store, pipe, window):
+    """Contributions stage 2 counted, per user (popcount of the (key, user) slot bitmaps)."""
+    totals = {}
+    prefix = sk.window_prefix(sk.CONTRIBUTIONS, pipe.qid, window)
+    for key, value in store.scan_prefix(prefix):
+        user = key[-8:]
+        bits = np.frombuffer(value[4:], dtype="<u8")
+        totals[user] = totals.get(user, 0) + int(sum(bin(int(b)).count("1") for b in bits))
+    return totals
+
+
+def test_no_user_exceeds_c_even_with_duplicated_lines_and_replayed_batches(rng):
+    query = small_query(contribution_bound=3)
+    store = MemoryStore()
+    noise = NodeNoise(TEST_SECRET)
+    pseudo = Pseudonymizer(TEST_SECRET)
+    pipe = QueryPipeline(query, noise, store)
+    events = make_events(rng, users=50, records=2000, span=DAY // 2)
+    events = events + events  # every line twice
+    cols = EventColumns(pseudo.users([e["user_id"] for e in events]), np.array([e["key"] for e in events], dtype=object),
+                        pseudo.group_keys([e["key"] for e in events]), np.ones(len(events)), np.array([e["ts"] for e in events]))
+    batch = WriteBatch()
+    records = pipe.bound(cols, np.full(len(events), -1), batch)
+    pipe.accumulate(records, 1, batch)
+    pipe.accumulate(records, 2, batch)  # stage 1's output delivered twice (at-least-once)
+    store.write(batch)
+    assert len(records) <= 3 * 50
+    for trigger in range(1, 13):
+        pipe.fire(START, trigger)
+    totals = counted_per_user(store, pipe, START)
+    assert totals and max(totals.values()) <= 3
+    assert pipe.stats.dropped["duplicate"] >= len(records)
+
+
+def test_single_user_key_is_never_released(tmp_path, rng):
+    """Privacy smoke test: a key only one user ever contributes to stays unpublished all day."""
+    query = small_query(triggers=96, contribution_bound=32)
+    config = DpstreamConfig(queries=[query])
+    events = make_events(rng, users=2000, records=20000)
+    lonely = [{"user_id": "loner", "key": "secret-page", "ts": START + i * (DAY // 40)} for i in range(32)]
+    merged = sorted(events + lonely, key=lambda e: e["ts"])
+    out, summary, _ = replay(config, write_jsonl(tmp_path / "e.jsonl", merged))
+    assert summary.releases > 0
+    assert "secret-page" not in out
+
+
+def test_trigger_loads_only_batch_and_predicted_keys(rng):
+    query = small_query(triggers=48, contribution_bound=8)
+    store = MemoryStore()
+    pipe = QueryPipeline(query, NodeNoise(TEST_SECRET), store)
+    pseudo = Pseudonymizer(TEST_SECRET)
+    # 3,000 one-off keys early in the day, then a trickle of a few keys
+    early = [{"user_id": f"u{i}", "key": f"tail{i}", "ts": START + i} for i in range(3000)]
+    late = [{"user_id": f"v{i}", "key": f"hot{i % 5}", "ts": START + DAY // 2 + i * 1000} for i in range(200)]
+    events = early + late
+    cols = EventColumns(pseudo.users([e["user_id"] for e in events]), np.array([e["key"] for e in events], dtype=object),
+                        pseudo.group_keys([e["key"] for e in events]), np.ones(len(events)), np.array([e["ts"] for e in events]))
+    batch = WriteBatch()
+    pipe.accumulate(pipe.bound(cols, np.full(len(events), -1), batch), 1, batch)
+    store.write(batch)
+    interval = DAY // 48
+    for trigger in range(1, 49):
+        pred_prefix = sk.trigger_prefix(sk.PREDICTIONS, pipe.qid, START, trigger)
+        predicted = {k[-8:] for k, _ in store.scan_prefix(pred_prefix)}
+        batch_keys = {e["key"] for e in events if (e["ts"] - START) // interval + 1 == trigger}
+        batch_ids = {int(x).to_bytes(8, "big") for x in pseudo.group_keys(sorted(batch_keys))}
+        pipe.fire(START, trigger)
+        assert pipe.stats.keys_loaded == len(predicted | batch_ids)
+        if trigger > 2:
+            assert pipe.stats.keys_loaded < 100  # never the 3,000 keys seen earlier
+
+
+def test_malformed_lines_are_reported_and_skipped(tmp_path, rng):
+    config = DpstreamConfig(queries=[small_query(aggregate="sum", value_field="amount", clamp=5.0, name="spend")])
+    good = [{"user_id": f"u{i % 40}", "key": "shop", "amount": 1.5, "ts": START + i * 1000} for i in range(200)]
+    bad = [
+        "{not json",
+        '"a string"',
+        json.dumps({"key": "shop", "amount": 1, "ts": START}),  # missing user
+        json.dumps({"user_id": "u1", "amount": 1, "ts": START}),  # missing key
+        json.dumps({"user_id": "u1", "key": "shop", "amount": "NaN", "ts": START}),
+        '{"user_id": "u1", "key": "shop", "amount": Infinity, "ts": 1}',
+        json.dumps({"user_id": "u1", "key": "shop", "amount": 1, "ts": "yesterday"}),
+        json.dumps({"user_id": "u1", "key": "shop", "amount": 1}),
+    ]
+    path = write_jsonl(tmp_path / "e.jsonl", good, extra_lines=bad)
+    runner = ReplayRunner(config, TEST_SECRET, None, log=(log := io.StringIO()))
+    dead = io.StringIO()
+    try:
+        summary = runner.run(str(path), io.StringIO(), dead_letters=dead)
+    finally:
+        runner.close()
+    assert sum(summary.invalid.values()) == len(bad)
+    text = log.getvalue()
+    for n, reason in [(201, "not valid JSON"), (202, "not a JSON object"), (203, "'user_id'"), (204, "'key'"),
+                      (205, "'amount' must be a number"), (206, "'amount' is not finite"), (207, "'ts'"), (208, "'ts'")]:
+        assert f"line {n}: query spend:" in text and reason in text.split(f"line {n}: query spend:")[1].splitlines()[0]
+    assert "u1" not in text  # reasons never quote content
+    assert len(dead.getvalue().splitlines()) == len(bad)
+    assert json.loads(dead.getvalue().splitlines()[0])["reason"] == "not valid JSON"
+
+
+def test_late_events_are_dropped_and_counted(tmp_path):
+    config = DpstreamConfig(queries=[small_query(triggers=24)])
+    events = [{"user_id": f"u{i}", "key": "k", "ts": START + i * 3_600_000} for i in range(10)]
+    events.append({"user_id": "late", "key": "k", "ts": START + 5})  # trigger 1 fired long ago
+    _, _, stats = replay(config, write_jsonl(tmp_path / "e.jsonl", events))
+    assert stats.dropped["late"] == 1 and stats.events_in == 11
+
+
+def test_state_dir_refuses_another_secret(tmp_path, rng):
+    config = DpstreamConfig(queries=[small_query()])
+    path = write_jsonl(tmp_path / "e.jsonl", make_events(rng, records=100))
+    replay(config, path, state_dir=tmp_path / "s", stop_after=50)
+    with pytest.raises(RuntimeError, match="different noise secret"):
+        ReplayRunner(config, b"another-secret-of-enough-length", str(tmp_path / "s"))

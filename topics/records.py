@@ -1,0 +1,136 @@
+"""Record contracts (DESIGN.md section 3): input events, release records, dead letters.
+
+Parsing never raises on bad input: it returns an :class:`InvalidRecord` whose ``reason`` names
+the field and the problem but never quotes the record's content (reasons end up in logs and
+metrics; raw data and user ids must not). The original bytes travel only inside dead-letter
+records, which go to the dead-letter topic/file, never to logs.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+MAX_FIELD_CHARS = 4096
+
+
+@dataclass(frozen=True)
+class Event:
+    user: str
+    key: str  # the GROUP BY key: the field's text, or a JSON list for several key fields
+    value: float
+    ts: int  # event time, epoch milliseconds
+
+
+@dataclass(frozen=True)
+class InvalidRecord:
+    reason: str  # e.g. "missing field 'user_id'"; never contains record content
+
+
+def _text(value, name: str) -> Union[str, InvalidRecord]:
+    if isinstance(value, bool) or value is None:
+        return InvalidRecord(f"field {name!r} is missing or null")
+    if isinstance(value, str):
+        text = value
+    elif isinstance(value, int):
+        text = str(value)
+    elif isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        text = str(int(value))
+    else:
+        return InvalidRecord(f"field {name!r} must be a string or an integer")
+    if not text:
+        return InvalidRecord(f"field {name!r} is empty")
+    if len(text) > MAX_FIELD_CHARS:
+        return InvalidRecord(f"field {name!r} is longer than {MAX_FIELD_CHARS} characters")
+    return text
+
+
+class EventParser:
+    """Validate one JSON event against a query's field names."""
+
+    def __init__(self, user_field: str, key_fields: Sequence[str], value_field: Optional[str], time_field: str):
+        self.user_field = user_field
+        self.key_fields = list(key_fields)
+        self.value_field = value_field
+        self.time_field = time_field
+
+    @classmethod
+    def for_query(cls, query) -> "EventParser":
+        return cls(query.user_field, query.key_fields, query.value_field, query.time_field)
+
+    def parse(self, raw: Union[bytes, str]) -> Union[Event, InvalidRecord]:
+        try:
+            obj = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            return InvalidRecord("not valid JSON")
+        if not isinstance(obj, dict):
+            return InvalidRecord("not a JSON object")
+        return self.from_mapping(obj)
+
+    def from_mapping(self, obj: dict) -> Union[Event, InvalidRecord]:
+        user = _text(obj.get(self.user_field), self.user_field)
+        if isinstance(user, InvalidRecord):
+            return user
+        parts = []
+        for name in self.key_fields:
+            part = _text(obj.get(name), name)
+            if isinstance(part, InvalidRecord):
+                return part
+            parts.append(part)
+        key = parts[0] if len(parts) == 1 else json.dumps(parts, ensure_ascii=False, separators=(",", ":"))
+        if self.value_field is None:
+            value = 1.0
+        else:
+            raw_value = obj.get(self.value_field)
+            if isinstance(raw_value, bool) or not isinstance(raw_value, (int, float)):
+                return InvalidRecord(f"field {self.value_field!r} must be a number")
+            value = float(raw_value)
+            if not math.isfinite(value):
+                return InvalidRecord(f"field {self.value_field!r} is not finite")
+        ts = obj.get(self.time_field)
+        if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts != int(ts):
+            return InvalidRecord(f"field {self.time_field!r} must be an integer (epoch milliseconds)")
+        ts = int(ts)
+        if not 0 <= ts < 1 << 53:
+            return InvalidRecord(f"field {self.time_field!r} is out of range")
+        return Event(user, key, value, ts)
+
+
+def key_for_output(key: str, key_fields: Sequence[str]):
+    """The GROUP BY key as published: a string for one field, a list for several."""
+    return key if len(key_fields) == 1 else json.loads(key)
+
+
+def release_record(*, query: str, window_start: int, window_end: int, trigger: int, trigger_time: int, key, aggregate: str,
+                   value: float, stddev: float, epsilon: float, delta: float, mechanism: str = "dp-sqlp") -> dict:
+    """One published histogram update. Never raw counts, never user ids."""
+    return {
+        "query": query,
+        "window_start": window_start,
+        "window_end": window_end,
+        "trigger": trigger,
+        "trigger_time": trigger_time,
+        "key": key,
+        aggregate: value,
+        "stddev": stddev,
+        "mechanism": mechanism,
+        "epsilon": epsilon,
+        "delta": delta,
+    }
+
+
+def release_key(query: str, window_start: int, key) -> bytes:
+    """Kafka message key of a release: (query, window, key), so a compacted topic keeps the latest."""
+    return json.dumps([query, window_start, key], ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def encode_json(record: dict) -> bytes:
+    """Canonical JSON (sorted keys, no spaces): byte-identical for identical records."""
+    return json.dumps(record, sort_keys=True, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+
+
+def dead_letter(reason: str, original: bytes, source: str) -> dict:
+    """A dead-letter record: the reason, where it came from, and the original bytes (base64)."""
+    return {"reason": reason, "source": source, "original_b64": base64.b64encode(original).decode("ascii")}
