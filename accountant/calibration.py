@@ -20,8 +20,6 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-from scipy.stats import norm
-
 _ITERATIONS = 200
 
 
@@ -137,20 +135,19 @@ def prefix_variance_factor(leaf: int) -> float:
     return total
 
 
-def tail_multiplier(triggers: int, beta: float, tail: str) -> float:
+def tail_multiplier(triggers: int, beta: float) -> float:
     """z such that a prefix-noise sum exceeds ``z * lambda_i`` at any of T triggers w.p. <= beta.
 
-    ``subgaussian``: ``sqrt(2 ln(T / beta))``. Every discrete Gaussian N_Z(0, sigma^2) is
-    sigma^2-subgaussian (CKS 2020, Corollary 23) and so is any weighted sum with variance proxy
-    ``lambda^2``, so ``P[noise > z lambda] <= exp(-z^2/2) = beta / T`` holds *exactly* for our
-    integer noise. ``gaussian``: ``Phi^-1(1 - beta / T)`` as in DP-SQLP Appendix B; exact for
-    continuous Gaussian noise, an approximation for the discrete one (about 6% lower).
+    ``z = sqrt(2 ln(T / beta))``. Every discrete Gaussian N_Z(0, sigma^2) is sigma^2-subgaussian
+    (Canonne, Kamath, Steinke 2020, Corollary 23) and so is any weighted sum of independent ones
+    with variance proxy ``lambda^2``; hence ``P[noise > z lambda] <= exp(-z^2/2) = beta / T``
+    holds exactly for our integer noise, and a union bound over the T triggers gives beta.
+
+    DP-SQLP Appendix B uses ``Phi^-1(1 - beta / T)`` (about 6% lower). That quantile is exact
+    only for continuous noise: with integer noise ``P[N > tau] = P[N >= ceil(tau)]`` can exceed
+    ``beta / T`` (1.9x at T = 1 in our tests), which would under-charge delta, so it is not
+    offered.
     """
     if not 0 < beta < 1:
         raise ValueError("beta must be in (0, 1)")
-    p = beta / triggers
-    if tail == "subgaussian":
-        return math.sqrt(2.0 * math.log(1.0 / p))
-    if tail == "gaussian":
-        return float(norm.isf(p))
-    raise ValueError(f"unknown tail bound {tail!r}")
+    return math.sqrt(2.0 * math.log(triggers / beta))

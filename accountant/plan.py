@@ -80,7 +80,6 @@ class QueryBudget:
     beta: Optional[float] = None
     key_selection_share: float = 0.5
     composition: str = "zcdp"  # zcdp | basic
-    tail_bound: str = "subgaussian"  # subgaussian | gaussian
     resolution: Optional[float] = None  # value grid for sums; counts use 1
 
 
@@ -91,7 +90,6 @@ class PrivacyPlan:
     epsilon: float
     delta: float
     composition: str
-    tail_bound: str
     triggers: int
     tree_height: int
     contribution_bound: int
@@ -161,8 +159,6 @@ def _check(budget: QueryBudget) -> None:
         raise BudgetError("key_selection_share", f"must be in (0, 1), got {budget.key_selection_share!r}")
     if budget.composition not in ("zcdp", "basic"):
         raise BudgetError("composition", f"must be 'zcdp' or 'basic', got {budget.composition!r}")
-    if budget.tail_bound not in ("subgaussian", "gaussian"):
-        raise BudgetError("tail_bound", f"must be 'subgaussian' or 'gaussian', got {budget.tail_bound!r}")
     if budget.resolution is not None:
         positive("resolution", budget.resolution)
         steps = budget.clamp / budget.resolution
@@ -245,7 +241,7 @@ def plan_query(budget: QueryBudget) -> PrivacyPlan:
         field_name = "contribution_bound" if budget.aggregate == "count" else "resolution"
         raise BudgetError(field_name, f"perturbation noise is {sigma_m_units:.4g} grid steps, beyond the sampler's range")
 
-    z = tail_multiplier(budget.triggers, beta, budget.tail_bound)
+    z = tail_multiplier(budget.triggers, beta)
     thresholds = tuple(z * sigma_k * math.sqrt(prefix_variance_factor(r)) for r in range(1, budget.triggers + 1))
     expected_stddev = sigma_m * math.sqrt(prefix_variance_factor(budget.triggers))
 
@@ -253,7 +249,6 @@ def plan_query(budget: QueryBudget) -> PrivacyPlan:
         epsilon=eps,
         delta=delta,
         composition=budget.composition,
-        tail_bound=budget.tail_bound,
         triggers=budget.triggers,
         tree_height=h,
         contribution_bound=C,

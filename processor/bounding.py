@@ -57,5 +57,5 @@ class ContributionBounder:
         """Clamp to [-L, L] and express on the grid (integer units)."""
         if not math.isfinite(value):
             raise ValueError("value must be finite")
-        units = round(value / self.resolution)
-        return max(-self._max_units, min(self._max_units, units))
+        clamped = max(-self.clamp, min(self.clamp, value))
+        return round(clamped / self.resolution)

@@ -41,7 +41,7 @@ def _human_plan(query: QueryConfig, plan: PrivacyPlan) -> str:
         f"  key selection      rho {plan.rho_key_selection:.6g} = C x {plan.rho_key_selection_per_tree:.4g} per round tree "
         f"(sensitivity 1, h levels); sigma_k = {plan.sigma_key_selection:.4f} users",
         f"                     on its own: eps {plan.epsilon_key_selection:.4f}, delta {plan.delta_key_selection:.4g} (incl. beta term)",
-        f"  thresholds         beta {plan.beta:.4g}; (e^eps+1) C beta = {plan.delta_beta:.4g}; z = {plan.tail_multiplier:.4f} ({plan.tail_bound})",
+        f"  thresholds         beta {plan.beta:.4g}; (e^eps+1) C beta = {plan.delta_beta:.4g}; z = sqrt(2 ln(T/beta)) = {plan.tail_multiplier:.4f}",
         f"                     release when noisy users > mu + tau_i, mu = {plan.key_threshold:g}: tau_1 = {taus[0]:.2f}, "
         f"tau_T = {taus[-1]:.2f}, min {min(taus):.2f}, max {max(taus):.2f}",
         f"  perturbation       rho {plan.rho_perturbation:.6g}, sensitivity C*L = {C * plan.clamp:g}; sigma_m = {plan.sigma_perturbation:.4f}"
@@ -103,6 +103,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_dpsqlp(args: argparse.Namespace) -> int:
+    from processor.bench_dpsqlp import run_dpsqlp_bench
+
+    run_dpsqlp_bench(users=args.users, keys=args.keys, triggers=args.triggers, seed=args.seed, json_path=args.json,
+                     plot_path=args.plot, state=args.state)
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from processor.bench import run_engine_bench
 
@@ -149,6 +157,15 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--triggers", type=int, default=100, help="T for the tree-update runs")
     engine.add_argument("--json", help="also write the results to this JSON file")
     engine.set_defaults(func=cmd_bench)
+    dpsqlp = bench_sub.add_parser("dpsqlp", help="the DP-SQLP paper's synthetic workload: DP-SQLP vs Baselines 1 and 2")
+    dpsqlp.add_argument("--users", type=int, default=10_000_000, help="users (paper: 10,000,000)")
+    dpsqlp.add_argument("--keys", type=int, default=1_000_000, help="key space (paper: 1,000,000)")
+    dpsqlp.add_argument("--triggers", type=int, default=100, help="T micro-batches in the day (paper: 100 and 1000)")
+    dpsqlp.add_argument("--seed", type=int, default=1)
+    dpsqlp.add_argument("--state", choices=["rocksdb", "memory"], default="rocksdb", help="state backend (default rocksdb)")
+    dpsqlp.add_argument("--json", help="write the results (and the per-trigger curve) to this JSON file")
+    dpsqlp.add_argument("--plot", help="draw error and retained keys vs trigger to this PNG")
+    dpsqlp.set_defaults(func=cmd_bench_dpsqlp)
     return parser
 
 

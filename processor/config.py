@@ -68,7 +68,6 @@ class QueryConfig(BaseModel):
     beta: Optional[float] = None
     key_selection_share: float = 0.5
     composition: Literal["zcdp", "basic"] = "zcdp"
-    tail_bound: Literal["subgaussian", "gaussian"] = "subgaussian"
     resolution: Optional[float] = None
 
     @field_validator("window")
@@ -116,7 +115,6 @@ class QueryConfig(BaseModel):
             beta=self.beta,
             key_selection_share=self.key_selection_share,
             composition=self.composition,
-            tail_bound=self.tail_bound,
             resolution=self.resolution,
         )
 

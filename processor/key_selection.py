@@ -101,11 +101,12 @@ class KeySelector:
         if not 1 <= trigger <= self.triggers:
             raise ValueError(f"trigger {trigger} outside 1..{self.triggers}")
         new_users = np.asarray(new_users, dtype=np.int64)
+        leaf = trigger - batch.start + 1
+        if (leaf < 1).any() or (leaf <= batch.done).any():
+            # validate before touching state: a rejected call must leave the batch as it was
+            raise ValueError("trigger is before a key's current round or was already processed")
         batch.count += new_users
         batch.participations += new_users
-        leaf = trigger - batch.start + 1
-        if (leaf < 1).any() or (leaf < batch.done).any():
-            raise ValueError("trigger is before a key's current round or already processed")
         tested = batch.participations > self.mu
         noisy = np.full(len(batch), np.nan)
         idx = np.nonzero(tested)[0]

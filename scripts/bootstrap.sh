@@ -17,6 +17,6 @@ stamp="$venv/.dpstream-installed"
 want="$(sha256sum "$root/pyproject.toml" | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "bootstrap: installing pinned dependencies into $venv" >&2
-  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -e "$root[test]"
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -e "$root[test,bench]"
   echo "$want" > "$stamp"
 fi

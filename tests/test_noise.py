@@ -1,0 +1,314 @@
+"""Keyed PRF integer noise (processor.noise): determinism, distribution, secret handling.
+
+Statistical checks run on noise derived from the fixed test secret, so each test is
+deterministic; the quoted false-failure probabilities are over the choice of secret.
+"""
+import math
+
+import mpmath
+import numpy as np
+import pytest
+from scipy import stats
+
+from processor.noise import (
+    MIN_SECRET_BYTES,
+    SECRET_ENV,
+    SECRET_FILE_ENV,
+    DiscreteGaussian,
+    NodeNoise,
+    NoiseSecretError,
+    TreeIdentity,
+    discrete_gaussian,
+    load_noise_secret,
+    node_ids,
+)
+from conftest import TEST_SECRET
+
+#: z for two-sided normal-approximation checks: P(|Z| > 5.5) = 3.8e-8 per check.
+Z = 5.5
+
+
+def _ids(noise, identity, n):
+    return np.full(n, noise.tree_id(identity), dtype="S12")
+
+
+def _collision_probability(sampler):
+    x = np.arange(-sampler.bound, sampler.bound + 1)
+    return float(np.sum(sampler.pmf(x) ** 2))
+
+
+def _check_collision_fraction(a, b, q):
+    """a, b: samples that should be independent draws. #equal ~ Binomial(n, q): allow Z sd."""
+    n = len(a)
+    equal = int(np.sum(a == b))
+    assert equal < n, "two noise streams that must differ are identical"
+    sd = math.sqrt(n * q * (1 - q))
+    assert abs(equal - n * q) <= Z * sd, (equal, n * q, sd)
+
+
+BASE = TreeIdentity("query-a", 1_700_000_000_000, "key-1", "select", 0)
+
+
+# --------------------------------------------------------------------------- determinism
+
+
+def test_same_secret_same_noise(noise):
+    sampler = discrete_gaussian(2.5)
+    n = 5000
+    trees = noise.tree_ids(TreeIdentity("q", 0, f"k{i % 50}", "select", i % 3) for i in range(n))
+    nodes = node_ids(np.arange(n) % 7, np.arange(n) // 7)
+    first = noise.sample(sampler, trees, nodes)
+    second = noise.sample(sampler, trees, nodes)
+    other = NodeNoise(TEST_SECRET)
+    third = other.sample(sampler, other.tree_ids(TreeIdentity("q", 0, f"k{i % 50}", "select", i % 3) for i in range(n)), nodes)
+    np.testing.assert_array_equal(first, second)
+    np.testing.assert_array_equal(first, third)
+    assert other.fingerprint == noise.fingerprint
+    # a sub-batch (different vector length, different order) sees the same per-node values
+    perm = np.random.default_rng(5).permutation(n)[:777]
+    np.testing.assert_array_equal(noise.sample(sampler, trees[perm], nodes[perm]), first[perm])
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        TreeIdentity("query-b", BASE.window_start, BASE.key, BASE.kind, BASE.round),
+        TreeIdentity(BASE.query, BASE.window_start + 1, BASE.key, BASE.kind, BASE.round),
+        TreeIdentity(BASE.query, BASE.window_start, "key-2", BASE.kind, BASE.round),
+        TreeIdentity(BASE.query, BASE.window_start, BASE.key, "perturb:count", BASE.round),
+        TreeIdentity(BASE.query, BASE.window_start, BASE.key, BASE.kind, 1),
+    ],
+    ids=["query", "window_start", "key", "kind", "round"],
+)
+def test_each_identity_field_changes_the_noise(noise, changed):
+    sampler = discrete_gaussian(2.5)
+    n = 20000
+    nodes = np.arange(n, dtype=np.uint32)
+    assert noise.tree_id(BASE) != noise.tree_id(changed)
+    a = noise.sample(sampler, _ids(noise, BASE, n), nodes)
+    b = noise.sample(sampler, _ids(noise, changed, n), nodes)
+    # independent draws coincide with probability q = sum_x p(x)^2 (~0.113 for sigma 2.5)
+    _check_collision_fraction(a, b, _collision_probability(sampler))
+
+
+def test_identity_encoding_is_unambiguous(noise):
+    # length-prefixed fields: moving a character between fields is a different tree
+    a = TreeIdentity("ab", 0, "c", "select", 0)
+    b = TreeIdentity("a", 0, "bc", "select", 0)
+    assert a.encode() != b.encode()
+    assert noise.tree_id(a) != noise.tree_id(b)
+
+
+def test_node_ids_change_the_noise(noise):
+    sampler = discrete_gaussian(2.5)
+    n = 20000
+    trees = _ids(noise, BASE, n)
+    a = noise.sample(sampler, trees, np.arange(n, dtype=np.uint32))
+    b = noise.sample(sampler, trees, np.arange(n, 2 * n, dtype=np.uint32))
+    _check_collision_fraction(a, b, _collision_probability(sampler))
+    # same index, different level
+    c = noise.sample(sampler, trees, node_ids(np.ones(n), np.arange(n)))
+    _check_collision_fraction(a, c, _collision_probability(sampler))
+
+
+def test_secrets_change_the_noise(noise):
+    sampler = discrete_gaussian(2.5)
+    n = 20000
+    other = NodeNoise(TEST_SECRET + b"x")
+    assert other.fingerprint != noise.fingerprint
+    nodes = np.arange(n, dtype=np.uint32)
+    a = noise.sample(sampler, _ids(noise, BASE, n), nodes)
+    b = other.sample(sampler, _ids(other, BASE, n), nodes)
+    _check_collision_fraction(a, b, _collision_probability(sampler))
+
+
+# --------------------------------------------------------------------------- distribution
+
+
+def _independent_pmf(sigma, x):
+    """exp(-x^2 / 2 sigma^2) / Z with mpmath at 50 digits, Z summed over |y| <= 14 sigma (the rest is < e^-98 relative)."""
+    with mpmath.workdps(50):
+        s2 = mpmath.mpf(sigma) ** 2
+        bound = int(math.ceil(14 * sigma))
+        total = mpmath.fsum(mpmath.exp(-mpmath.mpf(y) ** 2 / (2 * s2)) for y in range(-bound, bound + 1))
+        return np.array([float(mpmath.exp(-mpmath.mpf(int(v)) ** 2 / (2 * s2)) / total) for v in x])
+
+
+@pytest.mark.parametrize("sigma", [0.8, 2.5, 40.0, 1000.5])
+def test_pmf_matches_independent_formula(sigma):
+    sampler = DiscreteGaussian(sigma)
+    x = np.arange(-int(6 * sigma), int(6 * sigma) + 1)
+    if len(x) > 4001:
+        x = np.unique(np.concatenate([x[:500], x[-500:], x[:: len(x) // 1000]]))
+    np.testing.assert_allclose(sampler.pmf(x), _independent_pmf(sigma, x), rtol=1e-12, atol=0)
+    whole = sampler.pmf(np.arange(-sampler.bound, sampler.bound + 1))
+    assert whole.sum() == pytest.approx(1.0, abs=1e-12)
+    assert sampler.pmf(np.array([-sampler.bound - 1, sampler.bound + 1])).tolist() == [0.0, 0.0]
+    assert sampler.tv_bound <= 2.0 ** -100
+
+
+def _binned(samples, sampler, n):
+    """Observed and expected counts per support point, tails merged until expected >= 5."""
+    support = np.arange(-sampler.bound, sampler.bound + 1)
+    expected = n * sampler.pmf(support)
+    observed = np.bincount(samples + sampler.bound, minlength=len(support)).astype(float)
+    inner = np.nonzero(expected >= 5)[0]
+    lo, hi = inner[0], inner[-1]
+    # merge everything left of lo into bin lo, right of hi into bin hi
+    exp_b = expected[lo:hi + 1].copy()
+    obs_b = observed[lo:hi + 1].copy()
+    exp_b[0] += expected[:lo].sum()
+    obs_b[0] += observed[:lo].sum()
+    exp_b[-1] += expected[hi + 1:].sum()
+    obs_b[-1] += observed[hi + 1:].sum()
+    return obs_b, exp_b
+
+
+@pytest.mark.parametrize("sigma", [2.5, 40.0])
+def test_samples_follow_the_pmf_chi_square(noise, sigma):
+    # ~1e6 draws at distinct node ids of one tree (distinct PRF inputs). Under H0 the p-value is
+    # uniform: requiring p > 1e-4 fails a correct sampler with probability 1e-4 per sigma.
+    sampler = discrete_gaussian(sigma)
+    n = 1 << 20
+    samples = noise.sample(sampler, _ids(noise, TreeIdentity("chi2", 0, str(sigma), "select"), n), np.arange(n, dtype=np.uint32))
+    assert samples.dtype == np.int64
+    assert np.abs(samples).max() <= sampler.bound
+    obs, exp = _binned(samples, sampler, n)
+    assert len(obs) >= 15
+    result = stats.chisquare(obs, exp)
+    assert result.pvalue > 1e-4, result
+
+
+@pytest.mark.parametrize("sigma", [2.0, 2.5, 7.3, 40.0, 4096.0])
+def test_variance_is_sigma_squared(sigma):
+    # Poisson summation: Var N_Z(0, sigma^2) = sigma^2 (1 - O(sigma^-2 pi^2 e^{-2 pi^2 sigma^2}))
+    # which is < 1e-30 relative at sigma >= 2.
+    sampler = DiscreteGaussian(sigma)
+    assert sampler.variance == pytest.approx(sigma**2, rel=1e-9)
+    # and .variance is the variance of the table itself
+    x = np.arange(-sampler.bound, sampler.bound + 1)
+    p = sampler.pmf(x)
+    assert float(np.sum(p * x.astype(float) ** 2)) == pytest.approx(sampler.variance, rel=1e-9)
+    assert float(np.sum(p * x)) == pytest.approx(0.0, abs=1e-9 * sigma)
+
+
+@pytest.mark.parametrize("sigma", [2.5, 40.0])
+def test_empirical_variance_matches(noise, sigma):
+    # s^2 of n iid draws: Var(s^2) = (m4 - V^2 (n-3)/(n-1)) / n with m4 the 4th central moment
+    # (taken from the exact pmf). We allow Z = 5.5 sd (normal approximation, n = 2^20):
+    # false failure < 4e-8. Mean: sd sqrt(V/n), same Z.
+    sampler = discrete_gaussian(sigma)
+    n = 1 << 20
+    samples = noise.sample(sampler, _ids(noise, TreeIdentity("var", 1, str(sigma), "perturb:count"), n), np.arange(n, dtype=np.uint32))
+    x = np.arange(-sampler.bound, sampler.bound + 1).astype(float)
+    p = sampler.pmf(x.astype(np.int64))
+    V = sampler.variance
+    m4 = float(np.sum(p * x**4))
+    assert m4 == pytest.approx(3 * V**2, rel=1e-6)  # Gaussian kurtosis
+    sd_s2 = math.sqrt((m4 - V**2 * (n - 3) / (n - 1)) / n)
+    s2 = float(np.var(samples.astype(float), ddof=1))
+    assert abs(s2 - V) <= Z * sd_s2, (s2, V, sd_s2)
+    assert abs(samples.mean()) <= Z * math.sqrt(V / n)
+
+
+def test_samples_are_bounded_integers(noise):
+    for sigma in (0.5, 1.0, 3.0, 4096.0):
+        sampler = discrete_gaussian(sigma)
+        n = 200_000
+        s = noise.sample(sampler, _ids(noise, TreeIdentity("b", 0, str(sigma), "select"), n), np.arange(n, dtype=np.uint32))
+        assert s.dtype == np.int64
+        assert s.min() >= -sampler.bound and s.max() <= sampler.bound
+    assert noise.sample(discrete_gaussian(3.0), np.zeros(0, dtype="S12"), np.zeros(0, dtype=np.uint32)).dtype == np.int64
+
+
+def test_from_uniform_resolves_ties_on_the_high_word():
+    """Uniforms equal to a table entry in the high word are decided by the low word, so that
+    P[x_k] = (cum[k] - cum[k-1]) / 2^128 exactly: check at every table boundary."""
+    sampler = DiscreteGaussian(2.5)
+    hi, lo = sampler._hi, sampler._lo
+    m = len(hi)
+    one = np.uint64(1)
+    # u = cum[j] exactly maps to index j+1 (cum[j] <= u); u = cum[j] - 1 maps to index j
+    at = sampler.from_uniform(hi.copy(), lo.copy())
+    np.testing.assert_array_equal(at, np.arange(1, m + 1) - sampler.bound)
+    below_hi = np.where(lo == 0, hi - one, hi)
+    below_lo = lo - one  # wraps to 2^64-1 when lo == 0, with the borrow taken from hi
+    below = sampler.from_uniform(below_hi, below_lo)
+    np.testing.assert_array_equal(below, np.arange(m) - sampler.bound)
+    extremes = sampler.from_uniform(np.array([0, 2**64 - 1], dtype=np.uint64), np.array([0, 2**64 - 1], dtype=np.uint64))
+    assert extremes.tolist() == [-sampler.bound, sampler.bound]
+
+
+def test_sampler_rejects_bad_sigma():
+    for bad in (0.0, -1.0, 131072.5, float("nan")):
+        with pytest.raises(ValueError):
+            DiscreteGaussian(bad)
+
+
+# --------------------------------------------------------------------------- secret handling
+
+SECRET = "correct-horse-battery-staple-0123456789"
+
+
+def test_secret_from_explicit_file(tmp_path):
+    f = tmp_path / "key"
+    f.write_bytes(b"  " + SECRET.encode() + b"\n")
+    env = {SECRET_FILE_ENV: str(tmp_path / "other"), SECRET_ENV: "env-secret-that-is-long-enough"}
+    assert load_noise_secret(str(f), environ=env) == SECRET.encode()
+
+
+def test_secret_from_file_env(tmp_path):
+    f = tmp_path / "key"
+    f.write_bytes(SECRET.encode())
+    env = {SECRET_FILE_ENV: str(f), SECRET_ENV: "env-secret-that-is-long-enough"}
+    assert load_noise_secret(environ=env) == SECRET.encode()
+
+
+def test_secret_from_env():
+    assert load_noise_secret(environ={SECRET_ENV: f" {SECRET}\n"}) == SECRET.encode()
+
+
+def test_no_secret():
+    with pytest.raises(NoiseSecretError) as err:
+        load_noise_secret(environ={})
+    assert SECRET_ENV in str(err.value)
+    with pytest.raises(NoiseSecretError):
+        load_noise_secret(environ={SECRET_ENV: "", SECRET_FILE_ENV: ""})
+
+
+def test_short_secret_message_does_not_leak(tmp_path):
+    short = "s3cr3tKEYx"  # 10 bytes < 16
+    assert len(short) < MIN_SECRET_BYTES
+    with pytest.raises(NoiseSecretError) as err:
+        load_noise_secret(environ={SECRET_ENV: short})
+    assert short not in str(err.value) and short not in repr(err.value)
+    f = tmp_path / "key"
+    f.write_text(short + "\n")
+    with pytest.raises(NoiseSecretError) as err:
+        load_noise_secret(str(f), environ={})
+    assert short not in str(err.value)
+    # whitespace does not count towards the length
+    with pytest.raises(NoiseSecretError):
+        load_noise_secret(environ={SECRET_ENV: "     short-ish      "})
+    with pytest.raises(NoiseSecretError) as err:
+        NodeNoise(short.encode())
+    assert short not in str(err.value)
+
+
+def test_unreadable_secret_file(tmp_path):
+    with pytest.raises(NoiseSecretError) as err:
+        load_noise_secret(str(tmp_path / "missing"), environ={SECRET_ENV: SECRET})
+    assert SECRET not in str(err.value)  # an explicit file does not fall back to the env var
+    with pytest.raises(NoiseSecretError) as err:
+        load_noise_secret(environ={SECRET_FILE_ENV: str(tmp_path), SECRET_ENV: SECRET})  # a directory
+    assert SECRET not in str(err.value)
+
+
+def test_repr_does_not_contain_the_secret():
+    nn = NodeNoise(SECRET.encode())
+    text = repr(nn) + str(nn)
+    assert SECRET not in text
+    assert SECRET.encode().hex() not in text
+    for attr in ("_aes_key", "_id_key"):
+        assert getattr(nn, attr).hex() not in text
+    assert nn.fingerprint in text

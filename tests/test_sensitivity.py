@@ -1,0 +1,194 @@
+"""The accountant's sensitivity assumptions (DP-SQLP section 4.4) hold on real bounded data.
+
+Pipeline model used here, per DESIGN section 4: stage 1 admits at most C records per user
+(ContributionBounder, one slot state per user); stage 2 builds, per key, (a) the key-selection
+round tree's leaves: users new to the key at each trigger (a single round per key here), and
+(b) the perturbation tree's leaves: the sum of admitted values (grid units) at each trigger.
+Adding one user must change (a) by at most 1 per key on at most C keys, (b) by at most C*L in
+L1 over all keys, hence every tree node's L2 change is within the accountant's rho.
+"""
+import random
+from functools import lru_cache
+
+import numpy as np
+import pytest
+
+from accountant.calibration import read_levels
+from accountant.plan import QueryBudget, plan_query
+from processor.bounding import FINGERPRINT_BYTES, ContributionBounder
+
+T = 16
+C = 3
+L = 2.0
+RESOLUTION = 0.5
+KEYS = [f"key{k}" for k in range(10)]
+MAX_UNITS = int(L / RESOLUTION)
+
+
+def _records(rng, user, n):
+    """n records of one user: (record id, key, trigger, raw value); values exceed +-L sometimes."""
+    return [
+        (f"{user}/{i}".encode(), rng.choice(KEYS), rng.randint(1, T), rng.uniform(-2.5 * L, 2.5 * L))
+        for i in range(n)
+    ]
+
+
+def _aggregate(records_by_user):
+    """Leaf vectors per key: (selection: new users per trigger, perturbation: units per trigger)."""
+    bounder = ContributionBounder(C, L, RESOLUTION)
+    select = {k: np.zeros(T + 1, dtype=np.int64) for k in KEYS}
+    perturb = {k: np.zeros(T + 1, dtype=np.int64) for k in KEYS}
+    for user, records in records_by_user.items():
+        slots = b""
+        first_seen = {}
+        for record_id, key, trigger, value in sorted(records, key=lambda r: r[2]):  # arrival order
+            admission = bounder.admit(slots, record_id)
+            slots = admission.slots
+            if admission.slot is None:
+                continue
+            perturb[key][trigger] += bounder.units(value)
+            first_seen.setdefault(key, trigger)
+        assert len(slots) // FINGERPRINT_BYTES <= C
+        for key, trigger in first_seen.items():
+            select[key][trigger] += 1
+    return {k: v[1:] for k, v in select.items()}, {k: v[1:] for k, v in perturb.items()}
+
+
+def _node_sums(leaves):
+    """Sums over every read node: levels 0..read_levels(T)-1, complete blocks of 2^l leaves."""
+    out = []
+    for level in range(read_levels(T)):
+        width = 1 << level
+        complete = len(leaves) // width
+        out.append(leaves[: complete * width].reshape(complete, width).sum(axis=1))
+    return np.concatenate(out)
+
+
+def _dataset(rng):
+    users = {f"u{u}": _records(rng, f"u{u}", rng.randint(1, 2 * C + 2)) for u in range(8)}
+    extra = _records(rng, "extra", rng.randint(C + 1, 4 * C))
+    return users, extra
+
+
+@lru_cache(maxsize=None)
+def _plan(aggregate):
+    kw = dict(aggregate="sum", clamp=L, resolution=RESOLUTION) if aggregate == "sum" else {}
+    return plan_query(QueryBudget(epsilon=1.0, delta=1e-6, triggers=T, contribution_bound=C, **kw))
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_one_extra_user_stays_within_the_accounted_sensitivity(seed):
+    rng = random.Random(seed)
+    users, extra = _dataset(rng)
+    if seed % 3 == 0:  # worst case: every record on one key, one trigger, at +L
+        key, trigger = rng.choice(KEYS), rng.randint(1, T)
+        extra = [(f"extra/{i}".encode(), key, trigger, 10 * L) for i in range(2 * C)]
+    select0, perturb0 = _aggregate(users)
+    select1, perturb1 = _aggregate({**users, "extra": extra})
+
+    h = read_levels(T)
+    sel_diff = {k: select1[k] - select0[k] for k in KEYS}
+    per_diff = {k: perturb1[k] - perturb0[k] for k in KEYS}
+    # (i) key selection: each key's round tree changes by <= 1 (one new user), on <= C keys
+    assert all(np.abs(d).sum() <= 1 and (d >= 0).all() for d in sel_diff.values())
+    assert sum(bool(d.any()) for d in sel_diff.values()) <= C
+    # (ii) perturbation: <= C*L per key, and <= C*L summed over keys (values in grid units)
+    per_l1 = {k: int(np.abs(d).sum()) for k, d in per_diff.items()}
+    assert max(per_l1.values()) <= C * MAX_UNITS
+    assert sum(per_l1.values()) <= C * MAX_UNITS
+    # (iii) over every read node of every tree: squared L2 change <= h (C L)^2 (perturbation)
+    # and <= C h (key selection): the rho the plan charges
+    per_l2sq = sum(float(np.sum(_node_sums(d) ** 2)) for d in per_diff.values())
+    sel_l2sq = sum(float(np.sum(_node_sums(d) ** 2)) for d in sel_diff.values())
+    assert per_l2sq <= h * (C * MAX_UNITS) ** 2
+    assert sel_l2sq <= C * h
+    plan = _plan("sum")
+    assert plan.resolution == RESOLUTION and plan.perturbation_sensitivity_units == C * MAX_UNITS
+    assert plan.rho_perturbation == pytest.approx(h * (C * L) ** 2 / (2 * plan.sigma_perturbation**2), rel=1e-12)
+    assert (per_l2sq * RESOLUTION**2) / (2 * plan.sigma_perturbation**2) <= plan.rho_perturbation * (1 + 1e-12)
+    assert sel_l2sq / (2 * plan.sigma_key_selection**2) <= plan.rho_key_selection * (1 + 1e-12)
+    if seed % 3 == 0:
+        # the worst case is attained: one key, all C records (+L each) in one leaf; at leaf 1 every
+        # one of the h read levels has a complete node containing it
+        assert sum(per_l1.values()) == C * MAX_UNITS
+        if trigger == 1:
+            assert per_l2sq == h * (C * MAX_UNITS) ** 2
+
+
+def test_count_plan_sensitivity():
+    plan = _plan("count")
+    h = read_levels(T)
+    assert plan.perturbation_sensitivity_units == C
+    assert plan.rho_perturbation == pytest.approx(h * C**2 / (2 * plan.sigma_perturbation**2), rel=1e-12)
+    assert plan.rho_key_selection == pytest.approx(C * h / (2 * plan.sigma_key_selection**2), rel=1e-12)
+
+
+# --------------------------------------------------------------------------- ContributionBounder
+
+
+def test_admit_is_idempotent_on_replay():
+    bounder = ContributionBounder(C, L, RESOLUTION)
+    slots = b""
+    ids = [f"r{i}".encode() for i in range(C)]
+    for i, rid in enumerate(ids):
+        a = bounder.admit(slots, rid)
+        assert (a.slot, a.replay) == (i + 1, False)
+        slots = a.slots
+    for i, rid in enumerate(ids):
+        a = bounder.admit(slots, rid)
+        assert (a.slot, a.replay, a.slots) == (i + 1, True, slots)
+    full = bounder.admit(slots, b"another")
+    assert (full.slot, full.replay, full.slots) == (None, False, slots)
+    # replaying a rejected record is still rejected and changes nothing
+    assert bounder.admit(full.slots, b"another") == full
+
+
+@pytest.mark.parametrize("seed", range(50))
+def test_duplicates_in_shuffled_order_never_exceed_c(seed):
+    rng = random.Random(seed)
+    bounder = ContributionBounder(C, L, RESOLUTION)
+    ids = [f"rec-{seed}-{i}".encode() for i in range(rng.randint(1, 3 * C))]
+    stream = ids * 2
+    rng.shuffle(stream)
+    slots = b""
+    slot_of, first_order = {}, []
+    for rid in stream:
+        a = bounder.admit(slots, rid)
+        slots = a.slots
+        if rid in slot_of:
+            assert a.slot == slot_of[rid]  # same record, same slot (or rejected again)
+            assert a.replay == (a.slot is not None)
+        else:
+            slot_of[rid] = a.slot
+            first_order.append(rid)
+    admitted = [rid for rid, s in slot_of.items() if s is not None]
+    assert len(admitted) == min(C, len(ids))
+    assert sorted(slot_of[r] for r in admitted) == list(range(1, len(admitted) + 1))
+    assert admitted == first_order[: len(admitted)]  # the first C distinct records win
+    assert len(slots) == FINGERPRINT_BYTES * len(admitted)
+
+
+def test_units_clamp_and_grid():
+    bounder = ContributionBounder(C, L, RESOLUTION)  # L = 2, grid 0.5: |units| <= 4
+    cases = {0.0: 0, 0.26: 1, 0.24: 0, 0.25: 0, 0.75: 2, -0.75: -2, 1.9: 4, 2.0: 4, 2.1: 4, 1e9: 4, -1e9: -4, -2.0: -4}
+    for value, units in cases.items():
+        assert bounder.units(value) == units, value
+        assert isinstance(bounder.units(value), int)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        with pytest.raises(ValueError):
+            bounder.units(bad)
+    assert ContributionBounder(1, 1.0).units(0.5) == 0 and ContributionBounder(1, 1.0).units(1.5) == 1
+
+
+def test_units_clamps_huge_finite_values():
+    """Regression: units(v) used to compute round(v / resolution) before clamping; for a finite v with
+    |v| / resolution > max float (here 1e308 / 0.5) that is round(inf) -> OverflowError, instead
+    of clamping to +-L. A finite value is valid input and must be clamped."""
+    bounder = ContributionBounder(C, L, RESOLUTION)
+    assert bounder.units(1e308) == MAX_UNITS
+    assert bounder.units(-1e308) == -MAX_UNITS
+
+
+def test_bounder_rejects_bad_bound():
+    with pytest.raises(ValueError):
+        ContributionBounder(0, 1.0)
