@@ -1,36 +1,29 @@
 """User contribution bounding (DP-SQLP section 3.2 and section 4.1 step 1; DESIGN.md section 12).
 
-Stage 1, partitioned by user: each (user, privacy unit) admits at most C records; every admitted
-record gets a *slot* 1..C. The slot list is the per-user state: the fingerprints of the admitted
-records in admission order. Admission is idempotent: a replayed record (same record id, e.g. its
-Kafka partition and offset or its line in a replayed file) gets its original slot back instead
-of a new one, so at-least-once delivery cannot push a user past C. Downstream, stage 2 keeps at
-most one contribution per (user, slot); since a slot always names the same record, and so the
-same key, that de-duplication can happen per key partition.
+Stage 1, partitioned by user: each (user, window) - the privacy unit - admits at most C records,
+the first C in arrival order; each admitted record gets a *slot* 1..C. The per-user state is just
+the number of admitted records. Values are clamped to ``|v| <= L`` and put on the accountant's
+grid (``round(v / resolution)`` grid units, ties to even): the integer data the perturbation
+tree's discrete noise needs.
 
-Values are clamped to ``|v| <= L`` and put on the accountant's grid (``round(v / resolution)``
-grid units, ties to even), the integer data the perturbation tree's discrete noise needs.
+Why this cannot be pushed past C by at-least-once delivery: slot assignment is a deterministic
+function of the prior count and the arrival order. The runner stores the input position with the
+counts in one atomic write, so input it has already counted is skipped after a restart; and if
+stage 1's *output* is delivered twice, both copies carry the same (user, slot), which stage 2
+counts once per key. A user therefore never has more than C counted contributions.
 """
 from __future__ import annotations
 
-import hashlib
-import math
 from dataclasses import dataclass
-from typing import Optional
 
-FINGERPRINT_BYTES = 8
-
-
-def record_fingerprint(record_id: bytes) -> bytes:
-    """Short stable digest of a record's identity (never of its content)."""
-    return hashlib.blake2b(record_id, digest_size=FINGERPRINT_BYTES, person=b"dpstream-slot").digest()
+import numpy as np
 
 
 @dataclass(frozen=True)
-class Admission:
-    slot: Optional[int]  # 1..C, or None when the record is beyond the bound
-    replay: bool  # the record was admitted before (same slot returned)
-    slots: bytes  # the user's new slot state (concatenated fingerprints)
+class SlotAssignment:
+    slots: np.ndarray  # int64 per record: prior count + rank among its group's records + 1
+    admitted: np.ndarray  # bool per record: slot <= C
+    counts: np.ndarray  # int64 per group: admitted records after this batch (<= C)
 
 
 class ContributionBounder:
@@ -40,22 +33,28 @@ class ContributionBounder:
         self.contribution_bound = int(contribution_bound)
         self.clamp = float(clamp)
         self.resolution = float(resolution)
-        self._max_units = int(round(self.clamp / self.resolution))
 
-    def admit(self, slots: bytes, record_id: bytes) -> Admission:
-        """Admit one record of a user given the user's slot state ``slots``."""
-        fp = record_fingerprint(record_id)
-        used = len(slots) // FINGERPRINT_BYTES
-        for i in range(used):
-            if slots[i * FINGERPRINT_BYTES:(i + 1) * FINGERPRINT_BYTES] == fp:
-                return Admission(i + 1, True, slots)
-        if used >= self.contribution_bound:
-            return Admission(None, False, slots)
-        return Admission(used + 1, False, slots + fp)
+    def assign_slots(self, prior: np.ndarray, group_of: np.ndarray) -> SlotAssignment:
+        """Slots for a batch of records. ``group_of[r]``: index of record r's (user, window) group,
+        records in arrival order; ``prior[g]``: records group g admitted before this batch."""
+        prior = np.asarray(prior, dtype=np.int64)
+        group_of = np.asarray(group_of, dtype=np.int64)
+        order = np.argsort(group_of, kind="stable")
+        sorted_groups = group_of[order]
+        start = np.ones(len(order), dtype=bool)
+        start[1:] = sorted_groups[1:] != sorted_groups[:-1]
+        first = np.nonzero(start)[0]
+        rank = np.empty(len(order), dtype=np.int64)
+        rank[order] = np.arange(len(order)) - np.repeat(first, np.diff(np.append(first, len(order))))
+        slots = prior[group_of] + rank + 1
+        admitted = slots <= self.contribution_bound
+        counts = np.minimum(prior + np.bincount(group_of, minlength=len(prior)), np.maximum(prior, self.contribution_bound))
+        return SlotAssignment(slots, admitted, counts)
 
-    def units(self, value: float) -> int:
-        """Clamp to [-L, L] and express on the grid (integer units)."""
-        if not math.isfinite(value):
+    def units(self, values):
+        """Clamp to [-L, L] and express on the grid (integer units). Rejects non-finite values."""
+        arr = np.asarray(values, dtype=np.float64)
+        if not np.isfinite(arr).all():
             raise ValueError("value must be finite")
-        clamped = max(-self.clamp, min(self.clamp, value))
-        return round(clamped / self.resolution)
+        units = np.rint(np.clip(arr, -self.clamp, self.clamp) / self.resolution).astype(np.int64)
+        return int(units) if units.ndim == 0 else units

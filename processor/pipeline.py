@@ -36,6 +36,7 @@ from typing import Optional
 import numpy as np
 
 from accountant.calibration import prefix_variance_factor
+from processor.bounding import ContributionBounder
 from processor.config import QueryConfig, parse_duration_ms, plan_for
 from processor.key_selection import KeySelector, SelectionBatch
 from processor.noise import NodeNoise
@@ -128,7 +129,7 @@ class QueryPipeline:
         self.stats = PipelineStats()
         plan = self.plan
         self.levels = KeySelector(plan, noise, query.name, 0).levels
-        self._max_units = int(round(plan.clamp / plan.resolution))
+        self.bounder = ContributionBounder(plan.contribution_bound, plan.clamp, plan.resolution)
         self._words = (plan.contribution_bound + 63) // 64
         self._pair_dtype = np.dtype([("round", "<u4"), ("bits", "<u8", (self._words,))])
         L = self.levels
@@ -172,28 +173,22 @@ class QueryPipeline:
         idx = np.nonzero(on_time)[0]
         window, trigger = window[idx], trigger[idx]
         users = events.users[idx]
-        units = np.clip(np.rint(events.values[idx] / self.plan.resolution), -self._max_units, self._max_units).astype(np.int64)
-        # group by (window, user) keeping arrival order inside each group
-        order = np.lexsort((np.arange(len(idx)), users, window))
-        w_sorted, u_sorted = window[order], users[order]
+        units = self.bounder.units(events.values[idx])
+        # group by (window, user): one contribution budget per privacy unit
+        order = np.lexsort((users, window))
         boundary = np.ones(len(order), dtype=bool)
-        boundary[1:] = (w_sorted[1:] != w_sorted[:-1]) | (u_sorted[1:] != u_sorted[:-1])
-        group_start = np.nonzero(boundary)[0]
-        group_of = np.cumsum(boundary) - 1
-        rank = np.arange(len(order)) - group_start[group_of]
-        gw, gu = w_sorted[group_start], u_sorted[group_start]
+        boundary[1:] = (window[order][1:] != window[order][:-1]) | (users[order][1:] != users[order][:-1])
+        group_of = np.empty(len(order), dtype=np.int64)
+        group_of[order] = np.cumsum(boundary) - 1
+        firsts = order[boundary]
+        gw, gu = window[firsts], users[firsts]
         state_keys = [sk.window_prefix(sk.USERS, self.qid, w) + int(u).to_bytes(8, "big") for w, u in zip(gw.tolist(), gu.tolist())]
         before = np.array([int.from_bytes(v, "little") if v else 0 for v in self.store.get_many(state_keys)], dtype=np.int64)
-        slot_sorted = before[group_of] + rank + 1
-        admitted_sorted = slot_sorted <= self.plan.contribution_bound
-        after = np.minimum(before + np.bincount(group_of, minlength=len(group_start)), self.plan.contribution_bound)
-        for key, b, a in zip(state_keys, before.tolist(), after.tolist()):
+        assigned = self.bounder.assign_slots(before, group_of)
+        for key, b, a in zip(state_keys, before.tolist(), assigned.counts.tolist()):
             if a != b:
                 batch.put(key, a.to_bytes(2, "little"))
-        slots = np.empty(len(order), dtype=np.int64)
-        slots[order] = slot_sorted
-        admitted = np.empty(len(order), dtype=bool)
-        admitted[order] = admitted_sorted
+        slots, admitted = assigned.slots, assigned.admitted
         self.stats.dropped["contribution_bound"] += int(len(order) - admitted.sum())
         keep = idx[admitted]
         return BoundedRecords(window[admitted], trigger[admitted], events.key_ids[keep], events.keys[keep], users[admitted], slots[admitted], units[admitted])
