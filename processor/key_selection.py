@@ -27,7 +27,7 @@ from typing import Sequence
 import numpy as np
 
 from accountant.plan import PrivacyPlan
-from processor.noise import NodeNoise, TreeIdentity, discrete_gaussian
+from processor.noise import NodeNoise, discrete_gaussian
 from processor.tree import HonakerForest
 
 SELECT_KIND = "select"
@@ -56,6 +56,12 @@ class SelectionBatch:
 
     def __len__(self) -> int:
         return len(self.keys)
+
+    def take(self, idx: np.ndarray) -> "SelectionBatch":
+        """A copy of some rows (tree ids kept)."""
+        ids = None if self._tree_ids is None else self._tree_ids[idx].copy()
+        return SelectionBatch([self.keys[j] for j in idx], self.round[idx], self.start[idx], self.done[idx], self.count[idx],
+                              self.participations[idx], self.cache[idx], ids)
 
 
 @dataclass
@@ -86,10 +92,13 @@ class KeySelector:
         return SelectionBatch.new(keys, self.levels)
 
     def tree_ids(self, batch: SelectionBatch) -> np.ndarray:
+        """Ids of each key's current round tree (entries left empty are derived now)."""
         if batch._tree_ids is None:
-            batch._tree_ids = self.noise.tree_ids(
-                TreeIdentity(self.query, self.window_start, k, SELECT_KIND, int(r)) for k, r in zip(batch.keys, batch.round)
-            )
+            batch._tree_ids = np.zeros(len(batch), dtype="S12")
+        missing = np.nonzero(batch._tree_ids == b"")[0]
+        if len(missing):
+            batch._tree_ids[missing] = self.noise.tree_ids_for(
+                self.query, self.window_start, SELECT_KIND, [batch.keys[j] for j in missing], batch.round[missing].tolist())
         return batch._tree_ids
 
     def step(self, batch: SelectionBatch, trigger: int, new_users: np.ndarray) -> SelectionStep:
@@ -129,7 +138,8 @@ class KeySelector:
         batch.done[selected] = 0
         batch.count[selected] = 0
         batch.cache[selected] = np.nan
-        batch._tree_ids = None
+        if batch._tree_ids is not None:
+            batch._tree_ids[selected] = b""
 
     def predict(self, batch: SelectionBatch) -> np.ndarray:
         """Algorithm 4: for each key, the first trigger after its processed leaves at which it

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from decimal import Decimal, localcontext
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterable, Mapping, Optional
+from typing import Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
@@ -88,8 +88,19 @@ class TreeIdentity:
     round: int = 0
 
     def encode(self) -> bytes:
-        parts = [self.query.encode(), str(self.window_start).encode(), self.key.encode(), self.kind.encode(), str(self.round).encode()]
-        return b"".join(len(p).to_bytes(4, "little") + p for p in parts)
+        return _tree_prefix(self.query, self.window_start, self.kind) + _tree_suffix(self.key, self.round)
+
+
+def _field(data: bytes) -> bytes:
+    return len(data).to_bytes(4, "little") + data
+
+
+def _tree_prefix(query: str, window_start: int, kind: str) -> bytes:
+    return _field(query.encode()) + _field(str(int(window_start)).encode()) + _field(kind.encode())
+
+
+def _tree_suffix(key: str, round_: int) -> bytes:
+    return _field(key.encode()) + _field(str(int(round_)).encode())
 
 
 class DiscreteGaussian:
@@ -241,6 +252,18 @@ class NodeNoise:
 
     def tree_ids(self, identities: Iterable[TreeIdentity]) -> np.ndarray:
         return np.array([self.tree_id(i) for i in identities], dtype="S12")
+
+    def tree_ids_for(self, query: str, window_start: int, kind: str, keys: Sequence[str], rounds: Sequence[int]) -> np.ndarray:
+        """``tree_ids`` of (query, window, kind, key_j, round_j) for many keys, hashing the shared
+        prefix once (same ids as :meth:`tree_id`)."""
+        base = hashlib.blake2b(key=self._id_key, digest_size=12)
+        base.update(_tree_prefix(query, window_start, kind))
+        out = np.empty(len(keys), dtype="S12")
+        for j, (key, round_) in enumerate(zip(keys, rounds)):
+            h = base.copy()
+            h.update(_tree_suffix(key, round_))
+            out[j] = h.digest()
+        return out
 
     def uniforms(self, trees: np.ndarray, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """128-bit PRF outputs for each (tree id, node id) pair, as (hi, lo) uint64 words."""

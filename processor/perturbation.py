@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from accountant.plan import PrivacyPlan
-from processor.noise import NodeNoise, TreeIdentity, discrete_gaussian
+from processor.noise import NodeNoise, discrete_gaussian
 from processor.tree import HonakerForest
 
 
@@ -62,7 +62,7 @@ class HierarchicalPerturber:
 
     def tree_ids(self, batch: PerturbationBatch) -> np.ndarray:
         if batch._tree_ids is None:
-            batch._tree_ids = self.noise.tree_ids(TreeIdentity(self.query, self.window_start, k, self.kind, 0) for k in batch.keys)
+            batch._tree_ids = self.noise.tree_ids_for(self.query, self.window_start, self.kind, batch.keys, [0] * len(batch))
         return batch._tree_ids
 
     def release(self, batch: PerturbationBatch, trigger: int, delta_units: np.ndarray) -> np.ndarray:

@@ -48,6 +48,36 @@ from topics.records import encode_json, key_for_output, release_record
 _ABSENT_ROUND = np.uint32(0xFFFFFFFF)
 
 
+def _new_round_users(kidx: np.ndarray, users: np.ndarray, set_key: np.ndarray, set_user: np.ndarray):
+    """(key index, user) pairs of the micro-batch not yet in their key's current-round user set,
+    sorted by (key, user), each once."""
+    if not len(kidx):
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.uint64)
+    # known pairs first (flag 0) so a batch pair equal to its predecessor is either known or repeated
+    key = np.concatenate([set_key, kidx.astype(np.int64)])
+    user = np.concatenate([set_user, users.astype(np.uint64)])
+    flag = np.concatenate([np.zeros(len(set_key), dtype=np.int8), np.ones(len(kidx), dtype=np.int8)])
+    order = np.lexsort((flag, user, key))
+    key, user, flag = key[order], user[order], flag[order]
+    fresh = flag == 1
+    fresh[1:] &= (key[1:] != key[:-1]) | (user[1:] != user[:-1])
+    return key[fresh], user[fresh]
+
+
+def _group_users(key: np.ndarray, user: np.ndarray, n: int, keep: np.ndarray):
+    """Per key index j, the sorted users (as bytes) of its current round; empty where ~keep[j]."""
+    order = np.lexsort((user, key))
+    key = key[order]
+    bounds = np.searchsorted(key, np.arange(n + 1)).tolist()
+    raw = user[order].astype("<u8").tobytes()
+    keep = keep.tolist()
+
+    def users_of(j: int) -> bytes:
+        return raw[bounds[j] * 8:bounds[j + 1] * 8] if keep[j] else b""
+
+    return users_of
+
+
 def _ordered(releases: list[dict]) -> list[dict]:
     """Releases of one trigger in a fixed order (by key), for byte-identical output."""
     return sorted(releases, key=lambda r: json.dumps(r["key"], ensure_ascii=False))
@@ -130,13 +160,12 @@ class QueryPipeline:
         plan = self.plan
         self.levels = KeySelector(plan, noise, query.name, 0).levels
         self.bounder = ContributionBounder(plan.contribution_bound, plan.clamp, plan.resolution)
-        self._words = (plan.contribution_bound + 63) // 64
-        self._pair_dtype = np.dtype([("round", "<u4"), ("bits", "<u8", (self._words,))])
         L = self.levels
         self._row = np.dtype([
             ("round", "<u4"), ("start", "<u4"), ("done", "<u4"), ("predicted", "<u4"),
             ("count", "<i8"), ("participations", "<i8"), ("buffer", "<i8"), ("released", "<i8"),
-            ("pdone", "<u4"), ("pad", "<u4"), ("sel_cache", "<f8", (L,)), ("pcache", "<f8", (L,)),
+            ("pdone", "<u4"), ("text_len", "<u4"), ("sel_tree", "S12"), ("pert_tree", "S12"),
+            ("sel_cache", "<f8", (L,)), ("pcache", "<f8", (L,)),
         ])
         self._progress: dict[int, int] = {}
         for key, value in store.scan_prefix(sk.PROGRESS + self.qid):
@@ -248,140 +277,156 @@ class QueryPipeline:
             return self.journaled(window, trigger)
         if trigger != done + 1:
             raise ValueError(f"trigger {trigger} of window {window} fired out of order (last fired: {done})")
-        T = self.schedule.triggers
         batch = WriteBatch()
-        # --- the micro-batch
-        pend_prefix = sk.trigger_prefix(sk.PENDING, self.qid, window, trigger)
-        parts, texts = [], {}
-        for key, blob in self.store.scan_prefix(pend_prefix):
-            arrays, key_texts = self._unpack(blob)
-            parts.append(arrays[:4])
-            texts.update(zip(arrays[4].tolist(), key_texts))
-            batch.delete(key)
-        if parts:
-            rec_key, rec_user, rec_slot, rec_units = (np.concatenate([p[c] for p in parts]) for c in range(4))
-        else:
-            rec_key = rec_user = np.zeros(0, dtype=np.uint64)
-            rec_slot = rec_units = np.zeros(0, dtype=np.int64)
-        # --- keys: micro-batch + prediction index for this trigger
+        rec_key, rec_user, rec_units, texts = self._take_pending(window, trigger, batch)
+        # --- keys: micro-batch + prediction index for this trigger (never all keys)
         pred_prefix = sk.trigger_prefix(sk.PREDICTIONS, self.qid, window, trigger)
         predicted_keys = [k for k, _ in self.store.scan_prefix(pred_prefix)]
         for k in predicted_keys:
             batch.delete(k)
-        predicted_ids = sk.suffix_u64(predicted_keys, len(pred_prefix))
-        all_ids = np.unique(np.concatenate([rec_key.astype(np.uint64), predicted_ids]))
+        all_ids = np.unique(np.concatenate([rec_key, sk.suffix_u64(predicted_keys, len(pred_prefix))]))
         n = len(all_ids)
         self.stats.keys_loaded = n
-        rows, names = self._load_keys(window, all_ids, texts)
-        # --- distinct users per round, replay de-duplication
-        new_users = np.zeros(n, dtype=np.int64)
-        delta_units = np.zeros(n, dtype=np.int64)
-        if len(rec_key):
-            kidx = np.searchsorted(all_ids, rec_key)
-            self._count_contributions(window, all_ids, rows, kidx, rec_user, rec_slot.astype(np.int64), rec_units.astype(np.int64), new_users, delta_units, batch)
+        kidx = np.searchsorted(all_ids, rec_key)
         has_data = np.zeros(n, dtype=bool)
-        if len(rec_key):
-            has_data[np.unique(np.searchsorted(all_ids, rec_key))] = True
+        has_data[kidx] = True
+        rows, names, tails, set_key, set_user = self._load_keys(window, all_ids, texts, has_data)
+        # --- merge the micro-batch: new users per round, buffered aggregate
+        delta_units = np.zeros(n, dtype=np.int64)
+        np.add.at(delta_units, kidx, rec_units)
+        new_key, new_user = _new_round_users(kidx, rec_user, set_key, set_user)
+        new_users = np.bincount(new_key, minlength=n).astype(np.int64)
         rows["buffer"] += delta_units
         # --- key selection (Algorithm 2)
         selector = KeySelector(self.plan, self.noise, self.query.name, window)
         sel = SelectionBatch(names, rows["round"].astype(np.int64), rows["start"].astype(np.int64), rows["done"].astype(np.int64),
-                             rows["count"].copy(), rows["participations"].copy(), rows["sel_cache"].copy())
+                             rows["count"].copy(), rows["participations"].copy(), rows["sel_cache"].copy(),
+                             self._tree_ids(window, rows, "sel_tree", names, "select"))
         step = selector.step(sel, trigger, new_users)
         selected = step.selected
         # --- perturbation (Algorithm 3)
-        releases = []
-        if selected.any():
-            sidx = np.nonzero(selected)[0]
-            perturber = HierarchicalPerturber(self.plan, self.noise, self.query.name, window)
-            pb = PerturbationBatch([names[j] for j in sidx], rows["released"][sidx].copy(), rows["pdone"][sidx].astype(np.int64), rows["pcache"][sidx].copy())
-            values = perturber.release(pb, trigger, rows["buffer"][sidx])
-            rows["released"][sidx] = pb.released_units
-            rows["pdone"][sidx] = pb.done
-            rows["pcache"][sidx] = pb.cache
-            rows["buffer"][sidx] = 0
-            stddev = self.plan.sigma_perturbation * prefix_variance_factor(trigger) ** 0.5
-            for j, value in zip(sidx.tolist(), values.tolist()):
-                record = release_record(
-                    query=self.query.name, window_start=window, window_end=window + self.schedule.window_ms, trigger=trigger,
-                    trigger_time=self.schedule.trigger_time(window, trigger), key=key_for_output(names[j], self.query.key_fields),
-                    aggregate=self.query.aggregate, value=value, stddev=stddev, epsilon=self.plan.epsilon, delta=self.plan.delta,
-                )
-                releases.append(record)
-                batch.put(sk.trigger_prefix(sk.JOURNAL, self.qid, window, trigger) + int(all_ids[j]).to_bytes(8, "big"), encode_json(record))
-            self.stats.releases += len(sidx)
-            self.stats.keys_released.update((self.query.name, window, names[j]) for j in sidx.tolist())
-        for f, src in (("round", sel.round), ("start", sel.start), ("done", sel.done), ("count", sel.count), ("participations", sel.participations)):
-            rows[f] = src
+        releases = self._release(window, trigger, all_ids, rows, names, selected, batch) if selected.any() else []
+        for f in ("round", "start", "done", "count", "participations"):
+            rows[f] = getattr(sel, f)
         rows["sel_cache"] = sel.cache
+        rows["sel_tree"][selected] = b""  # a new round, a new tree: its id is derived on first use
         # --- when to look at each key next (section 4.3)
-        self._plan_visits(window, trigger, all_ids, rows, has_data, step.tested, selector, sel, batch)
-        # --- state, journal and progress in one atomic write
-        for j in range(n):
-            batch.put(sk.window_prefix(sk.KEYS, self.qid, window) + int(all_ids[j]).to_bytes(8, "big"), rows[j].tobytes() + names[j].encode())
+        self._plan_visits(window, trigger, all_ids, rows, has_data, selector, sel, batch)
+        # --- key states (with their round's users), journal and progress: one atomic write
+        users_of = _group_users(np.concatenate([set_key, new_key]), np.concatenate([set_user, new_user]), n, keep=~selected & has_data)
+        prefix = sk.window_prefix(sk.KEYS, self.qid, window)
+        encoded = [name.encode() for name in names]
+        rows["text_len"] = [len(e) for e in encoded]
+        raw, width = rows.tobytes(), self._row.itemsize
+        for j, key_id in enumerate(all_ids.tolist()):
+            users = users_of(j) if has_data[j] else (b"" if selected[j] else tails[j])
+            batch.put(prefix + key_id.to_bytes(8, "big"), raw[j * width:(j + 1) * width] + encoded[j] + users)
         batch.put(sk.window_prefix(sk.PROGRESS, self.qid, window), trigger.to_bytes(4, "little"))
         self.store.write(batch)
         self._progress[window] = trigger
         self.stats.triggers_fired += 1
-        if trigger == T:
+        if trigger == self.schedule.triggers:
             self.collect_window(window)
         return _ordered(releases)
 
-    def _load_keys(self, window: int, ids: np.ndarray, texts: dict) -> tuple[np.ndarray, list[str]]:
+    def _take_pending(self, window: int, trigger: int, batch: WriteBatch):
+        """The trigger's micro-batch, with replayed stage-1 output removed.
+
+        Stage 1 gives each admitted record a (user, slot), and a replayed copy carries the same
+        pair and the same event time, hence lands in this same bucket: keeping the first record
+        per (user, slot) here is the de-duplication of DESIGN.md section 12.
+        """
+        parts, texts = [], {}
+        for key, blob in self.store.scan_prefix(sk.trigger_prefix(sk.PENDING, self.qid, window, trigger)):
+            arrays, key_texts = self._unpack(blob)
+            parts.append(arrays[:4])
+            texts.update(zip(arrays[4].tolist(), key_texts))
+            batch.delete(key)
+        if not parts:
+            empty = np.zeros(0, dtype=np.uint64)
+            return empty, empty, np.zeros(0, dtype=np.int64), texts
+        rec_key, rec_user, rec_slot, rec_units = (np.concatenate([p[c] for p in parts]) for c in range(4))
+        order = np.lexsort((np.arange(len(rec_user)), rec_slot, rec_user))
+        u, sl = rec_user[order], rec_slot[order]
+        first = np.ones(len(order), dtype=bool)
+        first[1:] = (u[1:] != u[:-1]) | (sl[1:] != sl[:-1])
+        keep = np.sort(order[first])
+        self.stats.dropped["duplicate"] += int(len(rec_user) - len(keep))
+        return rec_key[keep].astype(np.uint64), rec_user[keep].astype(np.uint64), rec_units[keep].astype(np.int64), texts
+
+    def _release(self, window, trigger, all_ids, rows, names, selected, batch) -> list[dict]:
+        sidx = np.nonzero(selected)[0]
+        perturber = HierarchicalPerturber(self.plan, self.noise, self.query.name, window)
+        sub = rows[sidx]
+        pb = PerturbationBatch([names[j] for j in sidx], sub["released"].copy(), sub["pdone"].astype(np.int64), sub["pcache"].copy(),
+                               self._tree_ids(window, sub, "pert_tree", [names[j] for j in sidx], perturber.kind))
+        rows["pert_tree"][sidx] = sub["pert_tree"]
+        values = perturber.release(pb, trigger, rows["buffer"][sidx])
+        rows["released"][sidx] = pb.released_units
+        rows["pdone"][sidx] = pb.done
+        rows["pcache"][sidx] = pb.cache
+        rows["buffer"][sidx] = 0
+        stddev = self.plan.sigma_perturbation * prefix_variance_factor(trigger) ** 0.5
+        journal = sk.trigger_prefix(sk.JOURNAL, self.qid, window, trigger)
+        releases = []
+        for j, value in zip(sidx.tolist(), values.tolist()):
+            record = release_record(
+                query=self.query.name, window_start=window, window_end=window + self.schedule.window_ms, trigger=trigger,
+                trigger_time=self.schedule.trigger_time(window, trigger), key=key_for_output(names[j], self.query.key_fields),
+                aggregate=self.query.aggregate, value=value, stddev=stddev, epsilon=self.plan.epsilon, delta=self.plan.delta,
+            )
+            releases.append(record)
+            batch.put(journal + int(all_ids[j]).to_bytes(8, "big"), encode_json(record))
+        self.stats.releases += len(sidx)
+        self.stats.keys_released.update((self.query.name, window, names[j]) for j in sidx.tolist())
+        return releases
+
+    def _tree_ids(self, window: int, rows: np.ndarray, field_name: str, names: list, kind: str) -> np.ndarray:
+        """Tree ids cached in the key rows; missing ones (new key or new round) derived and stored."""
+        ids = rows[field_name]
+        missing = np.nonzero(ids == b"")[0]
+        if len(missing):
+            rounds = rows["round"][missing].tolist() if kind == "select" else [0] * len(missing)
+            ids[missing] = self.noise.tree_ids_for(self.query.name, window, kind, [names[j] for j in missing], rounds)
+        return ids.copy()
+
+    def _load_keys(self, window: int, ids: np.ndarray, texts: dict, with_users: np.ndarray):
+        """Key states (fixed rows), key texts, each key's current-round users as raw bytes, and,
+        for the keys in ``with_users``, the same users as (key index, user) arrays."""
         prefix = sk.window_prefix(sk.KEYS, self.qid, window)
-        values = self.store.get_many([prefix + int(i).to_bytes(8, "big") for i in ids.tolist()])
+        values = self.store.get_many([prefix + i.to_bytes(8, "big") for i in ids.tolist()])
         width = self._row.itemsize
         rows = np.zeros(len(ids), dtype=self._row)
         rows["start"] = 1
         rows["sel_cache"] = np.nan
         rows["pcache"] = np.nan
-        names = []
         present = [j for j, v in enumerate(values) if v is not None]
         if present:
             rows[present] = np.frombuffer(b"".join(values[j][:width] for j in present), dtype=self._row)
+        names, tails, user_blobs, owners, counts = [], [], [], [], []
+        text_len = rows["text_len"].tolist()
+        wanted = with_users.tolist()
         for j, (i, v) in enumerate(zip(ids.tolist(), values)):
-            names.append(v[width:].decode() if v is not None else texts[i])
-        return rows, names
+            if v is None:
+                names.append(texts[i])
+                tails.append(b"")
+                continue
+            end = width + text_len[j]
+            names.append(v[width:end].decode())
+            tail = v[end:]
+            tails.append(tail)
+            if tail and wanted[j]:
+                user_blobs.append(tail)
+                owners.append(j)
+                counts.append(len(tail) // 8)
+        if user_blobs:
+            set_user = np.frombuffer(b"".join(user_blobs), dtype="<u8").astype(np.uint64)
+            set_key = np.repeat(np.array(owners, dtype=np.int64), counts)
+        else:
+            set_user, set_key = np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.int64)
+        return rows, names, tails, set_key, set_user
 
-    def _count_contributions(self, window, all_ids, rows, kidx, users, slots, units, new_users, delta_units, batch) -> None:
-        """Drop (user, slot) pairs already counted for the key; count users new to the round."""
-        order = np.lexsort((np.arange(len(kidx)), users, kidx))
-        k_s, u_s, s_s = kidx[order], users[order], slots[order]
-        boundary = np.ones(len(order), dtype=bool)
-        boundary[1:] = (k_s[1:] != k_s[:-1]) | (u_s[1:] != u_s[:-1])
-        pair_of = np.cumsum(boundary) - 1
-        first = np.nonzero(boundary)[0]
-        pair_k, pair_u = k_s[first], u_s[first]
-        prefix = sk.window_prefix(sk.CONTRIBUTIONS, self.qid, window)
-        pair_keys = sk.fixed_keys(prefix, all_ids[pair_k], pair_u)
-        stored = self.store.get_many(pair_keys)
-        pairs = np.zeros(len(first), dtype=self._pair_dtype)
-        pairs["round"] = _ABSENT_ROUND
-        present = [j for j, v in enumerate(stored) if v is not None]
-        if present:
-            pairs[present] = np.frombuffer(b"".join(stored[j] for j in present), dtype=self._pair_dtype)
-        word = (s_s - 1) // 64
-        bit = np.left_shift(np.uint64(1), ((s_s - 1) % 64).astype(np.uint64))
-        seen_before = (pairs["bits"][pair_of, word] & bit) != 0
-        # the same (pair, slot) twice inside this micro-batch: keep the first
-        dup_in_batch = np.ones(len(order), dtype=bool)
-        _, first_occurrence = np.unique(np.stack([pair_of, s_s], axis=1), axis=0, return_index=True)
-        dup_in_batch[first_occurrence] = False
-        valid = ~seen_before & ~dup_in_batch
-        self.stats.dropped["duplicate"] += int(len(order) - valid.sum())
-        np.bitwise_or.at(pairs["bits"], (pair_of[valid], word[valid]), bit[valid])
-        pair_has_valid = np.bincount(pair_of[valid], minlength=len(first)) > 0
-        key_round = rows["round"][pair_k]
-        fresh = pair_has_valid & (pairs["round"] != key_round)
-        pairs["round"][fresh] = key_round[fresh]
-        np.add.at(new_users, pair_k[fresh], 1)
-        np.add.at(delta_units, k_s[valid], units[order][valid])
-        raw = pairs.tobytes()
-        width = self._pair_dtype.itemsize
-        for j in np.nonzero(pair_has_valid)[0].tolist():
-            batch.put(pair_keys[j], raw[j * width:(j + 1) * width])
-
-    def _plan_visits(self, window, trigger, all_ids, rows, has_data, tested, selector, sel, batch) -> None:
+    def _plan_visits(self, window, trigger, all_ids, rows, has_data, selector, sel, batch) -> None:
         T = self.schedule.triggers
         prefix = sk.window_prefix(sk.PREDICTIONS, self.qid, window)
         old = rows["predicted"].astype(np.int64)
@@ -393,9 +438,7 @@ class QueryPipeline:
             # keys looked at without data: full release prediction (Algorithm 4)
             idle = np.nonzero(~has_data & open_gate)[0]
             if len(idle):
-                sub = SelectionBatch([sel.keys[j] for j in idle], sel.round[idle], sel.start[idle], sel.done[idle], sel.count[idle],
-                                     sel.participations[idle], sel.cache[idle])
-                nxt[idle] = selector.predict(sub)
+                nxt[idle] = selector.predict(sel.take(idle))
         stale = np.nonzero((old > trigger) & (old != nxt))[0]
         for j in stale.tolist():
             batch.delete(prefix + int(old[j]).to_bytes(4, "big") + int(all_ids[j]).to_bytes(8, "big"))

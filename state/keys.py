@@ -9,8 +9,7 @@ are big-endian so scans come back in trigger order. Group-by keys and users appe
 | --- | --- | --- |
 | ``u`` user slots (stage 1) | user | admitted records (u16) |
 | ``b`` pending micro-batch (stage 2 input) | trigger (4), seq (8) | packed bounded records |
-| ``c`` (key, user) contribution | key, user | round counted (u32) + slot bitmap |
-| ``k`` key state | key | fixed row + key text |
+| ``k`` key state | key | fixed row + key text + users of the current round (u64 each) |
 | ``p`` prediction / visit index | trigger (4), key | empty |
 | ``j`` release journal | trigger (4), key | release record JSON |
 | ``g`` window progress | (none) | last fired trigger (u32) |
@@ -24,14 +23,13 @@ import numpy as np
 
 USERS = b"u"
 PENDING = b"b"
-CONTRIBUTIONS = b"c"
 KEYS = b"k"
 PREDICTIONS = b"p"
 JOURNAL = b"j"
 PROGRESS = b"g"
 META = b"m"
 
-WINDOW_TABLES = (USERS, PENDING, CONTRIBUTIONS, KEYS, PREDICTIONS)
+WINDOW_TABLES = (USERS, PENDING, KEYS, PREDICTIONS)
 
 
 def query_id(name: str) -> bytes:
