@@ -58,3 +58,40 @@ class ContributionBounder:
             raise ValueError("value must be finite")
         units = np.rint(np.clip(arr, -self.clamp, self.clamp) / self.resolution).astype(np.int64)
         return int(units) if units.ndim == 0 else units
+
+
+@dataclass(frozen=True)
+class LastContributions:
+    previous: np.ndarray  # per record: trigger of the user's previous admitted record for the key (0: none)
+    group: np.ndarray  # updated state, sorted by (group, key): one entry per (group, key)
+    key: np.ndarray
+    trigger: np.ndarray
+
+
+def last_contributions(group_of: np.ndarray, key_ids: np.ndarray, triggers: np.ndarray,
+                       state_group: np.ndarray, state_key: np.ndarray, state_trigger: np.ndarray) -> LastContributions:
+    """For admitted records (arrival order), the trigger of the same user's previous record for the
+    same key, from the batch itself or from the user's state; and the updated state.
+
+    Stage 2 counts a user as *new to a key's current round* (the unit of key selection, DP-SQLP
+    Algorithm 2) iff that previous trigger is before the round's first trigger. Stage 1 has the
+    user's state loaded anyway, so this needs no per-(key, user) state in stage 2. Each admitted
+    record is new to at most one round, so a user still joins at most C round trees.
+    """
+    n_state = len(state_group)
+    group = np.concatenate([np.asarray(state_group, dtype=np.int64), np.asarray(group_of, dtype=np.int64)])
+    key = np.concatenate([np.asarray(state_key, dtype=np.uint64), np.asarray(key_ids, dtype=np.uint64)])
+    trig = np.concatenate([np.asarray(state_trigger, dtype=np.int64), np.asarray(triggers, dtype=np.int64)])
+    position = np.concatenate([np.full(n_state, -1, dtype=np.int64), np.arange(len(group_of), dtype=np.int64)])
+    order = np.lexsort((position, key, group))
+    g, k, t, pos = group[order], key[order], trig[order], position[order]
+    same_as_before = np.zeros(len(order), dtype=bool)
+    same_as_before[1:] = (g[1:] == g[:-1]) & (k[1:] == k[:-1])
+    prev_sorted = np.zeros(len(order), dtype=np.int64)
+    prev_sorted[1:] = np.where(same_as_before[1:], t[:-1], 0)
+    previous = np.zeros(len(group_of), dtype=np.int64)
+    is_record = pos >= 0
+    previous[pos[is_record]] = prev_sorted[is_record]
+    last = np.ones(len(order), dtype=bool)
+    last[:-1] = ~same_as_before[1:]
+    return LastContributions(previous, g[last], k[last], t[last])

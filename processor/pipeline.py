@@ -36,7 +36,7 @@ from typing import Optional
 import numpy as np
 
 from accountant.calibration import prefix_variance_factor
-from processor.bounding import ContributionBounder
+from processor.bounding import ContributionBounder, last_contributions
 from processor.config import QueryConfig, parse_duration_ms, plan_for
 from processor.key_selection import KeySelector, SelectionBatch
 from processor.noise import NodeNoise
@@ -48,34 +48,25 @@ from topics.records import encode_json, key_for_output, release_record
 _ABSENT_ROUND = np.uint32(0xFFFFFFFF)
 
 
-def _new_round_users(kidx: np.ndarray, users: np.ndarray, set_key: np.ndarray, set_user: np.ndarray):
-    """(key index, user) pairs of the micro-batch not yet in their key's current-round user set,
-    sorted by (key, user), each once."""
-    if not len(kidx):
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.uint64)
-    # known pairs first (flag 0) so a batch pair equal to its predecessor is either known or repeated
-    key = np.concatenate([set_key, kidx.astype(np.int64)])
-    user = np.concatenate([set_user, users.astype(np.uint64)])
-    flag = np.concatenate([np.zeros(len(set_key), dtype=np.int8), np.ones(len(kidx), dtype=np.int8)])
-    order = np.lexsort((flag, user, key))
-    key, user, flag = key[order], user[order], flag[order]
-    fresh = flag == 1
-    fresh[1:] &= (key[1:] != key[:-1]) | (user[1:] != user[:-1])
-    return key[fresh], user[fresh]
+_USER_ENTRY = np.dtype([("key", "<u8"), ("trigger", "<u4")])
 
 
-def _group_users(key: np.ndarray, user: np.ndarray, n: int, keep: np.ndarray):
-    """Per key index j, the sorted users (as bytes) of its current round; empty where ~keep[j]."""
-    order = np.lexsort((user, key))
-    key = key[order]
-    bounds = np.searchsorted(key, np.arange(n + 1)).tolist()
-    raw = user[order].astype("<u8").tobytes()
-    keep = keep.tolist()
-
-    def users_of(j: int) -> bytes:
-        return raw[bounds[j] * 8:bounds[j + 1] * 8] if keep[j] else b""
-
-    return users_of
+def _parse_user_states(values: list) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Stage-1 user states: admitted count (u16) then (key, last trigger) entries, one per key."""
+    before = np.zeros(len(values), dtype=np.int64)
+    blobs, owners, sizes = [], [], []
+    for g, v in enumerate(values):
+        if v:
+            before[g] = int.from_bytes(v[:2], "little")
+            if len(v) > 2:
+                blobs.append(v[2:])
+                owners.append(g)
+                sizes.append((len(v) - 2) // _USER_ENTRY.itemsize)
+    if not blobs:
+        return before, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.int64)
+    entries = np.frombuffer(b"".join(blobs), dtype=_USER_ENTRY)
+    group = np.repeat(np.array(owners, dtype=np.int64), sizes)
+    return before, group, entries["key"].astype(np.uint64), entries["trigger"].astype(np.int64)
 
 
 def _ordered(releases: list[dict]) -> list[dict]:
@@ -108,12 +99,24 @@ class BoundedRecords:
     users: np.ndarray  # uint64
     slots: np.ndarray  # int64, 1..C
     units: np.ndarray  # int64, value on the grid
+    previous: np.ndarray  # int64, trigger of the user's previous record for this key (0: none)
 
     def __len__(self) -> int:
         return len(self.slots)
 
     def take(self, index) -> "BoundedRecords":
         return BoundedRecords(*(getattr(self, f)[index] for f in self.__dataclass_fields__))
+
+
+@dataclass
+class MicroBatch:
+    """What stage 2 merges at a trigger: de-duplicated bounded records and new keys' texts."""
+
+    key_ids: np.ndarray
+    users: np.ndarray
+    previous: np.ndarray
+    units: np.ndarray
+    texts: dict
 
 
 @dataclass
@@ -164,7 +167,7 @@ class QueryPipeline:
         self._row = np.dtype([
             ("round", "<u4"), ("start", "<u4"), ("done", "<u4"), ("predicted", "<u4"),
             ("count", "<i8"), ("participations", "<i8"), ("buffer", "<i8"), ("released", "<i8"),
-            ("pdone", "<u4"), ("text_len", "<u4"), ("sel_tree", "S12"), ("pert_tree", "S12"),
+            ("pdone", "<u4"), ("pad", "<u4"), ("sel_tree", "S12"), ("pert_tree", "S12"),
             ("sel_cache", "<f8", (L,)), ("pcache", "<f8", (L,)),
         ])
         self._progress: dict[int, int] = {}
@@ -211,16 +214,23 @@ class QueryPipeline:
         group_of[order] = np.cumsum(boundary) - 1
         firsts = order[boundary]
         gw, gu = window[firsts], users[firsts]
-        state_keys = [sk.window_prefix(sk.USERS, self.qid, w) + int(u).to_bytes(8, "big") for w, u in zip(gw.tolist(), gu.tolist())]
-        before = np.array([int.from_bytes(v, "little") if v else 0 for v in self.store.get_many(state_keys)], dtype=np.int64)
+        state_keys = [sk.window_prefix(sk.USERS, self.qid, w) + u.to_bytes(8, "big") for w, u in zip(gw.tolist(), gu.tolist())]
+        before, st_group, st_key, st_trigger = _parse_user_states(self.store.get_many(state_keys))
         assigned = self.bounder.assign_slots(before, group_of)
-        for key, b, a in zip(state_keys, before.tolist(), assigned.counts.tolist()):
-            if a != b:
-                batch.put(key, a.to_bytes(2, "little"))
-        slots, admitted = assigned.slots, assigned.admitted
+        admitted = assigned.admitted
         self.stats.dropped["contribution_bound"] += int(len(order) - admitted.sum())
         keep = idx[admitted]
-        return BoundedRecords(window[admitted], trigger[admitted], events.key_ids[keep], events.keys[keep], users[admitted], slots[admitted], units[admitted])
+        last = last_contributions(group_of[admitted], events.key_ids[keep], trigger[admitted], st_group, st_key, st_trigger)
+        entries = np.empty(len(last.group), dtype=_USER_ENTRY)
+        entries["key"], entries["trigger"] = last.key, last.trigger
+        raw = entries.tobytes()
+        bounds = np.searchsorted(last.group, np.arange(len(state_keys) + 1)).tolist()
+        changed = (assigned.counts != before).tolist()
+        for g, (key, count) in enumerate(zip(state_keys, assigned.counts.tolist())):
+            if changed[g]:
+                batch.put(key, count.to_bytes(2, "little") + raw[bounds[g] * _USER_ENTRY.itemsize:bounds[g + 1] * _USER_ENTRY.itemsize])
+        return BoundedRecords(window[admitted], trigger[admitted], events.key_ids[keep], events.keys[keep], users[admitted],
+                              assigned.slots[admitted], units[admitted], last.previous)
 
     # ------------------------------------------------------------------ stage 2 input
     def accumulate(self, records: BoundedRecords, seq: int, batch: WriteBatch) -> None:
@@ -250,14 +260,14 @@ class QueryPipeline:
         texts = json.dumps([r.keys[j] for j in first.tolist()], ensure_ascii=False).encode()
         head = np.array([len(r), len(uniq)], dtype="<u4").tobytes()
         return b"".join([head, r.key_ids.astype("<u8").tobytes(), r.users.astype("<u8").tobytes(), r.slots.astype("<u2").tobytes(),
-                         r.units.astype("<i8").tobytes(), uniq.astype("<u8").tobytes(), texts])
+                         r.units.astype("<i8").tobytes(), r.previous.astype("<u4").tobytes(), uniq.astype("<u8").tobytes(), texts])
 
     @staticmethod
     def _unpack(blob: bytes):
         n, m = np.frombuffer(blob[:8], dtype="<u4").tolist()
         pos = 8
         out = []
-        for dtype, count in (("<u8", n), ("<u8", n), ("<u2", n), ("<i8", n), ("<u8", m)):
+        for dtype, count in (("<u8", n), ("<u8", n), ("<u2", n), ("<i8", n), ("<u4", n), ("<u8", m)):
             size = np.dtype(dtype).itemsize * count
             out.append(np.frombuffer(blob[pos:pos + size], dtype=dtype))
             pos += size
@@ -278,7 +288,8 @@ class QueryPipeline:
         if trigger != done + 1:
             raise ValueError(f"trigger {trigger} of window {window} fired out of order (last fired: {done})")
         batch = WriteBatch()
-        rec_key, rec_user, rec_units, texts = self._take_pending(window, trigger, batch)
+        micro = self._take_pending(window, trigger, batch)
+        rec_key, rec_prev, rec_units, texts = micro.key_ids, micro.previous, micro.units, micro.texts
         # --- keys: micro-batch + prediction index for this trigger (never all keys)
         pred_prefix = sk.trigger_prefix(sk.PREDICTIONS, self.qid, window, trigger)
         predicted_keys = [k for k, _ in self.store.scan_prefix(pred_prefix)]
@@ -290,12 +301,12 @@ class QueryPipeline:
         kidx = np.searchsorted(all_ids, rec_key)
         has_data = np.zeros(n, dtype=bool)
         has_data[kidx] = True
-        rows, names, tails, set_key, set_user = self._load_keys(window, all_ids, texts, has_data)
-        # --- merge the micro-batch: new users per round, buffered aggregate
+        rows, names = self._load_keys(window, all_ids, texts)
+        # --- merge the micro-batch: users new to each key's round (their previous record for the
+        # key came before the round started), buffered aggregate
         delta_units = np.zeros(n, dtype=np.int64)
         np.add.at(delta_units, kidx, rec_units)
-        new_key, new_user = _new_round_users(kidx, rec_user, set_key, set_user)
-        new_users = np.bincount(new_key, minlength=n).astype(np.int64)
+        new_users = np.bincount(kidx[rec_prev < rows["start"][kidx]], minlength=n).astype(np.int64)
         rows["buffer"] += delta_units
         # --- key selection (Algorithm 2)
         selector = KeySelector(self.plan, self.noise, self.query.name, window)
@@ -312,15 +323,12 @@ class QueryPipeline:
         rows["sel_tree"][selected] = b""  # a new round, a new tree: its id is derived on first use
         # --- when to look at each key next (section 4.3)
         self._plan_visits(window, trigger, all_ids, rows, has_data, selector, sel, batch)
-        # --- key states (with their round's users), journal and progress: one atomic write
-        users_of = _group_users(np.concatenate([set_key, new_key]), np.concatenate([set_user, new_user]), n, keep=~selected & has_data)
+        # --- key states, journal and progress: one atomic write
         prefix = sk.window_prefix(sk.KEYS, self.qid, window)
         encoded = [name.encode() for name in names]
-        rows["text_len"] = [len(e) for e in encoded]
         raw, width = rows.tobytes(), self._row.itemsize
         for j, key_id in enumerate(all_ids.tolist()):
-            users = users_of(j) if has_data[j] else (b"" if selected[j] else tails[j])
-            batch.put(prefix + key_id.to_bytes(8, "big"), raw[j * width:(j + 1) * width] + encoded[j] + users)
+            batch.put(prefix + key_id.to_bytes(8, "big"), raw[j * width:(j + 1) * width] + encoded[j])
         batch.put(sk.window_prefix(sk.PROGRESS, self.qid, window), trigger.to_bytes(4, "little"))
         self.store.write(batch)
         self._progress[window] = trigger
@@ -329,7 +337,7 @@ class QueryPipeline:
             self.collect_window(window)
         return _ordered(releases)
 
-    def _take_pending(self, window: int, trigger: int, batch: WriteBatch):
+    def _take_pending(self, window: int, trigger: int, batch: WriteBatch) -> "MicroBatch":
         """The trigger's micro-batch, with replayed stage-1 output removed.
 
         Stage 1 gives each admitted record a (user, slot), and a replayed copy carries the same
@@ -339,20 +347,21 @@ class QueryPipeline:
         parts, texts = [], {}
         for key, blob in self.store.scan_prefix(sk.trigger_prefix(sk.PENDING, self.qid, window, trigger)):
             arrays, key_texts = self._unpack(blob)
-            parts.append(arrays[:4])
-            texts.update(zip(arrays[4].tolist(), key_texts))
+            parts.append(arrays[:5])
+            texts.update(zip(arrays[5].tolist(), key_texts))
             batch.delete(key)
         if not parts:
-            empty = np.zeros(0, dtype=np.uint64)
-            return empty, empty, np.zeros(0, dtype=np.int64), texts
-        rec_key, rec_user, rec_slot, rec_units = (np.concatenate([p[c] for p in parts]) for c in range(4))
+            empty = np.zeros(0, dtype=np.int64)
+            return MicroBatch(np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.uint64), empty, empty, texts)
+        rec_key, rec_user, rec_slot, rec_units, rec_prev = (np.concatenate([p[c] for p in parts]) for c in range(5))
         order = np.lexsort((np.arange(len(rec_user)), rec_slot, rec_user))
         u, sl = rec_user[order], rec_slot[order]
         first = np.ones(len(order), dtype=bool)
         first[1:] = (u[1:] != u[:-1]) | (sl[1:] != sl[:-1])
         keep = np.sort(order[first])
         self.stats.dropped["duplicate"] += int(len(rec_user) - len(keep))
-        return rec_key[keep].astype(np.uint64), rec_user[keep].astype(np.uint64), rec_units[keep].astype(np.int64), texts
+        return MicroBatch(rec_key[keep].astype(np.uint64), rec_user[keep].astype(np.uint64), rec_prev[keep].astype(np.int64),
+                          rec_units[keep].astype(np.int64), texts)
 
     def _release(self, window, trigger, all_ids, rows, names, selected, batch) -> list[dict]:
         sidx = np.nonzero(selected)[0]
@@ -390,9 +399,8 @@ class QueryPipeline:
             ids[missing] = self.noise.tree_ids_for(self.query.name, window, kind, [names[j] for j in missing], rounds)
         return ids.copy()
 
-    def _load_keys(self, window: int, ids: np.ndarray, texts: dict, with_users: np.ndarray):
-        """Key states (fixed rows), key texts, each key's current-round users as raw bytes, and,
-        for the keys in ``with_users``, the same users as (key index, user) arrays."""
+    def _load_keys(self, window: int, ids: np.ndarray, texts: dict):
+        """Key states (fixed rows) and key texts; new keys get a fresh row."""
         prefix = sk.window_prefix(sk.KEYS, self.qid, window)
         values = self.store.get_many([prefix + i.to_bytes(8, "big") for i in ids.tolist()])
         width = self._row.itemsize
@@ -403,28 +411,8 @@ class QueryPipeline:
         present = [j for j, v in enumerate(values) if v is not None]
         if present:
             rows[present] = np.frombuffer(b"".join(values[j][:width] for j in present), dtype=self._row)
-        names, tails, user_blobs, owners, counts = [], [], [], [], []
-        text_len = rows["text_len"].tolist()
-        wanted = with_users.tolist()
-        for j, (i, v) in enumerate(zip(ids.tolist(), values)):
-            if v is None:
-                names.append(texts[i])
-                tails.append(b"")
-                continue
-            end = width + text_len[j]
-            names.append(v[width:end].decode())
-            tail = v[end:]
-            tails.append(tail)
-            if tail and wanted[j]:
-                user_blobs.append(tail)
-                owners.append(j)
-                counts.append(len(tail) // 8)
-        if user_blobs:
-            set_user = np.frombuffer(b"".join(user_blobs), dtype="<u8").astype(np.uint64)
-            set_key = np.repeat(np.array(owners, dtype=np.int64), counts)
-        else:
-            set_user, set_key = np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.int64)
-        return rows, names, tails, set_key, set_user
+        names = [texts[i] if v is None else v[width:].decode() for i, v in zip(ids.tolist(), values)]
+        return rows, names
 
     def _plan_visits(self, window, trigger, all_ids, rows, has_data, selector, sel, batch) -> None:
         T = self.schedule.triggers

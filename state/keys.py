@@ -7,9 +7,9 @@ are big-endian so scans come back in trigger order. Group-by keys and users appe
 
 | table | key suffix | value |
 | --- | --- | --- |
-| ``u`` user slots (stage 1) | user | admitted records (u16) |
+| ``u`` user state (stage 1) | user | admitted records (u16), then per key: key (u64), last trigger (u32) |
 | ``b`` pending micro-batch (stage 2 input) | trigger (4), seq (8) | packed bounded records |
-| ``k`` key state | key | fixed row + key text + users of the current round (u64 each) |
+| ``k`` key state | key | fixed row + key text |
 | ``p`` prediction / visit index | trigger (4), key | empty |
 | ``j`` release journal | trigger (4), key | release record JSON |
 | ``g`` window progress | (none) | last fired trigger (u32) |

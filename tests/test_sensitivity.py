@@ -176,3 +176,29 @@ def test_units_clamps_huge_finite_values():
 def test_bounder_rejects_bad_bound():
     with pytest.raises(ValueError):
         ContributionBounder(0, 1.0)
+
+
+# --------------------------------------------------------------------------- last_contributions
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_last_contributions_matches_a_plain_loop(seed):
+    from processor.bounding import last_contributions
+
+    rng = np.random.default_rng(seed)
+    groups, n = int(rng.integers(1, 6)), int(rng.integers(0, 40))
+    # prior state: at most one entry per (group, key)
+    state = {(int(g), int(k)): int(t) for g, k, t in zip(rng.integers(0, groups, 10), rng.integers(0, 5, 10), rng.integers(1, 9, 10))}
+    g = rng.integers(0, groups, n)
+    k = rng.integers(0, 5, n).astype(np.uint64)
+    t = np.sort(rng.integers(5, 20, n))
+    sg, sk_, st = (np.array([x[i] for x in [(a, b, c) for (a, b), c in state.items()]], dtype=np.int64) for i in range(3))
+    out = last_contributions(g, k, t, sg, sk_.astype(np.uint64), st)
+    last = dict(state)
+    expected = []
+    for gi, ki, ti in zip(g.tolist(), k.tolist(), t.tolist()):
+        expected.append(last.get((gi, ki), 0))
+        last[(gi, ki)] = ti
+    np.testing.assert_array_equal(out.previous, expected)
+    assert dict(zip(zip(out.group.tolist(), out.key.tolist()), out.trigger.tolist())) == last
+    assert list(zip(out.group.tolist(), out.key.tolist())) == sorted(last)  # sorted, one entry each
