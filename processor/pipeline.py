@@ -53,19 +53,19 @@ _USER_ENTRY = np.dtype([("key", "<u8"), ("trigger", "<u4")])
 
 def _parse_user_states(values: list) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Stage-1 user states: admitted count (u16) then (key, last trigger) entries, one per key."""
+    lengths = np.fromiter((len(v) if v else 0 for v in values), dtype=np.int64, count=len(values))
+    raw = np.frombuffer(b"".join(v for v in values if v), dtype=np.uint8)
+    starts = np.cumsum(lengths) - lengths
+    present = lengths > 0
     before = np.zeros(len(values), dtype=np.int64)
-    blobs, owners, sizes = [], [], []
-    for g, v in enumerate(values):
-        if v:
-            before[g] = int.from_bytes(v[:2], "little")
-            if len(v) > 2:
-                blobs.append(v[2:])
-                owners.append(g)
-                sizes.append((len(v) - 2) // _USER_ENTRY.itemsize)
-    if not blobs:
-        return before, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.int64)
-    entries = np.frombuffer(b"".join(blobs), dtype=_USER_ENTRY)
-    group = np.repeat(np.array(owners, dtype=np.int64), sizes)
+    before[present] = raw[starts[present]].astype(np.int64) + 256 * raw[starts[present] + 1].astype(np.int64)
+    per_user = np.maximum(lengths - 2, 0) // _USER_ENTRY.itemsize
+    group = np.repeat(np.arange(len(values), dtype=np.int64), per_user)
+    if not len(group):
+        return before, group, np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.int64)
+    first_entry = np.cumsum(per_user) - per_user
+    entry_start = starts[group] + 2 + (np.arange(len(group)) - first_entry[group]) * _USER_ENTRY.itemsize
+    entries = raw[entry_start[:, None] + np.arange(_USER_ENTRY.itemsize)].copy().view(_USER_ENTRY).ravel()
     return before, group, entries["key"].astype(np.uint64), entries["trigger"].astype(np.int64)
 
 
@@ -214,7 +214,9 @@ class QueryPipeline:
         group_of[order] = np.cumsum(boundary) - 1
         firsts = order[boundary]
         gw, gu = window[firsts], users[firsts]
-        state_keys = [sk.window_prefix(sk.USERS, self.qid, w) + u.to_bytes(8, "big") for w, u in zip(gw.tolist(), gu.tolist())]
+        state_keys = []
+        for w in np.unique(gw).tolist():  # groups are sorted by window, so this keeps group order
+            state_keys += sk.fixed_keys(sk.window_prefix(sk.USERS, self.qid, w), gu[gw == w])
         before, st_group, st_key, st_trigger = _parse_user_states(self.store.get_many(state_keys))
         assigned = self.bounder.assign_slots(before, group_of)
         admitted = assigned.admitted
@@ -238,7 +240,8 @@ class QueryPipeline:
         unique per call (e.g. the input offset) so the pending blob keys do not collide."""
         if not len(records):
             return
-        fired = np.array([self.progress(w) for w in records.window.tolist()], dtype=np.int64)
+        windows, inverse = np.unique(records.window, return_inverse=True)
+        fired = np.array([self.progress(w) for w in windows.tolist()], dtype=np.int64)[inverse]
         on_time = records.trigger > fired
         self.stats.dropped["late"] += int(len(records) - on_time.sum())
         records = records.take(np.nonzero(on_time)[0])
@@ -402,7 +405,7 @@ class QueryPipeline:
     def _load_keys(self, window: int, ids: np.ndarray, texts: dict):
         """Key states (fixed rows) and key texts; new keys get a fresh row."""
         prefix = sk.window_prefix(sk.KEYS, self.qid, window)
-        values = self.store.get_many([prefix + i.to_bytes(8, "big") for i in ids.tolist()])
+        values = self.store.get_many(sk.fixed_keys(prefix, ids))
         width = self._row.itemsize
         rows = np.zeros(len(ids), dtype=self._row)
         rows["start"] = 1

@@ -154,6 +154,9 @@ class RocksDBStore(Store):
     def get(self, key: bytes) -> Optional[bytes]:
         return self._db.get(key)
 
+    def get_many(self, keys: Sequence[bytes]) -> list[Optional[bytes]]:
+        return self._db.get(list(keys)) if len(keys) else []
+
     def write(self, batch: WriteBatch) -> None:
         from rocksdict import WriteBatch as RocksBatch
 
