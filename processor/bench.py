@@ -85,3 +85,66 @@ def run_engine_bench(repeats: int = 5, nodes: int = 2_000_000, keys: int = 100_0
         with open(json_path, "w") as fh:
             json.dump(results, fh, indent=2)
     return results
+
+
+def run_scaling_bench(seen_small: int = 10_000, seen_large: int = 1_000_000, batch_records: int = 20_000, batch_keys: int = 2_000,
+                      repeats: int = 5, json_path: str | None = None) -> dict:
+    """Time of one trigger with the same micro-batch when 10^4 vs 10^6 keys were seen before.
+
+    DP-SQLP section 4.3: with release prediction a trigger loads only the micro-batch's keys and
+    the keys predicted for it, so its cost must not grow with the number of keys ever seen. Each
+    setting gets its own RocksDB store; trigger 1 brings ``seen`` one-user keys (one visit at
+    trigger 2 predicts them), then triggers 3.. each get the same-shaped fresh micro-batch.
+    """
+    import tempfile
+
+    from processor.config import QueryConfig
+    from processor.noise import Pseudonymizer
+    from processor.pipeline import EventColumns, QueryPipeline
+    from state.store import RocksDBStore, WriteBatch
+
+    query = QueryConfig(name="scaling", window="1d", triggers=100, contribution_bound=32, epsilon=6.0, delta=1e-9, allowed_lateness="0s")
+    interval = 86_400_000 // 100
+    pseudo = Pseudonymizer(BENCH_SECRET)
+    noise = NodeNoise(BENCH_SECRET)
+    rng = np.random.default_rng(0)
+    batch_key_names = np.array([f"hot-{i}" for i in range(batch_keys)], dtype=object)
+    batch_key_ids = pseudo.group_keys(batch_key_names.tolist())
+
+    def feed(pipe, store, trigger, users, key_names, key_ids):
+        ts = np.full(len(users), (trigger - 1) * interval, dtype=np.int64)
+        events = EventColumns(pseudo.integer_users(users), key_names, key_ids, np.ones(len(users)), ts)
+        batch = WriteBatch()
+        pipe.accumulate(pipe.bound(events, np.full(len(users), -1, dtype=np.int64), batch), trigger, batch)
+        store.write(batch)
+
+    results = {}
+    for label, seen in (("small", seen_small), ("large", seen_large)):
+        with tempfile.TemporaryDirectory(prefix="dpstream-scaling-") as tmp:
+            store = RocksDBStore(tmp)
+            pipe = QueryPipeline(query, noise, store)
+            names = np.array([f"tail-{i}" for i in range(seen)], dtype=object)
+            feed(pipe, store, 1, np.arange(seen, dtype=np.uint64) + (1 << 40), names, pseudo.group_keys(names.tolist()))
+            pipe.fire(0, 1)
+            pipe.fire(0, 2)
+            times, loaded = [], []
+            next_user = 1 << 41
+            for trigger in range(3, 3 + repeats):
+                picks = rng.integers(0, batch_keys, batch_records)
+                feed(pipe, store, trigger, np.arange(next_user, next_user + batch_records, dtype=np.uint64),
+                     batch_key_names[picks], batch_key_ids[picks])
+                next_user += batch_records
+                t0 = time.perf_counter()
+                pipe.fire(0, trigger)
+                times.append(time.perf_counter() - t0)
+                loaded.append(pipe.stats.keys_loaded)
+            store.close()
+        results[label] = {"keys_seen": seen, "trigger_seconds_median": statistics.median(times), "keys_loaded_median": statistics.median(loaded)}
+        print(f"{seen:>9,} keys seen: trigger {statistics.median(times) * 1e3:7.1f} ms (median of {repeats}), "
+              f"{statistics.median(loaded):,.0f} keys loaded")
+    results["ratio"] = results["large"]["trigger_seconds_median"] / results["small"]["trigger_seconds_median"]
+    print(f"ratio (10^{len(str(seen_large)) - 1} / 10^{len(str(seen_small)) - 1} keys seen): {results['ratio']:.2f}")
+    if json_path:
+        with open(json_path, "w") as fh:
+            json.dump(results, fh, indent=2)
+    return results

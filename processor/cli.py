@@ -111,6 +111,13 @@ def cmd_bench_dpsqlp(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_scaling(args: argparse.Namespace) -> int:
+    from processor.bench import run_scaling_bench
+
+    run_scaling_bench(seen_small=args.small, seen_large=args.large, repeats=args.repeats, json_path=args.json)
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from processor.bench import run_engine_bench
 
@@ -157,6 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--triggers", type=int, default=100, help="T for the tree-update runs")
     engine.add_argument("--json", help="also write the results to this JSON file")
     engine.set_defaults(func=cmd_bench)
+    scaling = bench_sub.add_parser("scaling", help="time of one trigger with 10^4 vs 10^6 keys already seen (same micro-batch)")
+    scaling.add_argument("--small", type=int, default=10_000, help="keys seen in the small setting")
+    scaling.add_argument("--large", type=int, default=1_000_000, help="keys seen in the large setting")
+    scaling.add_argument("--repeats", type=int, default=5, help="triggers timed per setting; the median is reported")
+    scaling.add_argument("--json", help="also write the results to this JSON file")
+    scaling.set_defaults(func=cmd_bench_scaling)
     dpsqlp = bench_sub.add_parser("dpsqlp", help="the DP-SQLP paper's synthetic workload: DP-SQLP vs Baselines 1 and 2")
     dpsqlp.add_argument("--users", type=int, default=10_000_000, help="users (paper: 10,000,000)")
     dpsqlp.add_argument("--keys", type=int, default=1_000_000, help="key space (paper: 1,000,000)")

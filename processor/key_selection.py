@@ -47,6 +47,12 @@ class SelectionBatch:
     participations: np.ndarray  # gate statistic: sum of all rounds' counts
     cache: np.ndarray  # (n, levels) frontier noise estimates at `done`
     _tree_ids: np.ndarray | None = field(default=None, repr=False)
+    #: max over the round's future leaves p > (leaf when computed) of N_p - tau_p; NaN: unknown
+    noise_max: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.noise_max is None:
+            self.noise_max = np.full(len(self.keys), np.nan)
 
     @classmethod
     def new(cls, keys: Sequence[str], levels: int) -> "SelectionBatch":
@@ -61,7 +67,7 @@ class SelectionBatch:
         """A copy of some rows (tree ids kept)."""
         ids = None if self._tree_ids is None else self._tree_ids[idx].copy()
         return SelectionBatch([self.keys[j] for j in idx], self.round[idx], self.start[idx], self.done[idx], self.count[idx],
-                              self.participations[idx], self.cache[idx], ids)
+                              self.participations[idx], self.cache[idx], ids, self.noise_max[idx].copy())
 
 
 @dataclass
@@ -138,6 +144,7 @@ class KeySelector:
         batch.done[selected] = 0
         batch.count[selected] = 0
         batch.cache[selected] = np.nan
+        batch.noise_max[selected] = np.nan
         if batch._tree_ids is not None:
             batch._tree_ids[selected] = b""
 
@@ -147,11 +154,18 @@ class KeySelector:
 
         Uses exactly the noise the future triggers will see (same PRF), so a key that is neither
         in a micro-batch nor predicted for a trigger would not have been selected there.
+
+        Shortcut, exact: the round's future noise path does not depend on data, so a scan also
+        records ``noise_max = max_{p > r} (N_p - tau_p)`` in the batch. Later, at a leaf r' >= r
+        with count c', ``c' + noise_max <= mu`` proves no future release (the max over p > r'
+        is at most noise_max), and the scan is skipped. Tail keys, whose counts stay far below
+        the threshold, are then scanned once per round instead of at every visit.
         """
         n = len(batch)
         out = np.zeros(n, dtype=np.int64)
         last_leaf = self.triggers - batch.start + 1
-        candidates = np.nonzero((batch.participations > self.mu) & (last_leaf > batch.done))[0]
+        hopeless = batch.count + batch.noise_max <= self.mu  # False where noise_max is NaN
+        candidates = np.nonzero((batch.participations > self.mu) & (last_leaf > batch.done) & ~hopeless)[0]
         if not len(candidates):
             return out
         ids = self.tree_ids(batch)
@@ -165,8 +179,11 @@ class KeySelector:
             part = candidates[lo:hi]
             walk = self.forest.walk(ids[part], batch.done[part], last_leaf[part], batch.cache[part])
             tree, leaf = walk.future()
-            hit = batch.count[part][tree] + walk.prefix_noise(tree, leaf) > self.release_at[leaf - 1]
+            margin = walk.prefix_noise(tree, leaf) - self.release_at[leaf - 1]
+            hit = batch.count[part][tree] + margin > 0
             hit_tree, first = np.unique(tree[hit], return_index=True)
             out[part[hit_tree]] = batch.start[part[hit_tree]] + leaf[hit][first] - 1
+            starts = np.concatenate([[0], np.cumsum(remaining[lo:hi])[:-1]])  # every part scans >= 1 leaf
+            batch.noise_max[part] = np.maximum.reduceat(margin, starts) + self.mu
             lo = hi
         return out

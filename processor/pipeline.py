@@ -167,7 +167,7 @@ class QueryPipeline:
         self._row = np.dtype([
             ("round", "<u4"), ("start", "<u4"), ("done", "<u4"), ("predicted", "<u4"),
             ("count", "<i8"), ("participations", "<i8"), ("buffer", "<i8"), ("released", "<i8"),
-            ("pdone", "<u4"), ("pad", "<u4"), ("sel_tree", "S12"), ("pert_tree", "S12"),
+            ("pdone", "<u4"), ("pad", "<u4"), ("noise_max", "<f8"), ("sel_tree", "S12"), ("pert_tree", "S12"),
             ("sel_cache", "<f8", (L,)), ("pcache", "<f8", (L,)),
         ])
         self._progress: dict[int, int] = {}
@@ -315,7 +315,7 @@ class QueryPipeline:
         selector = KeySelector(self.plan, self.noise, self.query.name, window)
         sel = SelectionBatch(names, rows["round"].astype(np.int64), rows["start"].astype(np.int64), rows["done"].astype(np.int64),
                              rows["count"].copy(), rows["participations"].copy(), rows["sel_cache"].copy(),
-                             self._tree_ids(window, rows, "sel_tree", names, "select"))
+                             self._tree_ids(window, rows, "sel_tree", names, "select"), rows["noise_max"].copy())
         step = selector.step(sel, trigger, new_users)
         selected = step.selected
         # --- perturbation (Algorithm 3)
@@ -326,6 +326,7 @@ class QueryPipeline:
         rows["sel_tree"][selected] = b""  # a new round, a new tree: its id is derived on first use
         # --- when to look at each key next (section 4.3)
         self._plan_visits(window, trigger, all_ids, rows, has_data, selector, sel, batch)
+        rows["noise_max"] = sel.noise_max  # prediction may have learnt it
         # --- key states, journal and progress: one atomic write
         prefix = sk.window_prefix(sk.KEYS, self.qid, window)
         encoded = [name.encode() for name in names]
@@ -409,6 +410,7 @@ class QueryPipeline:
         width = self._row.itemsize
         rows = np.zeros(len(ids), dtype=self._row)
         rows["start"] = 1
+        rows["noise_max"] = np.nan
         rows["sel_cache"] = np.nan
         rows["pcache"] = np.nan
         present = [j for j, v in enumerate(values) if v is not None]
@@ -429,7 +431,9 @@ class QueryPipeline:
             # keys looked at without data: full release prediction (Algorithm 4)
             idle = np.nonzero(~has_data & open_gate)[0]
             if len(idle):
-                nxt[idle] = selector.predict(sel.take(idle))
+                sub = sel.take(idle)
+                nxt[idle] = selector.predict(sub)
+                sel.noise_max[idle] = sub.noise_max
         stale = np.nonzero((old > trigger) & (old != nxt))[0]
         for j in stale.tolist():
             batch.delete(prefix + int(old[j]).to_bytes(4, "big") + int(all_ids[j]).to_bytes(8, "big"))
