@@ -228,9 +228,12 @@ class QueryPipeline:
         raw = entries.tobytes()
         bounds = np.searchsorted(last.group, np.arange(len(state_keys) + 1)).tolist()
         changed = (assigned.counts != before).tolist()
+        full = (assigned.counts >= self.plan.contribution_bound).tolist()
         for g, (key, count) in enumerate(zip(state_keys, assigned.counts.tolist())):
             if changed[g]:
-                batch.put(key, count.to_bytes(2, "little") + raw[bounds[g] * _USER_ENTRY.itemsize:bounds[g + 1] * _USER_ENTRY.itemsize])
+                # a user at the bound admits nothing more: the per-key entries are never needed again
+                entries_raw = b"" if full[g] else raw[bounds[g] * _USER_ENTRY.itemsize:bounds[g + 1] * _USER_ENTRY.itemsize]
+                batch.put(key, count.to_bytes(2, "little") + entries_raw)
         return BoundedRecords(window[admitted], trigger[admitted], events.key_ids[keep], events.keys[keep], users[admitted],
                               assigned.slots[admitted], units[admitted], last.previous)
 
