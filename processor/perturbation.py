@@ -17,6 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
+from accountant.calibration import prefix_variance_factor
 from accountant.plan import PrivacyPlan
 from processor.noise import NodeNoise, discrete_gaussian
 from processor.tree import HonakerForest
@@ -83,6 +84,4 @@ class HierarchicalPerturber:
 
     def stddev(self, trigger: int) -> float:
         """Standard deviation of a release at ``trigger`` (value units), from the accountant."""
-        from accountant.calibration import prefix_variance_factor
-
         return self.plan.sigma_perturbation * prefix_variance_factor(trigger) ** 0.5

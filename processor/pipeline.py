@@ -35,7 +35,6 @@ from typing import Optional
 
 import numpy as np
 
-from accountant.calibration import prefix_variance_factor
 from processor.bounding import ContributionBounder, last_contributions
 from processor.config import QueryConfig, parse_duration_ms, plan_for
 from processor.key_selection import KeySelector, SelectionBatch
@@ -382,7 +381,7 @@ class QueryPipeline:
         rows["pdone"][sidx] = pb.done
         rows["pcache"][sidx] = pb.cache
         rows["buffer"][sidx] = 0
-        stddev = self.plan.sigma_perturbation * prefix_variance_factor(trigger) ** 0.5
+        stddev = perturber.stddev(trigger)
         journal = sk.trigger_prefix(sk.JOURNAL, self.qid, window, trigger)
         releases = []
         for j, value in zip(sidx.tolist(), values.tolist()):
