@@ -1,0 +1,48 @@
+"""Prometheus metrics of the pipeline (DESIGN.md section 9), named by Prometheus conventions.
+
+The pipeline keeps plain counters (:class:`processor.pipeline.PipelineStats`); this module turns
+them into a registry the worker serves over HTTP, so the pipeline itself never imports
+prometheus-client. Every metric is labelled by query; none carries a user id or a key.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+TRIGGER_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class PipelineMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.events_in = Counter("dpstream_events_in_total", "Valid input events received", ["query"], registry=r)
+        self.dropped = Counter("dpstream_events_dropped_total", "Input events dropped, by reason", ["query", "reason"], registry=r)
+        self.invalid = Counter("dpstream_invalid_records_total", "Records dead-lettered as invalid", ["query"], registry=r)
+        self.releases = Counter("dpstream_releases_total", "Released (key, trigger) histogram updates", ["query"], registry=r)
+        self.triggers = Counter("dpstream_triggers_fired_total", "Triggers fired", ["query"], registry=r)
+        self.keys_loaded = Gauge("dpstream_keys_loaded", "Keys loaded by the last trigger (micro-batch plus predicted)", ["query"], registry=r)
+        self.keys_released = Gauge("dpstream_keys_released", "Distinct keys released so far", ["query"], registry=r)
+        self.trigger_seconds = Histogram("dpstream_trigger_duration_seconds", "Time to run one trigger", ["query"],
+                                         buckets=TRIGGER_BUCKETS, registry=r)
+        self.state_bytes = Gauge("dpstream_state_size_bytes", "Approximate size of the state store", ["partition"], registry=r)
+        self.budget_spent = Gauge("dpstream_budget_epsilon_spent", "Epsilon spent per window by the query's plan", ["query"], registry=r)
+        self.budget_remaining = Gauge("dpstream_budget_epsilon_remaining", "Epsilon declared minus spent", ["query"], registry=r)
+        self.consumer_lag = Gauge("dpstream_consumer_lag_records", "Records behind the end of the input", ["topic", "partition"], registry=r)
+        self._seen: dict[tuple, int] = {}
+
+    def _delta(self, name: tuple, total: int) -> int:
+        """Counters are fed from cumulative totals: add only what is new."""
+        before = self._seen.get(name, 0)
+        self._seen[name] = total
+        return max(0, total - before)
+
+    def observe_pipeline(self, query: str, stats, plan) -> None:
+        self.events_in.labels(query).inc(self._delta(("in", query), stats.events_in))
+        for reason, count in stats.dropped.items():
+            self.dropped.labels(query, reason).inc(self._delta(("drop", query, reason), count))
+        self.releases.labels(query).inc(self._delta(("rel", query), stats.releases))
+        self.triggers.labels(query).inc(self._delta(("trig", query), stats.triggers_fired))
+        self.keys_loaded.labels(query).set(stats.keys_loaded)
+        self.keys_released.labels(query).set(len(stats.keys_released))
+        self.budget_spent.labels(query).set(plan.epsilon_spent)
+        self.budget_remaining.labels(query).set(max(0.0, plan.epsilon - plan.epsilon_spent))

@@ -1,0 +1,35 @@
+"""Topic declarations and the metrics registry (no broker needed)."""
+from prometheus_client import generate_latest
+
+from processor.config import DpstreamConfig, QueryConfig, plan_for
+from processor.metrics import PipelineMetrics
+from processor.pipeline import PipelineStats
+from topics.kafka import DEAD_LETTER_TOPIC, repartition_topic, topics_for
+
+
+def test_every_topic_is_declared_once_with_its_config():
+    a = QueryConfig(name="a", epsilon=1, delta=1e-6)
+    b = QueryConfig(name="b", epsilon=1, delta=1e-6, output_topic="other-out")
+    specs = {s.name: s for s in topics_for(DpstreamConfig(queries=[a, b]).queries, partitions=4)}
+    assert set(specs) == {"events", repartition_topic("a"), repartition_topic("b"), "dp-histograms", "other-out",
+                          DEAD_LETTER_TOPIC, "dpstream-dynamic-updates"}
+    assert specs["dp-histograms"].config["cleanup.policy"] == "compact"
+    assert specs["events"].partitions == 4
+
+
+def test_metrics_follow_prometheus_names_and_count_deltas():
+    query = QueryConfig(name="clicks", epsilon=6, delta=1e-9)
+    metrics = PipelineMetrics()
+    stats = PipelineStats(events_in=10, releases=3, triggers_fired=2, keys_loaded=5)
+    stats.dropped["late"] += 2
+    metrics.observe_pipeline("clicks", stats, plan_for(query))
+    stats.events_in += 5
+    metrics.observe_pipeline("clicks", stats, plan_for(query))
+    text = generate_latest(metrics.registry).decode()
+    assert 'dpstream_events_in_total{query="clicks"} 15.0' in text
+    assert 'dpstream_events_dropped_total{query="clicks",reason="late"} 2.0' in text
+    assert 'dpstream_releases_total{query="clicks"} 3.0' in text
+    metrics.trigger_seconds.labels("clicks").observe(0.3)
+    text = generate_latest(metrics.registry).decode()
+    assert 'dpstream_trigger_duration_seconds_bucket{le="0.5",query="clicks"} 1.0' in text
+    assert 'dpstream_budget_epsilon_spent{query="clicks"}' in text
