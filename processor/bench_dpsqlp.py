@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import resource
 import sys
 import tempfile
@@ -69,7 +70,7 @@ def _rank_in_user(users: np.ndarray) -> np.ndarray:
 
 def run_dpsqlp_bench(users: int = 10_000_000, keys: int = 1_000_000, triggers: int = 100, seed: int = 1, epsilon: float = 6.0,
                      delta: float = 1e-9, contribution_bound: int = 32, json_path: str | None = None, plot_path: str | None = None,
-                     state: str = "rocksdb", out=sys.stdout) -> dict:
+                     state: str = "rocksdb", processes: int = 2, out=sys.stdout) -> dict:
     p = lambda s="": print(s, file=out, flush=True)  # noqa: E731
     t_start = time.perf_counter()
     stream = generate(users, keys, seed)
@@ -80,9 +81,6 @@ def run_dpsqlp_bench(users: int = 10_000_000, keys: int = 1_000_000, triggers: i
     query = QueryConfig(name="dpsqlp", window="1d", triggers=triggers, contribution_bound=contribution_bound, epsilon=epsilon,
                         delta=delta, allowed_lateness="0s")
     secret = hashlib.sha256(f"dpstream bench seed {seed}".encode()).digest()
-    tmp = tempfile.TemporaryDirectory(prefix="dpstream-bench-")
-    store = RocksDBStore(tmp.name) if state == "rocksdb" else MemoryStore()
-    pipe = QueryPipeline(query, NodeNoise(secret), store)
     pseudo = Pseudonymizer(secret)
     user_ids = pseudo.integer_users(stream.users.astype(np.uint64))
     key_text = np.array([f"k{i}" for i in range(keys)], dtype=object)
@@ -108,13 +106,30 @@ def run_dpsqlp_bench(users: int = 10_000_000, keys: int = 1_000_000, triggers: i
     curve = {"trigger": [], "DP-SQLP": [], "Baseline 1": [], "Baseline 2": []}
     fire_seconds = []
     t_pipe = 0.0
-    for i in range(1, triggers + 1):
+
+    def bound_trigger(stage1, stage1_store, i):
+        """Stage 1 (by user) for micro-batch i: what the repartition topic would carry."""
         sl = slice(bounds[i - 1], bounds[i])
-        t0 = time.perf_counter()
         kk = stream.keys[sl]
         events = EventColumns(user_ids[sl], key_text[kk], key_ids[kk], np.ones(len(kk)), stream.ts[sl])
         batch = WriteBatch()
-        pipe.accumulate(pipe.bound(events, np.full(len(kk), -1, dtype=np.int64), batch), i, batch)
+        records = stage1.bound(events, np.full(len(kk), -1, dtype=np.int64), batch)
+        stage1_store.write(batch)
+        return records
+
+    # fork stage 1 before this process opens RocksDB: RocksDB's background threads do not survive
+    # a fork, and a child that inherited them could never flush or close its own database
+    feeder = _StageOneProcess(bound_trigger, query, secret, state, triggers) if processes == 2 else None
+    tmp = tempfile.TemporaryDirectory(prefix="dpstream-bench-")
+    store = RocksDBStore(tmp.name) if state == "rocksdb" else MemoryStore()
+    pipe = QueryPipeline(query, NodeNoise(secret), store)
+    for i in range(1, triggers + 1):
+        sl = slice(bounds[i - 1], bounds[i])
+        kk = stream.keys[sl]
+        t0 = time.perf_counter()
+        records = feeder.next() if feeder else bound_trigger(pipe, store, i)
+        batch = WriteBatch()
+        pipe.accumulate(records, i, batch)
         store.write(batch)
         t1 = time.perf_counter()
         releases = pipe.fire(0, i)
@@ -147,11 +162,17 @@ def run_dpsqlp_bench(users: int = 10_000_000, keys: int = 1_000_000, triggers: i
         "Baseline 1": _errors(truth, b1_estimate, b1_keep),
         "Baseline 2": _errors(truth, b2_sum, b2_released),
     }
-    peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 ** 2
     stats = pipe.stats
+    if feeder:
+        child_stats, child_rss = feeder.finish()
+        stats.events_in += child_stats.events_in
+        stats.dropped.update(child_stats.dropped)
+    peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 ** 2
+    if feeder:
+        peak_gb += child_rss  # two processes: report their sum
     report = {
         "users": users, "records": n, "keys": keys, "triggers": triggers, "contribution_bound": contribution_bound,
-        "epsilon": epsilon, "delta": delta, "seed": seed, "state": state, "results": results,
+        "epsilon": epsilon, "delta": delta, "seed": seed, "state": state, "processes": processes, "results": results,
         "paper": {m: dict(zip(("keys", "linf", "l1", "l2"), v)) for m, v in PAPER.get(triggers, {}).items()},
         "pipeline_seconds": t_pipe, "fire_seconds_median": float(np.median(fire_seconds)), "fire_seconds_max": float(np.max(fire_seconds)),
         "wall_seconds": time.perf_counter() - t_start, "peak_rss_gb": peak_gb,
@@ -169,7 +190,7 @@ def run_dpsqlp_bench(users: int = 10_000_000, keys: int = 1_000_000, triggers: i
     b1 = max(results["Baseline 1"]["keys"], 1)
     p(f"\nDP-SQLP keeps {results['DP-SQLP']['keys'] / b1:.1f}x Baseline 1's keys; l2 ratio DP-SQLP / Baseline 1 = "
       f"{results['DP-SQLP']['l2'] / results['Baseline 1']['l2']:.3f}")
-    p(f"pipeline {t_pipe:.1f} s (median trigger {report['fire_seconds_median']:.2f} s), wall {report['wall_seconds']:.1f} s, "
+    p(f"pipeline {t_pipe:.1f} s with {processes} process(es) (median trigger {report['fire_seconds_median']:.2f} s), wall {report['wall_seconds']:.1f} s, "
       f"peak RSS {peak_gb:.2f} GB; dropped {dict(stats.dropped)}")
     if json_path:
         with open(json_path, "w") as fh:
@@ -179,6 +200,42 @@ def run_dpsqlp_bench(users: int = 10_000_000, keys: int = 1_000_000, triggers: i
     store.close()
     tmp.cleanup()
     return report
+
+
+class _StageOneProcess:
+    """Stage 1 in its own process with its own store, one micro-batch ahead of stage 2: the
+    deployment's shape (stage-1 agents by user, stage-2 agents by key), on two cores."""
+
+    def __init__(self, bound_trigger, query, secret, state, triggers):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("fork")  # the generated stream is shared copy-on-write
+        self._queue = ctx.Queue(maxsize=2)
+        self._proc = ctx.Process(target=self._run, args=(bound_trigger, query, secret, state, triggers), daemon=True)
+        self._proc.start()
+
+    def _run(self, bound_trigger, query, secret, state, triggers):
+        with tempfile.TemporaryDirectory(prefix="dpstream-bench-stage1-") as tmp:
+            store = RocksDBStore(tmp) if state == "rocksdb" else MemoryStore()
+            stage1 = QueryPipeline(query, NodeNoise(secret), store)
+            for i in range(1, triggers + 1):
+                self._queue.put(bound_trigger(stage1, store, i))
+            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 ** 2
+            self._queue.put((stage1.stats, rss))
+            store.close()
+        # the child was forked from a process with RocksDB threads: skip interpreter teardown
+        # (which could wait on the parent's copied locks) once the queue has flushed
+        self._queue.close()
+        self._queue.join_thread()
+        os._exit(0)
+
+    def next(self):
+        return self._queue.get()
+
+    def finish(self):
+        result = self._queue.get()
+        self._proc.join(timeout=60)
+        return result
 
 
 def _plot(curve: dict, triggers: int, path: str) -> None:

@@ -107,7 +107,7 @@ def cmd_bench_dpsqlp(args: argparse.Namespace) -> int:
     from processor.bench_dpsqlp import run_dpsqlp_bench
 
     run_dpsqlp_bench(users=args.users, keys=args.keys, triggers=args.triggers, seed=args.seed, json_path=args.json,
-                     plot_path=args.plot, state=args.state)
+                     plot_path=args.plot, state=args.state, processes=args.processes)
     return 0
 
 
@@ -176,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     dpsqlp.add_argument("--triggers", type=int, default=100, help="T micro-batches in the day (paper: 100 and 1000)")
     dpsqlp.add_argument("--seed", type=int, default=1)
     dpsqlp.add_argument("--state", choices=["rocksdb", "memory"], default="rocksdb", help="state backend (default rocksdb)")
+    dpsqlp.add_argument("--processes", type=int, choices=[1, 2], default=2,
+                        help="2 (default): stage 1 (by user) and stage 2 (by key) in two processes with their own stores, "
+                             "as deployed; 1: both in this process")
     dpsqlp.add_argument("--json", help="write the results (and the per-trigger curve) to this JSON file")
     dpsqlp.add_argument("--plot", help="draw error and retained keys vs trigger to this PNG")
     dpsqlp.set_defaults(func=cmd_bench_dpsqlp)
