@@ -1,17 +1,19 @@
-"""The DP-SQLP pipeline of one query (DP-SQLP sections 3-4), shared by the local replay runner,
-the Faust worker and the benchmarks.
+"""The DP-SQLP pipeline of one query (DP-SQLP sections 3-4): one code path for the local replay
+runner, the benchmarks and the Kafka worker's agents.
 
 Stage 1, by user (:meth:`QueryPipeline.bound`): event-time window and trigger of each event,
 late events dropped, contribution bounding (at most C records per user and window, each with a
-slot 1..C; values clamped and put on the grid).
+slot 1..C; values clamped and put on the grid), and for each admitted record the trigger of the
+same user's previous record for the same key.
 
 Stage 2, by key: bounded records are appended to the pending micro-batch of their (window,
 trigger) (:meth:`QueryPipeline.accumulate`); at the trigger, :meth:`QueryPipeline.fire`
 
 1. loads only the keys in the micro-batch plus the keys the prediction index names for this
    trigger (section 4.3) - never all keys;
-2. drops replayed contributions (a (user, slot) pair already counted for the key: DESIGN.md
-   section 12) and counts users new to each key's current round;
+2. drops replayed stage-1 output (a (user, slot) pair seen twice in the micro-batch: DESIGN.md
+   section 12) and counts users new to each key's current round (their previous record for the
+   key came before the round started);
 3. merges the micro-batch into each key's data buffer and runs key selection (Algorithm 2);
 4. releases selected keys' buffers through their perturbation trees (Algorithm 3);
 5. re-plans when each key must next be looked at: a key that had data is visited again at the
@@ -43,9 +45,6 @@ from processor.perturbation import HierarchicalPerturber, PerturbationBatch
 from state import keys as sk
 from state.store import Store, WriteBatch
 from topics.records import encode_json, key_for_output, release_record
-
-_ABSENT_ROUND = np.uint32(0xFFFFFFFF)
-
 
 _USER_ENTRY = np.dtype([("key", "<u8"), ("trigger", "<u4")])
 
