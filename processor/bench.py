@@ -11,6 +11,7 @@ Measured, each against a baseline run in the same process:
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 
@@ -21,7 +22,8 @@ from processor.key_selection import KeySelector
 from processor.noise import NodeNoise, TreeIdentity, discrete_gaussian
 from processor.perturbation import HierarchicalPerturber
 
-BENCH_SECRET = b"dpstream-benchmark-secret-0000"
+#: Benchmarks noise synthetic data only; a one-off random secret per run (never a literal).
+BENCH_SECRET = os.urandom(32)
 
 
 def _median_rate(fn, work: int, repeats: int) -> float:

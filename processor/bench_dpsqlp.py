@@ -80,6 +80,8 @@ def run_dpsqlp_bench(users: int = 10_000_000, keys: int = 1_000_000, triggers: i
       f"eps={epsilon:g}, delta={delta:g} (generated in {t_gen:.1f} s)")
     query = QueryConfig(name="dpsqlp", window="1d", triggers=triggers, contribution_bound=contribution_bound, epsilon=epsilon,
                         delta=delta, allowed_lateness="0s")
+    # synthetic data only: the secret is derived from --seed so that published numbers can be
+    # reproduced exactly; real data always takes its secret from a file or the environment
     secret = hashlib.sha256(f"dpstream bench seed {seed}".encode()).digest()
     pseudo = Pseudonymizer(secret)
     user_ids = pseudo.integer_users(stream.users.astype(np.uint64))
