@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
 from typing import Sequence
 
 from accountant import PrivacyPlan
@@ -96,6 +98,73 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+WORKER_HELP = """Run the service: Faust agents on a Kafka broker.
+
+Stage 1 (by user) reads the queries' input topics, bounds each user's contributions and sends
+the bounded records to one repartition topic per query, partitioned by key; stage 2 (by key)
+accumulates them per micro-batch and, at each trigger of the fixed schedule (wall clock), runs key
+selection, perturbation and release prediction and publishes the releases to the output topic.
+Input records must be keyed by the user id. Worker i of N owns partitions p with p % N == i of
+every topic it reads, and keeps their state under --state-dir (keep it across restarts: it holds
+the contribution counts, the release journal and the input offsets). Topics are created if
+missing. Health and metrics: http://HOST:WEB_PORT/healthz, /readyz, /metrics."""
+
+
+def _env_int(name: str, default: int) -> int:
+    import os
+
+    value = os.environ.get(name)
+    try:
+        return int(value) if value not in (None, "") else default
+    except ValueError:
+        raise ConfigError(f"environment {name}: must be an integer, got {value!r}") from None
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    import logging
+
+    from processor.faust_app import WorkerSettings, run_worker
+    from processor.noise import load_noise_secret
+    from processor.service import Ownership
+
+    config = load_config(args.config)
+    secret = load_noise_secret(args.noise_key_file)
+    try:
+        ownership = Ownership(args.worker_index, args.workers)
+    except ValueError as exc:
+        raise ConfigError(f"--worker-index: {exc}") from None
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = WorkerSettings(config=config, secret=secret, broker=args.broker, state_dir=args.state_dir, ownership=ownership,
+                              partitions=args.partitions, web_port=args.web_port, web_host=args.web_host, app_id=args.app_id)
+    return run_worker(settings, loglevel=args.log_level)
+
+
+def cmd_produce(args: argparse.Namespace) -> int:
+    from processor.faust_app import broker_address
+    from processor.kafka_tools import file_lines, produce, synthetic_lines
+
+    if (args.input is None) == (args.synthetic_users is None):
+        raise ConfigError("produce: give exactly one of --input or --synthetic-users")
+    if args.input is not None:
+        lines = file_lines(args.input)
+    else:
+        start = args.start_ms if args.start_ms is not None else int(time.time() * 1000)
+        lines = synthetic_lines(args.synthetic_users, args.synthetic_keys, args.seed, start, args.span_ms)
+    started = time.perf_counter()
+    sent = produce(broker_address(args.broker), args.topic, lines, user_field=args.user_field)
+    print(f"produce: {sent:,} records to {args.topic} in {time.perf_counter() - started:.1f} s", file=sys.stderr)
+    return 0
+
+
+def cmd_tail(args: argparse.Namespace) -> int:
+    from processor.faust_app import broker_address
+    from processor.kafka_tools import tail
+
+    tail(broker_address(args.broker), args.topic, idle_seconds=args.idle_seconds, max_records=args.max_records,
+         from_beginning=not args.latest)
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from processor.demo import run_demo
 
@@ -145,6 +214,47 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--stop-after-lines", type=int, help="stop after this many input lines, keeping state (for partial runs)")
     replay.add_argument("--quiet", action="store_true", help="no progress lines")
     replay.set_defaults(func=cmd_replay)
+
+    worker = sub.add_parser("worker", help="run the service on a Kafka broker (Faust agents)", description=WORKER_HELP,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    worker.add_argument("--config", required=True, help="YAML file with a 'queries' list")
+    worker.add_argument("--broker", default=os.environ.get("DPSTREAM_BROKER", "127.0.0.1:19092"),
+                        help="bootstrap servers, host:port[,host:port] or kafka://host:port (default $DPSTREAM_BROKER or 127.0.0.1:19092)")
+    worker.add_argument("--state-dir", default=os.environ.get("DPSTREAM_STATE_DIR", "./dpstream-state"),
+                        help="RocksDB state of the owned partitions; must survive restarts (default $DPSTREAM_STATE_DIR or ./dpstream-state)")
+    worker.add_argument("--noise-key-file", help="file holding the noise secret (default: $DPSTREAM_NOISE_KEY_FILE or $DPSTREAM_NOISE_KEY)")
+    worker.add_argument("--worker-index", type=int, default=_env_int("DPSTREAM_WORKER_INDEX", 0),
+                        help="this worker's index i in [0, N) (default $DPSTREAM_WORKER_INDEX or 0)")
+    worker.add_argument("--workers", type=int, default=_env_int("DPSTREAM_WORKERS", 1),
+                        help="number of workers N; worker i owns partitions p %% N == i (default $DPSTREAM_WORKERS or 1)")
+    worker.add_argument("--partitions", type=int, default=_env_int("DPSTREAM_PARTITIONS", 8),
+                        help="partitions of the topics the worker creates (repartition, output, ...) (default 8)")
+    worker.add_argument("--web-port", type=int, default=_env_int("DPSTREAM_WEB_PORT", 9400),
+                        help="port of /healthz, /readyz and /metrics (default $DPSTREAM_WEB_PORT or 9400)")
+    worker.add_argument("--web-host", default="0.0.0.0", help="address the web server binds (default 0.0.0.0)")
+    worker.add_argument("--app-id", default=os.environ.get("DPSTREAM_APP_ID", "dpstream"), help="Faust app id (default dpstream)")
+    worker.add_argument("--log-level", default="info", choices=["debug", "info", "warn", "error"])
+    worker.set_defaults(func=cmd_worker)
+
+    producer = sub.add_parser("produce", help="send a JSONL file or a synthetic stream to an input topic, keyed by user")
+    producer.add_argument("--broker", default=os.environ.get("DPSTREAM_BROKER", "127.0.0.1:19092"), help="bootstrap servers")
+    producer.add_argument("--topic", default="events", help="input topic (default events)")
+    producer.add_argument("--input", help="events, one JSON object per line (.jsonl or .jsonl.gz)")
+    producer.add_argument("--user-field", default="user_id", help="field whose value becomes the message key (default user_id)")
+    producer.add_argument("--synthetic-users", type=int, help="instead of --input: the DP-SQLP workload with this many users")
+    producer.add_argument("--synthetic-keys", type=int, default=10_000, help="key space of the synthetic stream (default 10,000)")
+    producer.add_argument("--seed", type=int, default=1, help="seed of the synthetic stream")
+    producer.add_argument("--start-ms", type=int, help="first event time of the synthetic stream (default: now)")
+    producer.add_argument("--span-ms", type=int, default=86_400_000, help="event times spread over this many ms (default one day)")
+    producer.set_defaults(func=cmd_produce)
+
+    tailer = sub.add_parser("tail", help="print releases from an output topic, one JSON object per line")
+    tailer.add_argument("--broker", default=os.environ.get("DPSTREAM_BROKER", "127.0.0.1:19092"), help="bootstrap servers")
+    tailer.add_argument("--topic", default="dp-histograms", help="output topic (default dp-histograms)")
+    tailer.add_argument("--idle-seconds", type=float, help="stop after this long without a record (default: run until interrupted)")
+    tailer.add_argument("--max-records", type=int, help="stop after this many records")
+    tailer.add_argument("--latest", action="store_true", help="only records published from now on")
+    tailer.set_defaults(func=cmd_tail)
 
     demo = sub.add_parser("demo", help="generate a small synthetic stream, replay it and summarize the result")
     demo.add_argument("--users", type=int, default=50_000, help="synthetic users (default 50,000)")

@@ -131,6 +131,13 @@ class DpstreamConfig(BaseModel):
             if q.name in seen:
                 raise ValueError(f"queries: duplicate query name {q.name!r}")
             seen.add(q.name)
+        # stage 1 keeps each user's contributions in the state of the input partition the user
+        # is keyed to: queries reading one topic must agree on who the user is
+        users_of: dict[str, str] = {}
+        for q in self.queries:
+            if users_of.setdefault(q.input_topic, q.user_field) != q.user_field:
+                raise ValueError(f"queries: queries reading input_topic {q.input_topic!r} must share one user_field "
+                                 f"(the topic is partitioned by it)")
         return self
 
 

@@ -16,18 +16,21 @@ class PipelineMetrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.events_in = Counter("dpstream_events_in_total", "Valid input events received", ["query"], registry=r)
-        self.dropped = Counter("dpstream_events_dropped_total", "Input events dropped, by reason", ["query", "reason"], registry=r)
-        self.invalid = Counter("dpstream_invalid_records_total", "Records dead-lettered as invalid", ["query"], registry=r)
+        self.dropped = Counter("dpstream_events_dropped_total",
+                               "Input events dropped, by reason: malformed (dead-lettered), late, contribution_bound, duplicate "
+                               "(a redelivered copy)", ["query", "reason"], registry=r)
         self.releases = Counter("dpstream_releases_total", "Released (key, trigger) histogram updates", ["query"], registry=r)
         self.triggers = Counter("dpstream_triggers_fired_total", "Triggers fired", ["query"], registry=r)
         self.keys_loaded = Gauge("dpstream_keys_loaded", "Keys loaded by the last trigger (micro-batch plus predicted)", ["query"], registry=r)
         self.keys_released = Gauge("dpstream_keys_released", "Distinct keys released so far", ["query"], registry=r)
+        self.keys_tracked = Gauge("dpstream_keys_tracked", "Key states held for open windows", ["query"], registry=r)
         self.trigger_seconds = Histogram("dpstream_trigger_duration_seconds", "Time to run one trigger", ["query"],
                                          buckets=TRIGGER_BUCKETS, registry=r)
         self.state_bytes = Gauge("dpstream_state_size_bytes", "Approximate size of the state store", ["partition"], registry=r)
         self.budget_spent = Gauge("dpstream_budget_epsilon_spent", "Epsilon spent per window by the query's plan", ["query"], registry=r)
         self.budget_remaining = Gauge("dpstream_budget_epsilon_remaining", "Epsilon declared minus spent", ["query"], registry=r)
         self.consumer_lag = Gauge("dpstream_consumer_lag_records", "Records behind the end of the input", ["topic", "partition"], registry=r)
+        self.ready = Gauge("dpstream_ready", "1 when the worker has opened its state, republished its journal and is consuming", registry=r)
         self._seen: dict[tuple, int] = {}
 
     def _delta(self, name: tuple, total: int) -> int:
@@ -36,13 +39,14 @@ class PipelineMetrics:
         self._seen[name] = total
         return max(0, total - before)
 
-    def observe_pipeline(self, query: str, stats, plan) -> None:
+    def observe_pipeline(self, query: str, stats, plan, keys_released: int | None = None) -> None:
         self.events_in.labels(query).inc(self._delta(("in", query), stats.events_in))
         for reason, count in stats.dropped.items():
             self.dropped.labels(query, reason).inc(self._delta(("drop", query, reason), count))
         self.releases.labels(query).inc(self._delta(("rel", query), stats.releases))
         self.triggers.labels(query).inc(self._delta(("trig", query), stats.triggers_fired))
         self.keys_loaded.labels(query).set(stats.keys_loaded)
-        self.keys_released.labels(query).set(len(stats.keys_released))
+        self.keys_released.labels(query).set(len(stats.keys_released) if keys_released is None else keys_released)
+        self.keys_tracked.labels(query).set(stats.keys_tracked)
         self.budget_spent.labels(query).set(plan.epsilon_spent)
         self.budget_remaining.labels(query).set(max(0.0, plan.epsilon - plan.epsilon_spent))

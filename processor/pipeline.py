@@ -67,6 +67,21 @@ def _parse_user_states(values: list) -> tuple[np.ndarray, np.ndarray, np.ndarray
     return before, group, entries["key"].astype(np.uint64), entries["trigger"].astype(np.int64)
 
 
+def check_noise_epoch(store: Store, noise: NodeNoise) -> None:
+    """State written under another noise secret must never be mixed with this one: the secret
+    defines the budget epoch (DESIGN.md section 12)."""
+    key = sk.META + b"noise-epoch"
+    stored = store.get(key)
+    mine = noise.fingerprint.encode()
+    if stored is None:
+        batch = WriteBatch()
+        batch.put(key, mine)
+        store.write(batch)
+    elif stored != mine:
+        raise RuntimeError("the state directory was written with a different noise secret (another budget epoch); "
+                           "use a new state directory")
+
+
 def _ordered(releases: list[dict]) -> list[dict]:
     """Releases of one trigger in a fixed order (by key), for byte-identical output."""
     return sorted(releases, key=lambda r: json.dumps(r["key"], ensure_ascii=False))
@@ -105,6 +120,38 @@ class BoundedRecords:
     def take(self, index) -> "BoundedRecords":
         return BoundedRecords(*(getattr(self, f)[index] for f in self.__dataclass_fields__))
 
+    _COLUMNS = (("window", "<i8"), ("trigger", "<u4"), ("key_ids", "<u8"), ("users", "<u8"), ("slots", "<u2"), ("units", "<i8"),
+                ("previous", "<u4"))
+
+    def encode(self) -> bytes:
+        """Wire form of stage-1 output (the repartition topic's message value): fixed-width
+        little-endian columns, then the JSON list of the distinct keys' texts."""
+        uniq, first = np.unique(self.key_ids, return_index=True)
+        texts = json.dumps([self.keys[j] for j in first.tolist()], ensure_ascii=False).encode()
+        head = np.array([len(self), len(uniq)], dtype="<u4").tobytes()
+        cols = [getattr(self, name).astype(dtype).tobytes() for name, dtype in self._COLUMNS]
+        return b"".join([head, *cols, uniq.astype("<u8").tobytes(), texts])
+
+    @classmethod
+    def decode_columns(cls, blob: bytes) -> tuple[dict, dict]:
+        """The columns of :meth:`encode` as arrays, and {key id: key text}."""
+        n, m = np.frombuffer(blob[:8], dtype="<u4").tolist()
+        pos, cols = 8, {}
+        for name, dtype in cls._COLUMNS + (("uniq", "<u8"),):
+            count = m if name == "uniq" else n
+            size = np.dtype(dtype).itemsize * count
+            cols[name] = np.frombuffer(blob[pos:pos + size], dtype=dtype)
+            pos += size
+        return cols, dict(zip(cols.pop("uniq").tolist(), json.loads(blob[pos:].decode())))
+
+    @classmethod
+    def decode(cls, blob: bytes) -> "BoundedRecords":
+        cols, texts = cls.decode_columns(blob)
+        keys = np.array([texts[k] for k in cols["key_ids"].tolist()], dtype=object)
+        return cls(cols["window"].astype(np.int64), cols["trigger"].astype(np.int64), cols["key_ids"].astype(np.uint64), keys,
+                   cols["users"].astype(np.uint64), cols["slots"].astype(np.int64), cols["units"].astype(np.int64),
+                   cols["previous"].astype(np.int64))
+
 
 @dataclass
 class MicroBatch:
@@ -124,6 +171,7 @@ class PipelineStats:
     releases: int = 0
     keys_released: set = field(default_factory=set, repr=False)
     keys_loaded: int = 0  # keys loaded by the last fire()
+    keys_tracked: int = 0  # key states held in open windows
     triggers_fired: int = 0
 
 
@@ -171,6 +219,7 @@ class QueryPipeline:
         self._progress: dict[int, int] = {}
         for key, value in store.scan_prefix(sk.PROGRESS + self.qid):
             self._progress[int.from_bytes(key[5:13], "big")] = int.from_bytes(value, "little")
+        self.stats.keys_tracked = sum(1 for w in self.open_windows() for _ in store.scan_prefix(sk.window_prefix(sk.KEYS, self.qid, w)))
 
     # ------------------------------------------------------------------ windows and progress
     def open_windows(self) -> list[int]:
@@ -257,26 +306,25 @@ class QueryPipeline:
                 self._progress[w] = 0
                 batch.put(sk.window_prefix(sk.PROGRESS, self.qid, w), (0).to_bytes(4, "little"))
             key = sk.trigger_prefix(sk.PENDING, self.qid, w, i) + int(seq).to_bytes(8, "big")
-            batch.put(key, self._pack(records.take(part)))
+            batch.put(key, records.take(part).encode())
 
-    def _pack(self, r: BoundedRecords) -> bytes:
-        uniq, first = np.unique(r.key_ids, return_index=True)
-        texts = json.dumps([r.keys[j] for j in first.tolist()], ensure_ascii=False).encode()
-        head = np.array([len(r), len(uniq)], dtype="<u4").tobytes()
-        return b"".join([head, r.key_ids.astype("<u8").tobytes(), r.users.astype("<u8").tobytes(), r.slots.astype("<u2").tobytes(),
-                         r.units.astype("<i8").tobytes(), r.previous.astype("<u4").tobytes(), uniq.astype("<u8").tobytes(), texts])
+    # ------------------------------------------------------------------ publication
+    def _published_key(self, window: int) -> bytes:
+        return sk.META + b"published" + self.qid + int(window).to_bytes(8, "big")
 
-    @staticmethod
-    def _unpack(blob: bytes):
-        n, m = np.frombuffer(blob[:8], dtype="<u4").tolist()
-        pos = 8
+    def mark_published(self, window: int, trigger: int, batch: WriteBatch) -> None:
+        """Record that a trigger's journaled releases reached the output (after they did)."""
+        batch.put(self._published_key(window), int(trigger).to_bytes(4, "little"))
+
+    def unpublished(self) -> list[tuple[int, int, list[dict]]]:
+        """(window, trigger, journaled releases) fired but not yet marked published, in order:
+        after a crash these are republished from the journal, never recomputed (DESIGN.md 12)."""
         out = []
-        for dtype, count in (("<u8", n), ("<u8", n), ("<u2", n), ("<i8", n), ("<u4", n), ("<u8", m)):
-            size = np.dtype(dtype).itemsize * count
-            out.append(np.frombuffer(blob[pos:pos + size], dtype=dtype))
-            pos += size
-        texts = json.loads(blob[pos:].decode())
-        return out, texts
+        for window, fired in sorted(self._progress.items()):
+            raw = self.store.get(self._published_key(window))
+            published = int.from_bytes(raw, "little") if raw else 0
+            out += [(window, trigger, self.journaled(window, trigger)) for trigger in range(published + 1, fired + 1)]
+        return out
 
     # ------------------------------------------------------------------ stage 2 at a trigger
     def journaled(self, window: int, trigger: int) -> list[dict]:
@@ -351,9 +399,9 @@ class QueryPipeline:
         """
         parts, texts = [], {}
         for key, blob in self.store.scan_prefix(sk.trigger_prefix(sk.PENDING, self.qid, window, trigger)):
-            arrays, key_texts = self._unpack(blob)
-            parts.append(arrays[:5])
-            texts.update(zip(arrays[5].tolist(), key_texts))
+            cols, key_texts = BoundedRecords.decode_columns(blob)
+            parts.append([cols[c] for c in ("key_ids", "users", "slots", "units", "previous")])
+            texts.update(key_texts)
             batch.delete(key)
         if not parts:
             empty = np.zeros(0, dtype=np.int64)
@@ -415,6 +463,7 @@ class QueryPipeline:
         rows["sel_cache"] = np.nan
         rows["pcache"] = np.nan
         present = [j for j, v in enumerate(values) if v is not None]
+        self.stats.keys_tracked += len(ids) - len(present)
         if present:
             rows[present] = np.frombuffer(b"".join(values[j][:width] for j in present), dtype=self._row)
         names = [texts[i] if v is None else v[width:].decode() for i, v in zip(ids.tolist(), values)]
@@ -444,5 +493,6 @@ class QueryPipeline:
 
     def collect_window(self, window: int) -> None:
         """Drop a finished window's working state (the journal and progress stay)."""
+        self.stats.keys_tracked -= sum(1 for _ in self.store.scan_prefix(sk.window_prefix(sk.KEYS, self.qid, window)))
         for table in sk.WINDOW_TABLES:
             self.store.delete_prefix(sk.window_prefix(table, self.qid, window))

@@ -31,7 +31,7 @@ import numpy as np
 
 from processor.config import DpstreamConfig
 from processor.noise import NodeNoise, Pseudonymizer
-from processor.pipeline import EventColumns, QueryPipeline
+from processor.pipeline import EventColumns, QueryPipeline, check_noise_epoch
 from state import keys as sk
 from state.store import PartitionStores, WriteBatch
 from topics.records import EventParser, InvalidRecord, dead_letter, encode_json
@@ -74,16 +74,7 @@ class ReplayRunner:
         self._check_epoch()
 
     def _check_epoch(self) -> None:
-        """State written under another noise secret must not be mixed with this one."""
-        key = sk.META + b"noise-epoch"
-        stored = self.store.get(key)
-        mine = self.noise.fingerprint.encode()
-        if stored is None:
-            batch = WriteBatch()
-            batch.put(key, mine)
-            self.store.write(batch)
-        elif stored != mine:
-            raise RuntimeError("the state directory was written with a different noise secret (another budget epoch); use a new --state-dir")
+        check_noise_epoch(self.store, self.noise)
 
     def close(self) -> None:
         self.stores.close()
@@ -98,9 +89,6 @@ class ReplayRunner:
     @staticmethod
     def _put_int(batch: WriteBatch, name: bytes, value: int) -> None:
         batch.put(sk.META + name, int(value).to_bytes(8, "little", signed=True))
-
-    def _published_name(self, pipe: QueryPipeline, window: int) -> bytes:
-        return b"published" + pipe.qid + int(window).to_bytes(8, "big")
 
     # -------------------------------------------------------------- run
     def run(self, input_path: str, output: TextIO, dead_letters: Optional[TextIO] = None,
@@ -201,7 +189,7 @@ class ReplayRunner:
         output.flush()
         summary.releases += len(releases)
         batch = WriteBatch()
-        self._put_int(batch, self._published_name(pipe, window), trigger)
+        pipe.mark_published(window, trigger, batch)
         self.store.write(batch)
 
     def _fire(self, pipe, window, trigger, output, summary) -> None:
@@ -228,7 +216,5 @@ class ReplayRunner:
     def _republish(self, output: TextIO, summary: ReplaySummary) -> None:
         """Releases journaled by a previous run but not yet written to the output."""
         for pipe in self.pipelines:
-            for window, fired in sorted(pipe._progress.items()):
-                published = self._meta_int(self._published_name(pipe, window))
-                for trigger in range(published + 1, fired + 1):
-                    self._publish(pipe, window, trigger, pipe.journaled(window, trigger), output, summary)
+            for window, trigger, releases in pipe.unpublished():
+                self._publish(pipe, window, trigger, releases, output, summary)

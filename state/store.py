@@ -201,16 +201,19 @@ class RocksDBStore(Store):
 class PartitionStores:
     """One store per partition under ``directory`` (``None``: in memory)."""
 
-    def __init__(self, directory: str | os.PathLike | None):
+    def __init__(self, directory: str | os.PathLike | None, block_cache_mb: int = 512, write_buffer_mb: int = 128):
         self.directory = Path(directory) if directory is not None else None
-        self._open: dict[int, Store] = {}
+        self.block_cache_mb = block_cache_mb
+        self.write_buffer_mb = write_buffer_mb
+        self._open: dict[int | str, Store] = {}
 
-    def store(self, partition: int = 0) -> Store:
+    def store(self, partition: int | str = 0) -> Store:
+        """The store of a partition: an int, or a name such as ``"events-3"`` (topic-partition)."""
         if partition not in self._open:
             if self.directory is None:
                 self._open[partition] = MemoryStore()
             else:
-                self._open[partition] = RocksDBStore(self.directory / f"partition-{partition}")
+                self._open[partition] = RocksDBStore(self.directory / f"partition-{partition}", self.block_cache_mb, self.write_buffer_mb)
         return self._open[partition]
 
     def close(self) -> None:

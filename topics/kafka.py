@@ -64,3 +64,44 @@ def create_topics(bootstrap: str, specs: list[TopicSpec], replication: int = 1, 
             if "TOPIC_ALREADY_EXISTS" not in str(exc):
                 raise
     return created
+
+
+class DeliveryError(RuntimeError):
+    """The broker did not acknowledge a message: the caller must not commit what it covers."""
+
+
+class KafkaPublisher:
+    """A confluent-kafka producer that reports whether everything sent was acknowledged.
+
+    ``acks=all`` and no idempotence: the worker tolerates duplicates by design (DESIGN.md 12),
+    and it commits state only after :meth:`flush` returns without error.
+    """
+
+    def __init__(self, bootstrap: str, client_config: dict | None = None):
+        from confluent_kafka import Producer
+
+        self._errors: list[str] = []
+        self.producer = Producer({"bootstrap.servers": bootstrap, "acks": "all", "linger.ms": 5, "enable.idempotence": False,
+                                  "queue.buffering.max.messages": 1_000_000, "message.max.bytes": 8 * 1024 * 1024,
+                                  **(client_config or {})})
+
+    def _on_delivery(self, err, msg) -> None:
+        if err is not None:
+            self._errors.append(f"{msg.topic()}: {err}")
+
+    def produce(self, topic: str, value: bytes, key: bytes | None = None, partition: int | None = None) -> None:
+        args = {"on_delivery": self._on_delivery}
+        if partition is not None:
+            args["partition"] = partition
+        while True:
+            try:
+                self.producer.produce(topic, value, key, **args)
+                return
+            except BufferError:  # local queue full: let deliveries drain
+                self.producer.poll(0.05)
+
+    def flush(self, timeout: float = 60.0) -> None:
+        left = self.producer.flush(timeout)
+        errors, self._errors = self._errors, []
+        if left or errors:
+            raise DeliveryError(f"{left} messages not acknowledged after {timeout:g} s; errors: {errors[:5]}")

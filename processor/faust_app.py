@@ -1,0 +1,224 @@
+"""The Faust app: the worker's agents, trigger timer and web endpoints (the only Faust code).
+
+Faust runs the worker: its lifecycle and signals, two agents (stage 1 by user, stage 2 by key),
+the timer that fires triggers on the fixed schedule, and the web server for ``/healthz``,
+``/readyz`` and ``/metrics``. All processing is :class:`processor.service.DpstreamWorker`.
+
+Records reach the agents in batches, from an aiokafka consumer (Faust's own Kafka client) that
+the app runs with static partition assignment (worker i of N owns partitions p % N == i; see
+:mod:`processor.service`). Faust's per-event stream path was measured at 13k events/s on this
+machine against 587k/s for aiokafka's ``getmany``, so one channel message carries one fetched
+batch of one partition. Messages are sent with confluent-kafka (:class:`topics.kafka.KafkaPublisher`).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import faust
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from processor.config import DpstreamConfig
+from processor.metrics import PipelineMetrics
+from processor.service import DpstreamWorker, FiredTrigger, Ownership
+from topics.kafka import KafkaPublisher, create_topics, repartition_topic, topics_for
+
+log = logging.getLogger("dpstream.worker")
+
+
+@dataclass
+class WorkerSettings:
+    config: DpstreamConfig
+    secret: bytes
+    broker: str  # host:port[,host:port]
+    state_dir: str
+    ownership: Ownership = Ownership()
+    partitions: int = 8  # partitions of the topics the worker creates
+    web_port: int = 9400
+    web_host: str = "0.0.0.0"
+    app_id: str = "dpstream"
+    fetch_records: int = 20_000
+    session_timeout: float = 6.0
+    heartbeat_interval: float = 1.0
+
+
+def broker_address(url: str) -> str:
+    """``kafka://host:port`` or ``host:port`` -> ``host:port`` (comma-separated lists kept)."""
+    return ",".join(part.split("://", 1)[-1] for part in url.split(","))
+
+
+def trigger_tick_seconds(config: DpstreamConfig) -> float:
+    """How often the timer looks for due triggers: a tenth of the shortest trigger interval,
+    at most 1 s, at least 50 ms."""
+    shortest = min(q.window_ms // q.triggers for q in config.queries) / 1000.0
+    return min(1.0, max(0.05, shortest / 10))
+
+
+def build_app(s: WorkerSettings) -> faust.App:
+    broker = broker_address(s.broker)
+    app = faust.App(
+        s.app_id, broker=f"kafka://{broker.replace(',', ';kafka://')}", store="memory://", web_enabled=True, web_port=s.web_port,
+        web_bind=s.web_host, web_host=s.web_host, processing_guarantee="at_least_once", topic_allow_declare=False,
+        broker_session_timeout=s.session_timeout, broker_heartbeat_interval=s.heartbeat_interval, autodiscover=False,
+    )
+    metrics = PipelineMetrics()
+    publisher = KafkaPublisher(broker)
+    stage1_in = app.channel()
+    stage2_in = app.channel()
+    status = {"ready": False, "worker": None, "consumer": None}
+
+    async def send(messages) -> None:
+        for m in messages:
+            publisher.produce(m.topic, m.value, m.key, m.partition)
+        # wait for acknowledgements off the event loop; the caller commits state only after this
+        await asyncio.get_running_loop().run_in_executor(None, publisher.flush)
+
+    async def publish(fired: list[FiredTrigger]) -> None:
+        worker: DpstreamWorker = status["worker"]
+        for f in fired:
+            await send(worker.release_messages(f))
+            worker.mark_published(f)
+
+    async def crash(exc: BaseException) -> None:
+        # at-least-once: stop rather than go on past a batch whose state was not committed;
+        # the restarted worker resumes from the last committed offsets
+        log.error("dpstream worker stopping: %s: %s", type(exc).__name__, exc)
+        status["ready"] = False
+        await app.crash(exc)
+
+    @app.agent(stage1_in, name="dpstream.stage1_bound_contributions")
+    async def stage1_bound_contributions(batches):
+        """Stage 1, by user: contribution bounding; bounded records go out keyed by key."""
+        async for topic, partition, records in batches:
+            try:
+                result = status["worker"].process_input(topic, partition, records)
+                if result is None:
+                    continue
+                await send(result.messages)
+                result.commit()
+            except Exception as exc:  # noqa: BLE001 - any failure stops the worker
+                await crash(exc)
+                return
+
+    @app.agent(stage2_in, name="dpstream.stage2_aggregate_by_key")
+    async def stage2_aggregate_by_key(batches):
+        """Stage 2, by key: append bounded records to the pending micro-batches."""
+        async for topic, partition, records in batches:
+            try:
+                status["worker"].process_repartitioned(topic, partition, records)
+            except Exception as exc:  # noqa: BLE001
+                await crash(exc)
+                return
+
+    @app.timer(trigger_tick_seconds(s.config), name="dpstream.fire_triggers")
+    async def fire_triggers():
+        """The fixed trigger schedule: key selection, perturbation, prediction, publication."""
+        worker = status["worker"]
+        if worker is None or not status["ready"]:
+            return
+        try:
+            await publish(worker.fire_due(int(time.time() * 1000)))
+            worker.refresh_metrics()
+            consumer = status["consumer"]
+            for src in worker.sources:
+                high = consumer.highwater(_tp(src.topic, src.partition)) if consumer is not None else None
+                if high is not None:
+                    metrics.consumer_lag.labels(src.topic, str(src.partition)).set(max(0, high - src.last_offset - 1))
+        except Exception as exc:  # noqa: BLE001
+            await crash(exc)
+
+    @app.task
+    async def consume():
+        """Open the state, republish the journal, then read owned partitions in batches."""
+        from aiokafka import AIOKafkaConsumer
+
+        loop = asyncio.get_running_loop()
+        consumer = None
+        try:
+            specs = topics_for(s.config.queries, s.partitions)
+            await loop.run_in_executor(None, lambda: create_topics(broker, specs))
+            input_partitions = await loop.run_in_executor(None, lambda: _partition_counts(broker, {q.input_topic for q in s.config.queries}))
+            worker = await loop.run_in_executor(None, lambda: DpstreamWorker(s.config, s.secret, s.state_dir, s.ownership,
+                                                                             input_partitions, s.partitions, metrics))
+            status["worker"] = worker
+            await publish(worker.unpublished())
+            consumer = AIOKafkaConsumer(bootstrap_servers=broker, group_id=None, enable_auto_commit=False, auto_offset_reset="earliest",
+                                        max_partition_fetch_bytes=8 * 1024 * 1024, fetch_max_bytes=32 * 1024 * 1024)
+            await consumer.start()
+            status["consumer"] = consumer
+            stage_of = {}
+            for key, src in worker.stage1.items():
+                stage_of[_tp(*key)] = (stage1_in, src)
+            for key, src in worker.stage2.items():
+                stage_of[_tp(*key)] = (stage2_in, src)
+            consumer.assign(list(stage_of))
+            for tp, (_, src) in stage_of.items():
+                consumer.seek(tp, src.last_offset + 1)  # the state's own offset, not a group commit
+            status["ready"] = True
+            metrics.ready.set(1)
+            log.info("dpstream worker %d/%d ready: %d input and %d repartition partitions", s.ownership.index, s.ownership.workers,
+                     len(worker.stage1), len(worker.stage2))
+            while True:
+                fetched = await consumer.getmany(timeout_ms=200, max_records=s.fetch_records)
+                for tp, records in fetched.items():
+                    channel, _ = stage_of[tp]
+                    await channel.send(value=(tp.topic, tp.partition, records))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            await crash(exc)
+        finally:
+            status["ready"] = False
+            metrics.ready.set(0)
+            if consumer is not None:
+                await consumer.stop()
+
+    @app.page("/healthz")
+    async def healthz(web, request):
+        """Liveness: the event loop answers."""
+        return web.json({"status": "alive"})
+
+    @app.page("/readyz")
+    async def readyz(web, request):
+        """Readiness: state open, journal republished, partitions assigned."""
+        if status["ready"]:
+            return web.json({"status": "ready"})
+        return web.json({"status": "starting"}, status=503)
+
+    @app.page("/metrics")
+    async def prometheus_metrics(web, request):
+        return web.bytes(generate_latest(metrics.registry), content_type=CONTENT_TYPE_LATEST.split(";")[0])
+
+    app.dpstream_status = status  # for tests and the bench
+    app.dpstream_metrics = metrics
+    return app
+
+
+def _tp(topic: str, partition: int):
+    from aiokafka import TopicPartition
+
+    return TopicPartition(topic, partition)
+
+
+def _partition_counts(broker: str, topics: set[str]) -> dict[str, int]:
+    from confluent_kafka.admin import AdminClient
+
+    meta = AdminClient({"bootstrap.servers": broker}).list_topics(timeout=15)
+    counts = {}
+    for topic in topics:
+        if topic not in meta.topics or meta.topics[topic].error is not None:
+            raise RuntimeError(f"input topic {topic!r} does not exist on {broker}")
+        counts[topic] = len(meta.topics[topic].partitions)
+    return counts
+
+
+def run_worker(s: WorkerSettings, loglevel: str = "info") -> int:
+    from faust.worker import Worker
+
+    app = build_app(s)
+    worker = Worker(app, loglevel=loglevel, quiet=True, redirect_stdouts=False)
+    worker.execute_from_commandline()  # until SIGTERM/SIGINT; exits the process
+    return 0

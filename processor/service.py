@@ -1,0 +1,315 @@
+"""What the Kafka worker does with records, free of Faust and of any Kafka client.
+
+The Faust adapter (:mod:`processor.faust_app`) reads batches of records, hands them here, sends
+the messages this returns, waits for the broker to acknowledge them, and only then commits the
+state write this prepared. Everything DP happens in :class:`processor.pipeline.QueryPipeline`,
+the same code ``dpstream replay`` and the benchmarks run.
+
+Partitions and state (DESIGN.md sections 9 and 12). Worker ``i`` of ``N`` owns partition ``p``
+of every topic it reads when ``p % N == i``: the input topic's partitions for stage 1 (by user)
+and the repartition topics' partitions for stage 2 (by key). Ownership is static, like the pods
+of the StatefulSet whose volumes hold the RocksDB state, so a partition's state never has to
+move: a restarted worker finds its state on its volume. Each source topic-partition has its own
+store, and every state write carries the offset of the last input record it covers, in the same
+atomic RocksDB write. On start the worker reads each partition from that offset + 1; records
+redelivered by at-least-once consumption at or below it are skipped. State is therefore updated
+exactly once per input record even though Kafka delivers at least once.
+
+Failure rules:
+
+* Stage 1 sends its bounded records (and dead letters) and waits for them to be acknowledged
+  *before* it commits the user counts. A crash in between re-bounds the same records from the
+  same state: the lateness clock is each record's Kafka timestamp (not the wall clock), so the
+  replay assigns identical (user, slot) pairs, and stage 2 keeps one record per (user, slot) of a
+  micro-batch. No user ever has more than C counted contributions.
+* A trigger's releases are journaled in the same write as its state (:meth:`QueryPipeline.fire`),
+  then sent, then marked published. After a crash the journaled, unpublished releases are sent
+  again from the journal, never recomputed. Noise is a function of the secret and the tree
+  position only, so it is identical after a restart.
+* A store written under another noise secret, or by another worker layout, is refused: that is
+  a new budget epoch, never a silent reset.
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Optional, Protocol, Sequence
+
+import numpy as np
+
+from processor.config import DpstreamConfig
+from processor.metrics import PipelineMetrics
+from processor.noise import NodeNoise, Pseudonymizer
+from processor.pipeline import BoundedRecords, EventColumns, PipelineStats, QueryPipeline, check_noise_epoch
+from state import keys as sk
+from state.store import PartitionStores, Store, WriteBatch
+from topics.kafka import DEAD_LETTER_TOPIC, repartition_topic
+from topics.records import EventParser, InvalidRecord, dead_letter, encode_json, release_key
+
+LAYOUT_FILE = "worker-layout.json"
+
+
+class RecordLike(Protocol):
+    """A consumed Kafka record (aiokafka's ConsumerRecord fits)."""
+
+    offset: int
+    key: Optional[bytes]
+    value: Optional[bytes]
+    timestamp: int  # ms
+
+
+@dataclass
+class Message:
+    topic: str
+    value: bytes
+    key: Optional[bytes] = None
+    partition: Optional[int] = None
+
+
+class StateLayoutError(RuntimeError):
+    """The state directory does not belong to this worker layout (a new epoch is needed)."""
+
+
+@dataclass(frozen=True)
+class Ownership:
+    """Worker ``index`` of ``workers`` owns partition p when p % workers == index."""
+
+    index: int = 0
+    workers: int = 1
+
+    def __post_init__(self):
+        if self.workers < 1 or not 0 <= self.index < self.workers:
+            raise ValueError(f"worker index {self.index} must be in [0, {self.workers})")
+
+    def partitions(self, count: int) -> list[int]:
+        return [p for p in range(count) if p % self.workers == self.index]
+
+
+class SourcePartition:
+    """One owned source topic-partition: its store, the pipelines using it, its input offset."""
+
+    def __init__(self, topic: str, partition: int, store: Store, pipelines: list[QueryPipeline]):
+        self.topic = topic
+        self.partition = partition
+        self.store = store
+        self.pipelines = pipelines
+        self._offset_key = sk.META + b"offset"
+        raw = store.get(self._offset_key)
+        self.last_offset = int.from_bytes(raw, "little", signed=True) if raw else -1
+
+    @property
+    def name(self) -> str:
+        return f"{self.topic}-{self.partition}"
+
+    def commit(self, batch: WriteBatch, last_offset: int) -> None:
+        """The state changes of records up to ``last_offset`` and that offset: one atomic write."""
+        batch.put(self._offset_key, int(last_offset).to_bytes(8, "little", signed=True))
+        self.store.write(batch)
+        self.last_offset = last_offset
+
+
+@dataclass
+class StageOneResult:
+    """What one stage-1 batch produced; sent first, then :meth:`commit`-ted."""
+
+    source: SourcePartition
+    batch: WriteBatch
+    last_offset: int
+    messages: list[Message] = field(default_factory=list)
+    invalid: Counter = field(default_factory=Counter)
+
+    def commit(self) -> None:
+        self.source.commit(self.batch, self.last_offset)
+
+
+@dataclass
+class FiredTrigger:
+    source: SourcePartition
+    pipeline: QueryPipeline
+    window: int
+    trigger: int
+    releases: list[dict]
+
+
+class DpstreamWorker:
+    def __init__(self, config: DpstreamConfig, secret: bytes, state_dir: str | Path, ownership: Ownership,
+                 input_partitions: dict[str, int], repartitions: int, metrics: Optional[PipelineMetrics] = None,
+                 block_cache_mb: int = 64, write_buffer_mb: int = 32):
+        self.config = config
+        self.ownership = ownership
+        self.repartitions = repartitions
+        self.metrics = metrics or PipelineMetrics()
+        self.noise = NodeNoise(secret)
+        self.pseudonyms = Pseudonymizer(secret)
+        self.state_dir = Path(state_dir)
+        self._check_layout(input_partitions)
+        self.stores = PartitionStores(self.state_dir, block_cache_mb, write_buffer_mb)
+        self.stage1: dict[tuple[str, int], SourcePartition] = {}
+        self.stage2: dict[tuple[str, int], SourcePartition] = {}
+        self.parsers = {q.name: EventParser.for_query(q) for q in config.queries}
+        by_topic = defaultdict(list)
+        for q in config.queries:
+            by_topic[q.input_topic].append(q)
+        for topic, queries in by_topic.items():
+            for p in ownership.partitions(input_partitions[topic]):
+                store = self._open(f"{topic}-{p}")
+                self.stage1[(topic, p)] = SourcePartition(topic, p, store, [QueryPipeline(q, self.noise, store) for q in queries])
+        for q in config.queries:
+            topic = repartition_topic(q.name)
+            for p in ownership.partitions(repartitions):
+                store = self._open(f"{topic}-{p}")
+                self.stage2[(topic, p)] = SourcePartition(topic, p, store, [QueryPipeline(q, self.noise, store)])
+
+    # ------------------------------------------------------------------ setup
+    def _check_layout(self, input_partitions: dict[str, int]) -> None:
+        """Ownership is static; a state directory written under another layout (worker index,
+        worker count or partition counts) would hold some partitions' state and miss others'."""
+        mine = {"worker_index": self.ownership.index, "workers": self.ownership.workers,
+                "input_partitions": dict(sorted(input_partitions.items())), "repartitions": self.repartitions}
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        path = self.state_dir / LAYOUT_FILE
+        if path.exists():
+            stored = json.loads(path.read_text())
+            if stored != mine:
+                raise StateLayoutError(f"state directory {self.state_dir} was written by worker layout {stored}, this worker is "
+                                       f"{mine}; moving partitions would move their state: keep the layout, or start a new "
+                                       f"epoch (new state, new noise secret)")
+        else:
+            path.write_text(json.dumps(mine, sort_keys=True))
+
+    def _open(self, name: str) -> Store:
+        store = self.stores.store(name)
+        check_noise_epoch(store, self.noise)
+        return store
+
+    def close(self) -> None:
+        self.stores.close()
+
+    @property
+    def sources(self) -> list[SourcePartition]:
+        return list(self.stage1.values()) + list(self.stage2.values())
+
+    def pipelines(self) -> Iterable[QueryPipeline]:
+        for src in self.sources:
+            yield from src.pipelines
+
+    # ------------------------------------------------------------------ stage 1
+    def process_input(self, topic: str, partition: int, records: Sequence[RecordLike]) -> Optional[StageOneResult]:
+        """Bound a batch of input records of one partition; nothing is written yet."""
+        source = self.stage1[(topic, partition)]
+        records = [r for r in records if r.offset > source.last_offset]  # redelivered: already in state
+        if not records:
+            return None
+        result = StageOneResult(source, WriteBatch(), records[-1].offset)
+        parsed = []
+        for r in records:
+            try:
+                obj = json.loads(r.value) if r.value is not None else None
+                parsed.append(obj if isinstance(obj, dict) else InvalidRecord("not a JSON object"))
+            except (ValueError, UnicodeDecodeError):
+                parsed.append(InvalidRecord("not valid JSON"))
+        for pipe in source.pipelines:
+            q = pipe.query
+            parser = self.parsers[q.name]
+            users, keys, values, ts, clock = [], [], [], [], []
+            for r, obj in zip(records, parsed):
+                event = obj if isinstance(obj, InvalidRecord) else parser.from_mapping(obj)
+                if not isinstance(event, InvalidRecord) and r.key != event.user.encode():
+                    # stage 1 counts a user's contributions in one partition's state: a record
+                    # not keyed by its user could be counted in another partition too
+                    event = InvalidRecord(f"message key must be the {q.user_field!r} field (input is partitioned by user)")
+                if isinstance(event, InvalidRecord):
+                    result.invalid[(q.name, event.reason)] += 1
+                    body = {"query": q.name, **dead_letter(event.reason, r.value or b"", f"{topic}/{partition}@{r.offset}")}
+                    result.messages.append(Message(DEAD_LETTER_TOPIC, encode_json(body)))
+                    continue
+                users.append(event.user)
+                keys.append(event.key)
+                values.append(event.value)
+                ts.append(event.ts)
+                clock.append(r.timestamp)
+            invalid = sum(v for (name, _), v in result.invalid.items() if name == q.name)
+            pipe.stats.events_in += invalid
+            pipe.stats.dropped["malformed"] += invalid
+            if not ts:
+                continue
+            events = EventColumns(self.pseudonyms.users(users), np.array(keys, dtype=object), self.pseudonyms.group_keys(keys),
+                                  np.array(values, dtype=np.float64), np.array(ts, dtype=np.int64))
+            bounded = pipe.bound(events, np.array(clock, dtype=np.int64), result.batch)
+            if not len(bounded):
+                continue
+            target = (bounded.key_ids % np.uint64(self.repartitions)).astype(np.int64)
+            out_topic = repartition_topic(q.name)
+            for p in np.unique(target).tolist():
+                result.messages.append(Message(out_topic, bounded.take(np.nonzero(target == p)[0]).encode(), None, p))
+        return result
+
+    # ------------------------------------------------------------------ stage 2
+    def process_repartitioned(self, topic: str, partition: int, records: Sequence[RecordLike]) -> int:
+        """Append bounded records to the pending micro-batches; returns records applied."""
+        source = self.stage2[(topic, partition)]
+        records = [r for r in records if r.offset > source.last_offset]
+        if not records:
+            return 0
+        pipe = source.pipelines[0]
+        batch = WriteBatch()
+        for r in records:
+            # the offset is unique within the partition: pending blobs never collide, and a
+            # redelivered message (offset <= last applied) was skipped above
+            pipe.accumulate(BoundedRecords.decode(r.value), r.offset, batch)
+        source.commit(batch, records[-1].offset)
+        return len(records)
+
+    def fire_due(self, now_ms: int) -> list[FiredTrigger]:
+        """Fire every owned trigger whose time (plus allowed lateness) has passed on the wall
+        clock: the schedule, never the data, decides. Releases are journaled on return."""
+        fired = []
+        for source in self.stage2.values():
+            pipe = source.pipelines[0]
+            while (nxt := pipe.next_fire()) is not None and nxt[0] <= now_ms:
+                _, window, trigger = nxt
+                started = time.perf_counter()
+                releases = pipe.fire(window, trigger)
+                self.metrics.trigger_seconds.labels(pipe.query.name).observe(time.perf_counter() - started)
+                fired.append(FiredTrigger(source, pipe, window, trigger, releases))
+        return fired
+
+    def unpublished(self) -> list[FiredTrigger]:
+        """Journaled releases not yet marked published (after a crash): send them again."""
+        return [FiredTrigger(source, pipe, w, i, releases)
+                for source in self.stage2.values() for pipe in source.pipelines for w, i, releases in pipe.unpublished()]
+
+    @staticmethod
+    def release_messages(fired: FiredTrigger) -> list[Message]:
+        q = fired.pipeline.query
+        return [Message(q.output_topic, encode_json(r), release_key(q.name, r["window_start"], r["key"])) for r in fired.releases]
+
+    @staticmethod
+    def mark_published(fired: FiredTrigger) -> None:
+        batch = WriteBatch()
+        fired.pipeline.mark_published(fired.window, fired.trigger, batch)
+        fired.source.store.write(batch)
+
+    # ------------------------------------------------------------------ metrics
+    def refresh_metrics(self) -> None:
+        combined: dict[str, PipelineStats] = {}
+        keys_released: Counter = Counter()
+        for pipe in self.pipelines():
+            name = pipe.query.name
+            total = combined.setdefault(name, PipelineStats())
+            st = pipe.stats
+            total.events_in += st.events_in
+            total.dropped.update(st.dropped)
+            total.releases += st.releases
+            total.triggers_fired += st.triggers_fired
+            total.keys_loaded += st.keys_loaded
+            total.keys_tracked += st.keys_tracked
+            keys_released[name] += len(st.keys_released)  # stage-2 partitions hold disjoint keys
+        plans = {q.name: next(p.plan for p in self.pipelines() if p.query.name == q.name) for q in self.config.queries}
+        for name, total in combined.items():
+            self.metrics.observe_pipeline(name, total, plans[name], keys_released=keys_released[name])
+        for source in self.sources:
+            self.metrics.state_bytes.labels(source.name).set(source.store.size_bytes())
