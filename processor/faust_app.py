@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -59,8 +60,10 @@ def trigger_tick_seconds(config: DpstreamConfig) -> float:
 
 def build_app(s: WorkerSettings) -> faust.App:
     broker = broker_address(s.broker)
+    os.makedirs(s.state_dir, exist_ok=True)
     app = faust.App(
-        s.app_id, broker=f"kafka://{broker.replace(',', ';kafka://')}", store="memory://", web_enabled=True, web_port=s.web_port,
+        s.app_id, broker=f"kafka://{broker.replace(',', ';kafka://')}", store="memory://", datadir=os.path.join(s.state_dir, "faust"),
+        web_enabled=True, web_port=s.web_port,
         web_bind=s.web_host, web_host=s.web_host, processing_guarantee="at_least_once", topic_allow_declare=False,
         broker_session_timeout=s.session_timeout, broker_heartbeat_interval=s.heartbeat_interval, autodiscover=False,
     )

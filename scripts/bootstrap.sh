@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create ./.venv and install dpstream with its pinned dependencies (and test extras).
-# Re-installs only when pyproject.toml changed since the last install. Safe to run repeatedly.
+# Every transitive version is fixed by constraints.txt. Re-installs only when pyproject.toml or
+# constraints.txt changed since the last install. Safe to run repeatedly.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$root/.venv"
@@ -14,9 +15,9 @@ if [ ! -x "$venv/bin/python" ]; then
   "$python" -m venv "$venv"
 fi
 stamp="$venv/.dpstream-installed"
-want="$(sha256sum "$root/pyproject.toml" | cut -d' ' -f1)"
+want="$(cat "$root/pyproject.toml" "$root/constraints.txt" | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "bootstrap: installing pinned dependencies into $venv" >&2
-  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -e "$root[test,bench]"
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -c "$root/constraints.txt" -e "$root[test,bench]"
   echo "$want" > "$stamp"
 fi

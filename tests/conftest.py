@@ -14,3 +14,41 @@ def noise() -> NodeNoise:
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(20261121)
+
+
+# ---------------------------------------------------------------- the test broker (DESIGN.md 11)
+import os
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BROKER_PORT = int(os.environ.get("DPSTREAM_TEST_BROKER_PORT", "19092"))
+
+
+def _broker_answers(address: str) -> bool:
+    from confluent_kafka.admin import AdminClient
+
+    try:
+        AdminClient({"bootstrap.servers": address, "socket.timeout.ms": 1000}).list_topics(timeout=2)
+        return True
+    except Exception:
+        return False
+
+
+@pytest.fixture(scope="session")
+def broker() -> str:
+    """A real Kafka-protocol broker: the one answering on the test port, else Tansu started by
+    the project's own script (and stopped by it at the end)."""
+    address = f"127.0.0.1:{BROKER_PORT}"
+    started = False
+    if not _broker_answers(address):
+        proc = subprocess.run([str(ROOT / "scripts" / "broker"), "start", str(BROKER_PORT)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            message = f"TEST BROKER COULD NOT START (scripts/broker start {BROKER_PORT}):\n{proc.stdout}{proc.stderr}"
+            if os.environ.get("CI"):
+                pytest.fail(message)
+            pytest.skip(message)
+        started = True
+    yield address
+    if started:
+        subprocess.run([str(ROOT / "scripts" / "broker"), "stop", str(BROKER_PORT)], capture_output=True)

@@ -1,0 +1,259 @@
+"""The worker against a real broker (Tansu, started by scripts/broker): releases equal replay's,
+two workers, SIGKILL and restart, dead letters, the metrics and health endpoints.
+
+Comparable micro-batches: the tests start the worker, then produce events whose event times lie
+in a window that starts a few seconds later, so every event reaches stage 2 before its trigger
+fires on the wall clock; replay (watermark clock over the same time-ordered file) drops nothing
+as late either. Both then assign every event to trigger floor((t - window_start) / (window / T))
++ 1 and, with the same config and secret, must publish the same releases.
+"""
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from processor.config import load_config
+from processor.kafka_tools import produce, tail
+from processor.replay import ReplayRunner
+from tests.conftest import ROOT, TEST_SECRET
+from topics.kafka import DEAD_LETTER_TOPIC
+
+WINDOW_S, TRIGGERS, LATENESS_S = 12, 4, 1
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Scenario:
+    def __init__(self, tmp_path: Path, broker: str, contribution_bound: int = 3):
+        self.tmp, self.broker = tmp_path, broker
+        tag = uuid.uuid4().hex[:8]
+        self.query, self.input, self.output = f"q{tag}", f"it-events-{tag}", f"it-out-{tag}"
+        self.app_id = f"dpstream-it-{tag}"
+        self.config = tmp_path / "queries.yaml"
+        self.config.write_text(
+            f"queries:\n  - name: {self.query}\n    input_topic: {self.input}\n    output_topic: {self.output}\n"
+            f"    window: {WINDOW_S}s\n    triggers: {TRIGGERS}\n    allowed_lateness: {LATENESS_S}s\n"
+            f"    contribution_bound: {contribution_bound}\n    epsilon: 6\n    delta: 1.0e-9\n")
+        self.key_file = tmp_path / "noise.key"
+        self.key_file.write_bytes(TEST_SECRET)
+        self.events = tmp_path / "events.jsonl"
+        self.window_start = None
+
+    def worker(self, name: str, index: int = 0, workers: int = 1) -> "Worker":
+        return Worker(self, self.tmp / f"state-{name}", index, workers)
+
+    def write_events(self, n: int, users: int, keys: int, lead_s: float, seed: int = 11) -> None:
+        """n events of a skewed key law, time-ordered over the window starting >= lead_s from now."""
+        window_ms = WINDOW_S * 1000
+        soon = int(time.time() * 1000) + int(lead_s * 1000)
+        self.window_start = soon - soon % window_ms + window_ms
+        rng = np.random.default_rng(seed)
+        user = rng.integers(0, users, n)
+        key = np.minimum(rng.zipf(1.6, n), keys)
+        ts = self.window_start + np.sort(rng.integers(0, window_ms, n))
+        with open(self.events, "w") as fh:
+            for u, k, t in zip(user.tolist(), key.tolist(), ts.tolist()):
+                fh.write(f'{{"user_id":"u{u}","key":"k{k}","ts":{t}}}\n')
+
+    def produce_events(self) -> int:
+        with open(self.events, "rb") as fh:
+            return produce(self.broker, self.input, (line.rstrip(b"\n") for line in fh))
+
+    def wait_for_window_end(self) -> None:
+        end = self.window_start / 1000 + WINDOW_S + LATENESS_S + 2.5
+        time.sleep(max(0.0, end - time.time()))
+
+    def read(self, topic: str) -> list[dict]:
+        out = io.StringIO()
+        tail(self.broker, topic, out, idle_seconds=3)
+        return [json.loads(line) for line in out.getvalue().splitlines()]
+
+    def replay(self) -> list[dict]:
+        runner = ReplayRunner(load_config(self.config), TEST_SECRET, None)
+        out = io.StringIO()
+        try:
+            runner.run(str(self.events), out)
+        finally:
+            runner.close()
+        return [json.loads(line) for line in out.getvalue().splitlines()]
+
+
+class Worker:
+    def __init__(self, sc: Scenario, state_dir: Path, index: int, workers: int):
+        self.sc, self.state_dir, self.index, self.workers = sc, state_dir, index, workers
+        self.port = free_port()
+        self.proc = None
+        self.log = sc.tmp / f"{state_dir.name}.log"
+
+    def start(self) -> "Worker":
+        env = {**os.environ, "DPSTREAM_NOISE_KEY_FILE": str(self.sc.key_file)}
+        cmd = [sys.executable, "-m", "processor.cli", "worker", "--config", str(self.sc.config), "--broker", self.sc.broker,
+               "--state-dir", str(self.state_dir), "--worker-index", str(self.index), "--workers", str(self.workers),
+               "--partitions", "4", "--web-port", str(self.port), "--web-host", "127.0.0.1", "--app-id", self.sc.app_id,
+               "--log-level", "warn"]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT)
+        return self
+
+    def get(self, path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    def wait_ready(self, timeout: float = 90) -> "Worker":
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            assert self.proc.poll() is None, f"worker exited: {self.log.read_text()[-3000:]}"
+            try:
+                if self.get("/readyz")[0] == 200:
+                    return self
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"worker not ready after {timeout} s: {self.log.read_text()[-3000:]}")
+
+    def metrics(self) -> dict:
+        samples = {}
+        for family in text_string_to_metric_families(self.get("/metrics")[1]):
+            for s in family.samples:
+                samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+        return samples
+
+    def metric(self, name: str, **labels) -> float:
+        return sum(v for (n, ls), v in self.metrics().items() if n == name and all(dict(ls).get(k) == x for k, x in labels.items()))
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def canonical(records: list[dict]) -> set[str]:
+    return {json.dumps(r, sort_keys=True) for r in records}
+
+
+def assert_no_conflicting_releases(records: list[dict]) -> None:
+    seen = {}
+    for r in records:
+        key = (r["query"], r["window_start"], json.dumps(r["key"]), r["trigger"])
+        assert seen.setdefault(key, r) == r, f"two different releases for {key}"
+
+
+@pytest.fixture
+def scenario(tmp_path, broker):
+    sc = Scenario(tmp_path, broker)
+    sc.workers = []
+    yield sc
+    for w in sc.workers:
+        w.stop()
+
+
+def test_worker_releases_equal_replay_dead_letters_and_metrics(scenario):
+    sc = scenario
+    w = sc.worker("one").start()
+    sc.workers.append(w)
+    w.wait_ready()
+    assert w.get("/healthz")[0] == 200
+    sc.write_events(20_000, users=2_000, keys=60, lead_s=4)
+    assert sc.produce_events() == 20_000
+    # three bad records: not JSON, no key field, and a valid event not keyed by its user
+    bad = [b"{not json", f'{{"user_id":"u1","ts":{sc.window_start}}}'.encode(),
+           f'{{"user_id":"u1","key":"k1","ts":{sc.window_start}}}'.encode()]
+    from confluent_kafka import Producer
+
+    p = Producer({"bootstrap.servers": sc.broker})
+    p.produce(sc.input, bad[0])
+    p.produce(sc.input, bad[1], b"u1")
+    p.produce(sc.input, bad[2], b"u2")
+    assert p.flush(30) == 0
+    sc.wait_for_window_end()
+
+    released = sc.read(sc.output)
+    expected = sc.replay()
+    assert len(expected) > 20
+    assert_no_conflicting_releases(released)
+    assert canonical(released) == canonical(expected)
+
+    letters = [d for d in sc.read(DEAD_LETTER_TOPIC) if d.get("query") == sc.query]
+    import base64
+
+    assert sorted(base64.b64decode(d["original_b64"]) for d in letters) == sorted(bad)
+    assert all(d["reason"] and d["source"].startswith(sc.input) for d in letters)
+
+    m = w.metrics()
+    names = {n for n, _ in m}
+    for name in ("dpstream_events_in_total", "dpstream_events_dropped_total", "dpstream_keys_tracked", "dpstream_keys_released",
+                 "dpstream_releases_total", "dpstream_trigger_duration_seconds_bucket", "dpstream_trigger_duration_seconds_count",
+                 "dpstream_state_size_bytes", "dpstream_budget_epsilon_spent", "dpstream_budget_epsilon_remaining",
+                 "dpstream_consumer_lag_records", "dpstream_triggers_fired_total", "dpstream_ready"):
+        assert name in names, name
+    assert w.metric("dpstream_events_in_total", query=sc.query) == 20_003
+    assert w.metric("dpstream_events_dropped_total", query=sc.query, reason="malformed") == 3
+    assert w.metric("dpstream_releases_total", query=sc.query) == len(expected)
+    assert w.metric("dpstream_trigger_duration_seconds_count", query=sc.query) == w.metric("dpstream_triggers_fired_total", query=sc.query) > 0
+    assert w.metric("dpstream_events_dropped_total", query=sc.query, reason="contribution_bound") > 0
+
+
+def test_two_workers_split_the_partitions_and_release_the_same(scenario):
+    sc = scenario
+    a, b = sc.worker("a", 0, 2).start(), sc.worker("b", 1, 2).start()
+    sc.workers += [a, b]
+    a.wait_ready()
+    b.wait_ready()
+    sc.write_events(20_000, users=2_000, keys=60, lead_s=4)
+    sc.produce_events()
+    sc.wait_for_window_end()
+    released = sc.read(sc.output)
+    assert_no_conflicting_releases(released)
+    assert canonical(released) == canonical(sc.replay())
+    # both did part of the work, and together all of it
+    ins = [w.metric("dpstream_events_in_total", query=sc.query) for w in (a, b)]
+    assert min(ins) > 0 and sum(ins) == 20_000
+    assert min(w.metric("dpstream_releases_total", query=sc.query) for w in (a, b)) > 0
+
+
+def test_sigkill_mid_stream_and_restart_changes_nothing(scenario):
+    sc = scenario
+    w = sc.worker("k").start()
+    sc.workers.append(w)
+    w.wait_ready()
+    sc.write_events(300_000, users=20_000, keys=200, lead_s=25)
+    sc.produce_events()
+    # kill as soon as the worker has taken in part of the stream
+    deadline = time.time() + 60
+    while time.time() < deadline and not 0 < w.metric("dpstream_events_in_total", query=sc.query) < 300_000:
+        time.sleep(0.02)
+    taken = w.metric("dpstream_events_in_total", query=sc.query)
+    w.proc.send_signal(signal.SIGKILL)
+    w.proc.wait()
+    assert 0 < taken < 300_000, "the kill must land mid-stream"
+    assert time.time() < sc.window_start / 1000, "restart must happen before the window's first trigger"
+    w2 = sc.worker("k").start()  # same state directory
+    sc.workers.append(w2)
+    w2.wait_ready()
+    sc.wait_for_window_end()
+    released = sc.read(sc.output)
+    assert_no_conflicting_releases(released)
+    # same releases as an uninterrupted run: same counts (so no user counted past C) and same noise
+    assert canonical(released) == canonical(sc.replay())

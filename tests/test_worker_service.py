@@ -1,0 +1,170 @@
+"""The worker's processing without a broker: the failure rules of DESIGN.md section 12 under
+at-least-once delivery, exercised deterministically (the Kafka tests do it with a real broker)."""
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import pytest
+
+from processor.config import DpstreamConfig
+from processor.pipeline import BoundedRecords
+from processor.service import DpstreamWorker, Ownership, StateLayoutError
+from tests.conftest import TEST_SECRET
+from topics.kafka import DEAD_LETTER_TOPIC, repartition_topic
+
+WINDOW_MS = 40_000
+START = 1_800_000_000_000 - 1_800_000_000_000 % WINDOW_MS
+
+
+@dataclass
+class Record:
+    offset: int
+    key: Optional[bytes]
+    value: Optional[bytes]
+    timestamp: int
+
+
+def config(**overrides) -> DpstreamConfig:
+    q = dict(name="clicks", input_topic="in", output_topic="out", window="40s", triggers=4, allowed_lateness="1s",
+             contribution_bound=3, epsilon=6, delta=1e-9, key_threshold=0)
+    q.update(overrides)
+    return DpstreamConfig(queries=[q])
+
+
+def events(n: int, seed: int = 3) -> list[Record]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        user = f"u{rng.integers(0, n // 8)}"
+        key = f"k{min(int(rng.pareto(1.0)), 30)}"
+        ts = START + i * WINDOW_MS // n
+        out.append(Record(i, user.encode(), f'{{"user_id":"{user}","key":"{key}","ts":{ts}}}'.encode(), START - 1000))
+    return out
+
+
+def make_worker(path, cfg=None, ownership=Ownership(), repartitions=2) -> DpstreamWorker:
+    return DpstreamWorker(cfg or config(), TEST_SECRET, path, ownership, {"in": 1}, repartitions)
+
+
+def stage_two(worker: DpstreamWorker, messages, first_offset: int = 0) -> None:
+    """Deliver stage-1 output to stage 2 as a broker would: per partition, increasing offsets."""
+    offsets: dict = {}
+    for m in messages:
+        if m.topic == DEAD_LETTER_TOPIC:
+            continue
+        offset = offsets.get(m.partition, first_offset)
+        offsets[m.partition] = offset + 1
+        worker.process_repartitioned(m.topic, m.partition, [Record(offset, None, m.value, 0)])
+
+
+def all_releases(worker: DpstreamWorker) -> dict:
+    fired = worker.fire_due(START + 10 * WINDOW_MS)
+    return {(r["window_start"], r["trigger"], r["key"]): r["count"] for f in fired for r in f.releases}
+
+
+def counted_per_user(messages) -> dict:
+    """(user, slot) pairs that reach stage 2, by user pseudonym, after its de-duplication."""
+    pairs = set()
+    for m in messages:
+        if m.topic != DEAD_LETTER_TOPIC:
+            b = BoundedRecords.decode(m.value)
+            pairs.update(zip(b.users.tolist(), b.slots.tolist(), b.trigger.tolist()))
+    per_user: dict = {}
+    for user, slot, _ in pairs:
+        per_user.setdefault(user, set()).add(slot)
+    return per_user
+
+
+def test_crash_between_send_and_commit_resends_identical_records_and_counts_them_once(tmp_path):
+    records = events(4000)
+    # reference: one worker, no crash
+    ref = make_worker(tmp_path / "ref")
+    out = ref.process_input("in", 0, records)
+    out.commit()
+    stage_two(ref, out.messages)
+    expected = all_releases(ref)
+    ref.close()
+    assert expected, "the workload must release something"
+
+    # crash: stage 1 sent its output but died before committing the user counts
+    w = make_worker(tmp_path / "crash")
+    first = w.process_input("in", 0, records[:2500])
+    w.close()  # no commit
+    w = make_worker(tmp_path / "crash")
+    again = w.process_input("in", 0, records)  # the broker redelivers from the last committed offset
+    again.commit()
+    # the re-sent copy of every record carries the same (user, slot): the same bytes per record
+    assert {m.value for m in first.messages} != set()
+    firsts = counted_per_user(first.messages)
+    agains = counted_per_user(again.messages)
+    assert all(firsts[u] <= agains[u] for u in firsts)
+    assert max(len(s) for s in agains.values()) <= 3  # C
+    # stage 2 receives both copies; it counts each (user, slot) once
+    stage_two(w, first.messages + again.messages)
+    assert all_releases(w) == expected
+    assert sum(p.stats.dropped["duplicate"] for p in w.pipelines()) > 0
+    w.close()
+
+
+def test_redelivered_records_at_or_below_the_committed_offset_are_skipped(tmp_path):
+    records = events(1000)
+    w = make_worker(tmp_path / "s")
+    w.process_input("in", 0, records[:600]).commit()
+    assert w.stage1[("in", 0)].last_offset == 599
+    rest = w.process_input("in", 0, records[:800])  # offsets 0..599 again, then 600..799
+    bounded = sum(len(BoundedRecords.decode(m.value)) for m in rest.messages if m.topic != DEAD_LETTER_TOPIC)
+    assert bounded <= 200
+    assert w.process_input("in", 0, records[:600]) is None
+    topic = repartition_topic("clicks")
+    assert w.process_repartitioned(topic, 0, []) == 0
+    w.close()
+
+
+def test_journaled_releases_are_republished_not_recomputed(tmp_path):
+    w = make_worker(tmp_path / "j")
+    out = w.process_input("in", 0, events(3000))
+    out.commit()
+    stage_two(w, out.messages)
+    fired = w.fire_due(START + 10 * WINDOW_MS)
+    assert any(f.releases for f in fired)
+    w.mark_published(fired[0])  # crash after the first trigger reached the output
+    w.close()
+    w = make_worker(tmp_path / "j")
+    again = w.unpublished()
+    assert [(f.window, f.trigger, f.releases) for f in again] == [(f.window, f.trigger, f.releases) for f in fired[1:]]
+    assert w.fire_due(START + 10 * WINDOW_MS) == []  # nothing fires twice
+    w.close()
+
+
+def test_malformed_and_mis_keyed_records_are_dead_lettered_with_reason_and_bytes(tmp_path):
+    import base64
+    import json
+
+    w = make_worker(tmp_path / "d")
+    good = events(10)
+    bad = [Record(10, b"u1", b"{not json", 0), Record(11, b"u1", b'{"user_id":"u1","ts":5}', 0),
+           Record(12, b"someone-else", good[0].value, 0), Record(13, None, None, 0)]
+    out = w.process_input("in", 0, good + bad)
+    letters = [json.loads(m.value) for m in out.messages if m.topic == DEAD_LETTER_TOPIC]
+    assert [base64.b64decode(d["original_b64"]) for d in letters] == [b"{not json", b'{"user_id":"u1","ts":5}', good[0].value, b""]
+    reasons = [d["reason"] for d in letters]
+    assert reasons[0] == "not valid JSON" and "'key'" in reasons[1] and "message key" in reasons[2]
+    assert all("u1" not in r and "someone-else" not in r for r in reasons)  # reasons never quote content
+    assert sum(p.stats.dropped["malformed"] for p in w.pipelines()) == 4
+    w.close()
+
+
+def test_a_state_directory_of_another_layout_or_secret_is_refused(tmp_path):
+    make_worker(tmp_path / "l", ownership=Ownership(0, 2)).close()
+    with pytest.raises(StateLayoutError, match="worker layout"):
+        make_worker(tmp_path / "l", ownership=Ownership(0, 1))
+    make_worker(tmp_path / "k").close()
+    with pytest.raises(RuntimeError, match="different noise secret"):
+        DpstreamWorker(config(), b"another-secret-of-enough-length!", tmp_path / "k", Ownership(), {"in": 1}, 2)
+
+
+def test_two_workers_own_disjoint_partitions():
+    assert Ownership(0, 2).partitions(5) == [0, 2, 4]
+    assert Ownership(1, 2).partitions(5) == [1, 3]
+    with pytest.raises(ValueError):
+        Ownership(2, 2)
