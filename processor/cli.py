@@ -187,6 +187,15 @@ def cmd_bench_scaling(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_kafka(args: argparse.Namespace) -> int:
+    from processor.bench_kafka import run_kafka_bench
+    from processor.faust_app import broker_address
+
+    run_kafka_bench(broker_address(args.broker), users=args.users, keys=args.keys, repeats=args.repeats, partitions=args.partitions,
+                    json_path=args.json)
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from processor.bench import run_engine_bench
 
@@ -280,6 +289,14 @@ def build_parser() -> argparse.ArgumentParser:
     scaling.add_argument("--repeats", type=int, default=5, help="triggers timed per setting; the median is reported")
     scaling.add_argument("--json", help="also write the results to this JSON file")
     scaling.set_defaults(func=cmd_bench_scaling)
+    kafka = bench_sub.add_parser("kafka", help="one worker's events/s through the broker vs a plain confluent-kafka consume loop")
+    kafka.add_argument("--broker", default=os.environ.get("DPSTREAM_BROKER", "127.0.0.1:19092"), help="bootstrap servers (scripts/broker start)")
+    kafka.add_argument("--users", type=int, default=80_000, help="synthetic users (about 6.1 events each; default 80,000)")
+    kafka.add_argument("--keys", type=int, default=100_000, help="key space (default 100,000)")
+    kafka.add_argument("--partitions", type=int, default=8, help="input and repartition partitions (default 8)")
+    kafka.add_argument("--repeats", type=int, default=3, help="runs of each; medians are reported")
+    kafka.add_argument("--json", help="also write the results to this JSON file")
+    kafka.set_defaults(func=cmd_bench_kafka)
     dpsqlp = bench_sub.add_parser("dpsqlp", help="the DP-SQLP paper's synthetic workload: DP-SQLP vs Baselines 1 and 2")
     dpsqlp.add_argument("--users", type=int, default=10_000_000, help="users (paper: 10,000,000)")
     dpsqlp.add_argument("--keys", type=int, default=1_000_000, help="key space (paper: 1,000,000)")

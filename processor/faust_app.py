@@ -17,7 +17,6 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Optional
 
 import faust
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -25,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from processor.config import DpstreamConfig
 from processor.metrics import PipelineMetrics
 from processor.service import DpstreamWorker, FiredTrigger, Ownership
-from topics.kafka import KafkaPublisher, create_topics, repartition_topic, topics_for
+from topics.kafka import KafkaPublisher, create_topics, topics_for
 
 log = logging.getLogger("dpstream.worker")
 
@@ -124,14 +123,18 @@ def build_app(s: WorkerSettings) -> faust.App:
             return
         try:
             await publish(worker.fire_due(int(time.time() * 1000)))
-            worker.refresh_metrics()
-            consumer = status["consumer"]
-            for src in worker.sources:
-                high = consumer.highwater(_tp(src.topic, src.partition)) if consumer is not None else None
-                if high is not None:
-                    metrics.consumer_lag.labels(src.topic, str(src.partition)).set(max(0, high - src.last_offset - 1))
         except Exception as exc:  # noqa: BLE001
             await crash(exc)
+
+    def refresh_metrics() -> None:
+        worker, consumer = status["worker"], status["consumer"]
+        if worker is None:
+            return
+        worker.refresh_metrics()
+        for src in worker.sources:
+            high = consumer.highwater(_tp(src.topic, src.partition)) if consumer is not None else None
+            if high is not None:
+                metrics.consumer_lag.labels(src.topic, str(src.partition)).set(max(0, high - src.last_offset - 1))
 
     @app.task
     async def consume():
@@ -193,6 +196,7 @@ def build_app(s: WorkerSettings) -> faust.App:
 
     @app.page("/metrics")
     async def prometheus_metrics(web, request):
+        refresh_metrics()  # counters are kept by the pipeline; brought up to date at each scrape
         return web.bytes(generate_latest(metrics.registry), content_type=CONTENT_TYPE_LATEST.split(";")[0])
 
     app.dpstream_status = status  # for tests and the bench

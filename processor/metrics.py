@@ -19,6 +19,8 @@ class PipelineMetrics:
         self.dropped = Counter("dpstream_events_dropped_total",
                                "Input events dropped, by reason: malformed (dead-lettered), late, contribution_bound, duplicate "
                                "(a redelivered copy)", ["query", "reason"], registry=r)
+        self.accumulated = Counter("dpstream_records_accumulated_total", "Bounded records stage 2 added to pending micro-batches",
+                                   ["query"], registry=r)
         self.releases = Counter("dpstream_releases_total", "Released (key, trigger) histogram updates", ["query"], registry=r)
         self.triggers = Counter("dpstream_triggers_fired_total", "Triggers fired", ["query"], registry=r)
         self.keys_loaded = Gauge("dpstream_keys_loaded", "Keys loaded by the last trigger (micro-batch plus predicted)", ["query"], registry=r)
@@ -44,6 +46,7 @@ class PipelineMetrics:
         for reason, count in stats.dropped.items():
             self.dropped.labels(query, reason).inc(self._delta(("drop", query, reason), count))
         self.releases.labels(query).inc(self._delta(("rel", query), stats.releases))
+        self.accumulated.labels(query).inc(self._delta(("acc", query), stats.accumulated))
         self.triggers.labels(query).inc(self._delta(("trig", query), stats.triggers_fired))
         self.keys_loaded.labels(query).set(stats.keys_loaded)
         self.keys_released.labels(query).set(len(stats.keys_released) if keys_released is None else keys_released)

@@ -172,6 +172,7 @@ class PipelineStats:
     keys_released: set = field(default_factory=set, repr=False)
     keys_loaded: int = 0  # keys loaded by the last fire()
     keys_tracked: int = 0  # key states held in open windows
+    accumulated: int = 0  # bounded records appended to pending micro-batches (stage 2 input)
     triggers_fired: int = 0
 
 
@@ -295,6 +296,7 @@ class QueryPipeline:
         on_time = records.trigger > fired
         self.stats.dropped["late"] += int(len(records) - on_time.sum())
         records = records.take(np.nonzero(on_time)[0])
+        self.stats.accumulated += len(records)
         groups = np.lexsort((records.trigger, records.window))
         wt = np.stack([records.window[groups], records.trigger[groups]], axis=1)
         cut = np.nonzero(np.any(wt[1:] != wt[:-1], axis=1))[0] + 1

@@ -18,7 +18,6 @@ asked, and skipped.
 from __future__ import annotations
 
 import gzip
-import json
 import sys
 import tempfile
 import time
@@ -34,7 +33,7 @@ from processor.noise import NodeNoise, Pseudonymizer
 from processor.pipeline import EventColumns, QueryPipeline, check_noise_epoch
 from state import keys as sk
 from state.store import PartitionStores, WriteBatch
-from topics.records import EventParser, InvalidRecord, dead_letter, encode_json
+from topics.records import EventParser, InvalidRecord, dead_letter, encode_json, json_object
 
 CHUNK_LINES = 50_000
 MAX_REPORTED_INVALID = 100
@@ -141,13 +140,7 @@ class ReplayRunner:
                 f"{summary.triggers_fired:,} triggers fired, {summary.releases:,} releases")
 
     def _process_chunk(self, chunk, watermarks, summary, dead_letters, reported) -> tuple[WriteBatch, int]:
-        parsed = []
-        for line_no, raw in chunk:
-            try:
-                obj = json.loads(raw)
-                parsed.append(obj if isinstance(obj, dict) else InvalidRecord("not a JSON object"))
-            except (ValueError, UnicodeDecodeError):
-                parsed.append(InvalidRecord("not valid JSON"))
+        parsed = [json_object(raw) for _, raw in chunk]
         seq = chunk[0][0]
         batch = WriteBatch()
         for q, (pipe, parser) in enumerate(zip(self.pipelines, self.parsers)):

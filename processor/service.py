@@ -47,7 +47,7 @@ from processor.pipeline import BoundedRecords, EventColumns, PipelineStats, Quer
 from state import keys as sk
 from state.store import PartitionStores, Store, WriteBatch
 from topics.kafka import DEAD_LETTER_TOPIC, repartition_topic
-from topics.records import EventParser, InvalidRecord, dead_letter, encode_json, release_key
+from topics.records import EventParser, InvalidRecord, dead_letter, encode_json, json_object, release_key
 
 LAYOUT_FILE = "worker-layout.json"
 
@@ -204,13 +204,7 @@ class DpstreamWorker:
         if not records:
             return None
         result = StageOneResult(source, WriteBatch(), records[-1].offset)
-        parsed = []
-        for r in records:
-            try:
-                obj = json.loads(r.value) if r.value is not None else None
-                parsed.append(obj if isinstance(obj, dict) else InvalidRecord("not a JSON object"))
-            except (ValueError, UnicodeDecodeError):
-                parsed.append(InvalidRecord("not valid JSON"))
+        parsed = [json_object(r.value) for r in records]
         for pipe in source.pipelines:
             q = pipe.query
             parser = self.parsers[q.name]
@@ -304,6 +298,7 @@ class DpstreamWorker:
             total.events_in += st.events_in
             total.dropped.update(st.dropped)
             total.releases += st.releases
+            total.accumulated += st.accumulated
             total.triggers_fired += st.triggers_fired
             total.keys_loaded += st.keys_loaded
             total.keys_tracked += st.keys_tracked

@@ -190,7 +190,7 @@ def test_malformed_lines_are_reported_and_skipped(tmp_path, rng):
     assert sum(summary.invalid.values()) == len(bad)
     text = log.getvalue()
     for n, reason in [(201, "not valid JSON"), (202, "not a JSON object"), (203, "'user_id'"), (204, "'key'"),
-                      (205, "'amount' must be a number"), (206, "'amount' is not finite"), (207, "'ts'"), (208, "'ts'")]:
+                      (205, "'amount' must be a number"), (206, "not valid JSON"), (207, "'ts'"), (208, "'ts'")]:
         assert f"line {n}: query spend:" in text and reason in text.split(f"line {n}: query spend:")[1].splitlines()[0]
     assert "u1" not in text  # reasons never quote content
     assert len(dead.getvalue().splitlines()) == len(bad)

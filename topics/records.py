@@ -10,6 +10,8 @@ from __future__ import annotations
 import base64
 import json
 import math
+
+import orjson
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
@@ -47,6 +49,18 @@ def _text(value, name: str) -> Union[str, InvalidRecord]:
     return text
 
 
+def json_object(raw: Optional[Union[bytes, str]]) -> Union[dict, InvalidRecord]:
+    """One input record's JSON object. orjson: about 3x the standard parser on small records,
+    which is most of stage 1's per-event cost; it also rejects NaN/Infinity literals (invalid)."""
+    if raw is None:
+        return InvalidRecord("not valid JSON")
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return InvalidRecord("not valid JSON")
+    return obj if isinstance(obj, dict) else InvalidRecord("not a JSON object")
+
+
 class EventParser:
     """Validate one JSON event against a query's field names."""
 
@@ -61,13 +75,8 @@ class EventParser:
         return cls(query.user_field, query.key_fields, query.value_field, query.time_field)
 
     def parse(self, raw: Union[bytes, str]) -> Union[Event, InvalidRecord]:
-        try:
-            obj = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            return InvalidRecord("not valid JSON")
-        if not isinstance(obj, dict):
-            return InvalidRecord("not a JSON object")
-        return self.from_mapping(obj)
+        obj = json_object(raw)
+        return obj if isinstance(obj, InvalidRecord) else self.from_mapping(obj)
 
     def from_mapping(self, obj: dict) -> Union[Event, InvalidRecord]:
         user = _text(obj.get(self.user_field), self.user_field)

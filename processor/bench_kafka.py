@@ -1,0 +1,196 @@
+"""``dpstream bench kafka``: one worker's end-to-end events/s through the broker, against a
+plain confluent-kafka consume loop over the same topic, in the same run.
+
+The input topic is filled once with the DP-SQLP workload's shape (keyed by user). Then, in
+alternation, ``--repeats`` times each:
+
+* baselines: a confluent-kafka consumer assigned to every partition reads the topic from the
+  beginning with ``consume(10000)`` and touches each message's value (nothing else), once with
+  librdkafka's defaults and once with fetch settings tuned for throughput; and aiokafka's
+  ``getmany`` loop (the worker's own client) doing nothing with the records;
+* worker: ``dpstream worker`` in a subprocess with fresh state and a fresh app id reads the same
+  topic; timed from its readiness until its metrics show every admitted record accumulated by
+  stage 2 (parsed, bounded, sent through the repartition topic, read back and appended to its
+  micro-batch, with RocksDB writes and broker acknowledgements on the way). Event times lie in a
+  window that starts tomorrow, so no trigger fires during the measurement (trigger cost is
+  ``bench scaling``'s subject).
+
+Reported: the median of each and their ratio. The broker (Tansu, memory storage) runs on the
+same 2-core machine as both readers.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+CONFLUENT_TUNED = {"fetch.wait.max.ms": 10, "queued.min.messages": 1_000_000, "fetch.max.bytes": 64 * 1024 * 1024,
+                   "max.partition.fetch.bytes": 16 * 1024 * 1024}
+
+
+def baseline_rate(broker: str, topic: str, expected: int, tuned: bool = False) -> float:
+    """A plain confluent-kafka consume loop (librdkafka defaults, or fetch settings tuned for
+    throughput); the clock starts at the first non-empty batch."""
+    from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+
+    consumer = Consumer({"bootstrap.servers": broker, "group.id": "dpstream-bench-baseline", "enable.auto.commit": False,
+                         **(CONFLUENT_TUNED if tuned else {})})
+    parts = consumer.list_topics(topic, timeout=15).topics[topic].partitions
+    consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in parts])
+    got, size, started = 0, 0, None
+    try:
+        while got < expected:
+            msgs = consumer.consume(10_000, 5.0)
+            if not msgs:
+                raise RuntimeError(f"baseline stalled at {got} of {expected} records")
+            if started is None:
+                started = time.perf_counter()
+            for m in msgs:
+                if m.error() is None:
+                    size += len(m.value())
+                    got += 1
+        return got / (time.perf_counter() - started)
+    finally:
+        consumer.close()
+
+
+def aiokafka_rate(broker: str, topic: str, expected: int) -> float:
+    """The worker's own client, reading as the worker does (getmany) and doing nothing else."""
+    import asyncio
+
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    async def run() -> float:
+        consumer = AIOKafkaConsumer(bootstrap_servers=broker, group_id=None, enable_auto_commit=False, auto_offset_reset="earliest",
+                                    max_partition_fetch_bytes=8 * 1024 * 1024, fetch_max_bytes=32 * 1024 * 1024)
+        await consumer.start()
+        try:
+            parts = consumer.partitions_for_topic(topic) or set()
+            if not parts:
+                await consumer._client.force_metadata_update()
+                parts = consumer.partitions_for_topic(topic)
+            tps = [TopicPartition(topic, p) for p in sorted(parts)]
+            consumer.assign(tps)
+            await consumer.seek_to_beginning(*tps)
+            got, started = 0, None
+            while got < expected:
+                fetched = await consumer.getmany(timeout_ms=5000, max_records=20_000)
+                if not fetched:
+                    raise RuntimeError(f"aiokafka baseline stalled at {got} of {expected}")
+                if started is None:
+                    started = time.perf_counter()
+                got += sum(len(v) for v in fetched.values())
+            return got / (time.perf_counter() - started)
+        finally:
+            await consumer.stop()
+
+    return asyncio.run(run())
+
+
+def _metrics(port: int) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[s.name] = out.get(s.name, 0.0) + s.value if s.name.endswith("_total") else s.value
+    return out
+
+
+def worker_rate(broker: str, config_path: str, key_file: str, expected: int, partitions: int) -> tuple[float, dict]:
+    port = _free_port()
+    with tempfile.TemporaryDirectory(prefix="dpstream-bench-") as state:
+        env = {**os.environ, "DPSTREAM_NOISE_KEY_FILE": key_file}
+        cmd = [sys.executable, "-m", "processor.cli", "worker", "--config", config_path, "--broker", broker, "--state-dir", state,
+               "--partitions", str(partitions), "--web-port", str(port), "--web-host", "127.0.0.1",
+               "--app-id", f"dpstream-bench-{uuid.uuid4().hex[:8]}", "--log-level", "warn"]
+        log = open(Path(state) / "worker.log", "wb")
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"worker exited: {(Path(state) / 'worker.log').read_text()[-2000:]}")
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as r:
+                        if r.status == 200:
+                            break
+                except OSError:
+                    pass
+                time.sleep(0.05)
+            started = time.perf_counter()
+            while True:
+                m = _metrics(port)
+                admitted = m.get("dpstream_events_in_total", 0) - m.get("dpstream_events_dropped_total", 0)
+                if m.get("dpstream_events_in_total", 0) >= expected and m.get("dpstream_records_accumulated_total", 0) >= admitted:
+                    elapsed = time.perf_counter() - started
+                    return expected / elapsed, m
+                time.sleep(0.05)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def run_kafka_bench(broker: str, users: int, keys: int, repeats: int, partitions: int, json_path: str | None) -> dict:
+    from processor.kafka_tools import produce, synthetic_lines
+    from topics.kafka import TopicSpec, create_topics
+
+    tag = uuid.uuid4().hex[:8]
+    topic = f"bench-events-{tag}"
+    create_topics(broker, [TopicSpec(topic, partitions)])
+    day = 86_400_000
+    start = (int(time.time() * 1000) // day + 1) * day  # tomorrow: no trigger fires during the run
+    t0 = time.perf_counter()
+    n = produce(broker, topic, synthetic_lines(users, keys, 1, start, day))
+    print(f"bench kafka: {n:,} events ({users:,} users, {keys:,} keys) in {topic}, {partitions} partitions, "
+          f"produced in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    with tempfile.TemporaryDirectory(prefix="dpstream-bench-cfg-") as tmp:
+        config_path = Path(tmp) / "queries.yaml"
+        config_path.write_text(f"queries:\n  - name: bench{tag}\n    input_topic: {topic}\n    output_topic: bench-out-{tag}\n"
+                               f"    window: 1d\n    triggers: 100\n    contribution_bound: 32\n    epsilon: 6\n    delta: 1.0e-9\n")
+        key_file = Path(tmp) / "noise.key"
+        key_file.write_bytes(os.urandom(32))  # a throwaway secret: nothing here is published
+        runs = {"confluent_default": [], "confluent_tuned": [], "aiokafka_getmany": [], "worker": []}
+        for r in range(repeats):
+            runs["confluent_default"].append(baseline_rate(broker, topic, n))
+            runs["confluent_tuned"].append(baseline_rate(broker, topic, n, tuned=True))
+            runs["aiokafka_getmany"].append(aiokafka_rate(broker, topic, n))
+            runs["worker"].append(worker_rate(broker, str(config_path), str(key_file), n, partitions)[0])
+            print(f"  run {r + 1}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in runs.items()) + " events/s", file=sys.stderr)
+    medians = {k: statistics.median(v) for k, v in runs.items()}
+    result = {
+        "events": n, "users": users, "keys": keys, "partitions": partitions, "repeats": repeats,
+        "events_per_s": runs, "medians": medians,
+        "ratio_to_confluent_default": medians["worker"] / medians["confluent_default"],
+        "ratio_to_confluent_tuned": medians["worker"] / medians["confluent_tuned"],
+        "ratio_to_aiokafka_getmany": medians["worker"] / medians["aiokafka_getmany"],
+    }
+    print(f"bench kafka (medians of {repeats}): worker {medians['worker']:,.0f} events/s; plain confluent-kafka loop "
+          f"{medians['confluent_default']:,.0f} (defaults) / {medians['confluent_tuned']:,.0f} (tuned fetch); aiokafka getmany "
+          f"{medians['aiokafka_getmany']:,.0f}. Worker / confluent: {result['ratio_to_confluent_default']:.2f} / "
+          f"{result['ratio_to_confluent_tuned']:.2f}; worker / aiokafka: {result['ratio_to_aiokafka_getmany']:.2f}", file=sys.stderr)
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=2) + "\n")
+    return result
