@@ -203,6 +203,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _broker_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--broker", default=os.environ.get("DPSTREAM_BROKER", "127.0.0.1:19092"),
+                        help="bootstrap servers, host:port[,host:port] or kafka://host:port (default $DPSTREAM_BROKER or 127.0.0.1:19092)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dpstream", description="Continually released, user-level differentially private histograms.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -227,8 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker = sub.add_parser("worker", help="run the service on a Kafka broker (Faust agents)", description=WORKER_HELP,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     worker.add_argument("--config", required=True, help="YAML file with a 'queries' list")
-    worker.add_argument("--broker", default=os.environ.get("DPSTREAM_BROKER", "127.0.0.1:19092"),
-                        help="bootstrap servers, host:port[,host:port] or kafka://host:port (default $DPSTREAM_BROKER or 127.0.0.1:19092)")
+    _broker_arg(worker)
     worker.add_argument("--state-dir", default=os.environ.get("DPSTREAM_STATE_DIR", "./dpstream-state"),
                         help="RocksDB state of the owned partitions; must survive restarts (default $DPSTREAM_STATE_DIR or ./dpstream-state)")
     worker.add_argument("--noise-key-file", help="file holding the noise secret (default: $DPSTREAM_NOISE_KEY_FILE or $DPSTREAM_NOISE_KEY)")
@@ -246,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.set_defaults(func=cmd_worker)
 
     producer = sub.add_parser("produce", help="send a JSONL file or a synthetic stream to an input topic, keyed by user")
-    producer.add_argument("--broker", default=os.environ.get("DPSTREAM_BROKER", "127.0.0.1:19092"), help="bootstrap servers")
+    _broker_arg(producer)
     producer.add_argument("--topic", default="events", help="input topic (default events)")
     producer.add_argument("--input", help="events, one JSON object per line (.jsonl or .jsonl.gz)")
     producer.add_argument("--user-field", default="user_id", help="field whose value becomes the message key (default user_id)")
@@ -258,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     producer.set_defaults(func=cmd_produce)
 
     tailer = sub.add_parser("tail", help="print releases from an output topic, one JSON object per line")
-    tailer.add_argument("--broker", default=os.environ.get("DPSTREAM_BROKER", "127.0.0.1:19092"), help="bootstrap servers")
+    _broker_arg(tailer)
     tailer.add_argument("--topic", default="dp-histograms", help="output topic (default dp-histograms)")
     tailer.add_argument("--idle-seconds", type=float, help="stop after this long without a record (default: run until interrupted)")
     tailer.add_argument("--max-records", type=int, help="stop after this many records")
@@ -290,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     scaling.add_argument("--json", help="also write the results to this JSON file")
     scaling.set_defaults(func=cmd_bench_scaling)
     kafka = bench_sub.add_parser("kafka", help="one worker's events/s through the broker vs a plain confluent-kafka consume loop")
-    kafka.add_argument("--broker", default=os.environ.get("DPSTREAM_BROKER", "127.0.0.1:19092"), help="bootstrap servers (scripts/broker start)")
+    _broker_arg(kafka)
     kafka.add_argument("--users", type=int, default=80_000, help="synthetic users (about 6.1 events each; default 80,000)")
     kafka.add_argument("--keys", type=int, default=100_000, help="key space (default 100,000)")
     kafka.add_argument("--partitions", type=int, default=8, help="input and repartition partitions (default 8)")

@@ -24,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from processor.config import DpstreamConfig
 from processor.metrics import PipelineMetrics
 from processor.service import DpstreamWorker, FiredTrigger, Ownership
-from topics.kafka import KafkaPublisher, create_topics, topics_for
+from topics.kafka import KafkaPublisher, create_topics, repartition_topic, topics_for
 
 log = logging.getLogger("dpstream.worker")
 
@@ -146,9 +146,14 @@ def build_app(s: WorkerSettings) -> faust.App:
         try:
             specs = topics_for(s.config.queries, s.partitions)
             await loop.run_in_executor(None, lambda: create_topics(broker, specs))
-            input_partitions = await loop.run_in_executor(None, lambda: _partition_counts(broker, {q.input_topic for q in s.config.queries}))
+            inputs = {q.input_topic for q in s.config.queries}
+            counts = await loop.run_in_executor(None, lambda: _partition_counts(broker, inputs | {repartition_topic(q.name) for q in s.config.queries}))
+            # existing topics keep their partition counts: use what the broker has
+            repartitions = {n for t, n in counts.items() if t not in inputs}
+            if len(repartitions) != 1:
+                raise RuntimeError(f"repartition topics have different partition counts: {sorted(repartitions)}")
             worker = await loop.run_in_executor(None, lambda: DpstreamWorker(s.config, s.secret, s.state_dir, s.ownership,
-                                                                             input_partitions, s.partitions, metrics))
+                                                                             {t: counts[t] for t in inputs}, repartitions.pop(), metrics))
             status["worker"] = worker
             await publish(worker.unpublished())
             consumer = AIOKafkaConsumer(bootstrap_servers=broker, group_id=None, enable_auto_commit=False, auto_offset_reset="earliest",
@@ -217,7 +222,7 @@ def _partition_counts(broker: str, topics: set[str]) -> dict[str, int]:
     counts = {}
     for topic in topics:
         if topic not in meta.topics or meta.topics[topic].error is not None:
-            raise RuntimeError(f"input topic {topic!r} does not exist on {broker}")
+            raise RuntimeError(f"topic {topic!r} does not exist on {broker}")
         counts[topic] = len(meta.topics[topic].partitions)
     return counts
 

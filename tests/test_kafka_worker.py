@@ -238,7 +238,7 @@ def test_sigkill_mid_stream_and_restart_changes_nothing(scenario):
     w = sc.worker("k").start()
     sc.workers.append(w)
     w.wait_ready()
-    sc.write_events(300_000, users=20_000, keys=200, lead_s=25)
+    sc.write_events(300_000, users=20_000, keys=200, lead_s=35)
     sc.produce_events()
     # kill as soon as the worker has taken in part of the stream
     deadline = time.time() + 60
