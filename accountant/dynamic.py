@@ -1,0 +1,110 @@
+"""Budgets and thresholds of the fully dynamic counter (Qiu & Yi, *Differential Privacy on Dynamic
+Data*, sections 3.2 and 4; DESIGN.md section 6). Every formula of the dynamic agent lives here.
+
+All mechanisms of the dynamic agent add (discrete) Laplace noise, so it is pure epsilon-DP; the
+declared delta is not spent (reported as 0). The budget is split between
+
+* infinite private partitioning (Algorithm 2), ``epsilon_partition = partition_share * epsilon``:
+  SVT instance j has threshold ``theta_j = (7 / eps_p) ln(2 T_j / beta_j)``,
+  ``beta_j = 6 beta / (pi^2 j^2)``, ``T_1 = 2`` and ``T_{j+1} = t_j^2``; Theorem 6 (adaptive
+  parallel composition) makes the whole partitioning eps_p-DP;
+* the counts, ``epsilon_counts = epsilon - epsilon_partition``:
+  - ``interval_tree``: a node at level l of the online interval tree gets
+    ``eps(v) = 6 eps_c / (pi^2 l^2)`` (section 4.3; an update touches one node per level, and
+    sum_l 6 / (pi^2 l^2) = 1); within a node, round r of Algorithm 3 gives each of its four
+    mechanisms ``eps_r = 3 eps(v) / (2 pi^2 r^2)`` (4 sum_r eps_r = eps(v)) and
+    ``beta_r = beta / (pi^2 r^2)``;
+  - ``baseline``: two insertion-only counters (inserts, deletes); an update is in exactly one
+    of them, so each gets the whole eps_c (parallel composition).
+
+The insertion-only counters follow Chan, Shi, Song (the paper's [5], section 2.3): blocks
+[2^b, 2^{b+1}) of steps, each block's total released with eps/2, and inside block b a binary
+tree of b + 1 levels sharing the other eps/2.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+PI2 = math.pi ** 2
+
+
+def svt_beta(beta: float, j: int) -> float:
+    """Failure probability of the j-th SVT instance (Algorithm 2): 6 beta / (pi^2 j^2)."""
+    return 6.0 * beta / (PI2 * j * j)
+
+
+def svt_threshold(eps_partition: float, horizon: float, beta_j: float) -> float:
+    """theta_j = (7 / eps) ln(2 T_j / beta_j) (Algorithm 2)."""
+    return 7.0 / eps_partition * math.log(2.0 * horizon / beta_j)
+
+
+def svt_scales(eps_partition: float) -> tuple[float, float]:
+    """Laplace scales of SVT (Algorithm 1): threshold 2/eps, each query 4/eps."""
+    return 2.0 / eps_partition, 4.0 / eps_partition
+
+
+def level_epsilon(eps_counts: float, level: int) -> float:
+    """eps(v) = 6 eps / (pi^2 l^2) for a node at level l >= 1 (section 4.3)."""
+    return 6.0 * eps_counts / (PI2 * level * level)
+
+
+def round_epsilon(eps_node: float, r: int) -> float:
+    """eps_r = 3 eps(v) / (2 pi^2 r^2), each of Algorithm 3's four mechanisms in round r."""
+    return 3.0 * eps_node / (2.0 * PI2 * r * r)
+
+
+def round_beta(beta: float, r: int) -> float:
+    """beta_r = beta / (pi^2 r^2) (Algorithm 3)."""
+    return beta / (PI2 * r * r)
+
+
+def counter_scales(eps: float, step: int) -> tuple[float, float]:
+    """Laplace scales of the insertion-only counter at step >= 1 (sensitivity 1): a block
+    total gets scale 2/eps; a node of block b's tree (b + 1 levels) gets 2 (b + 1) / eps."""
+    b = step.bit_length() - 1
+    return 2.0 / eps, 2.0 * (b + 1) / eps
+
+
+def discrete_laplace_tail(scale: float, failure: float) -> int:
+    """Smallest m with P[|X| > m] <= failure for X discrete Laplace, P[x] ~ exp(-|x| / scale):
+    P[|X| > m] = 2 q^(m+1) / (1 + q), q = exp(-1 / scale)."""
+    q = math.exp(-1.0 / scale)
+    m = math.log(failure * (1 + q) / 2.0) / math.log(q) - 1
+    return max(0, math.ceil(m))
+
+
+@dataclass(frozen=True)
+class DynamicPlan:
+    epsilon: float
+    delta: float
+    beta: float
+    partition_share: float
+    mechanism: str
+
+    @property
+    def epsilon_partition(self) -> float:
+        return self.partition_share * self.epsilon
+
+    @property
+    def epsilon_counts(self) -> float:
+        return self.epsilon - self.epsilon_partition
+
+    @property
+    def epsilon_spent(self) -> float:
+        return self.epsilon_partition + self.epsilon_counts
+
+    @property
+    def delta_spent(self) -> float:
+        return 0.0
+
+    def to_dict(self) -> dict:
+        first = svt_threshold(self.epsilon_partition, 2, svt_beta(self.beta, 1))
+        return {
+            "mechanism": self.mechanism, "epsilon": self.epsilon, "delta": self.delta, "beta": self.beta,
+            "epsilon_partition": self.epsilon_partition, "epsilon_counts": self.epsilon_counts,
+            "epsilon_spent": self.epsilon_spent, "delta_spent": self.delta_spent,
+            "first_svt_threshold": first,
+            "node_epsilon_by_level": [level_epsilon(self.epsilon_counts, lvl) for lvl in range(1, 9)]
+            if self.mechanism == "interval_tree" else None,
+        }

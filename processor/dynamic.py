@@ -1,0 +1,380 @@
+"""DP counts over a fully dynamic (insert/delete) stream: Qiu & Yi, *Differential Privacy on
+Dynamic Data* (papers/dp-on-dynamic-data-online-interval-tree.txt), sections 2-4 and Algorithm 3.
+
+Pure: no I/O. Every budget and threshold comes from :mod:`accountant.dynamic`. Every noise value
+is a keyed PRF of its position (:class:`DynamicNoise`), so replaying the same updates with the
+same secret gives identical outputs, which is how the agent recovers its state.
+
+Time is the update sequence: update number t is the paper's timestamp t (one update per step).
+The pieces:
+
+* :class:`PrivatePartitioner` - Algorithm 2: SVT instances with thresholds theta_j over the count
+  of updates since the last segment closed; a segment closes when SVT fires or t >= T_j.
+* :class:`InsertionOnlyCounter` - the continual counter the paper feeds segments to (Theorem 8,
+  after Chan, Shi, Song): noisy totals of blocks [2^b, 2^{b+1}) plus a dyadic tree inside the
+  current block. Laplace noise, not the DP-SQLP engine's discrete Gaussian trees: SVT and the
+  paper's accounting are pure epsilon-DP with Laplace, and a node's tree restarts every round
+  with its own budget, so the Gaussian engine's per-key tree layout does not fit.
+* :class:`OnlineIntervalTree` - section 4.1: node v_i is built when segment s_i closes, holding
+  the live items inserted after its closest left ancestor (``i & (i - 1)``); a query at segment
+  q reads v_q and its left ancestors - the prefixes of q's binary form - which cover each live
+  item exactly once (Lemma 9). Only those nodes can be read again, so only they are kept.
+* :class:`NodeMechanism` - Algorithm 3 at one node: a noisy size, a static release of the item
+  histogram (pluggable: ``static_release``), two insertion-only counters over the node's
+  deletions, and a restart with fresh budget when about half its items are gone.
+* :class:`DynamicCounter` - partitioning plus either the interval tree or the baseline (two
+  insertion-only counters, inserts minus deletes), publishing per-item counts at each segment.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+
+from accountant.dynamic import (DynamicPlan, counter_scales, discrete_laplace_tail, level_epsilon, round_beta, round_epsilon,
+                                svt_beta, svt_scales, svt_threshold)
+from processor.noise import NodeNoise, TreeIdentity
+
+NOISE_CHUNK = 4096
+
+
+class DynamicNoise:
+    """Discrete Laplace noise (P[x] ~ exp(-|x| / scale)) as a keyed PRF of (label, index).
+
+    Each draw is the difference of two geometric variables taken from the two 64-bit halves of
+    one AES-PRF block (:meth:`NodeNoise.uniforms`), by inverse transform on 53-bit uniforms. The
+    outputs are integers, so the low-order-bit attack on floating point Laplace does not apply;
+    the inverse transform itself is computed in double precision (not an exact sampler).
+    ``noise=None`` gives zeros (for structural tests)."""
+
+    def __init__(self, noise: Optional[NodeNoise], query: str):
+        self.noise = noise
+        self.query = query
+
+    def laplace(self, scale: float, label: str, count: int, start: int = 0) -> np.ndarray:
+        if self.noise is None or count == 0:
+            return np.zeros(count, dtype=np.int64)
+        tree = self.noise.tree_id(TreeIdentity(self.query, 0, label, "dynamic"))
+        nodes = np.arange(start, start + count, dtype=np.uint32)
+        hi, lo = self.noise.uniforms(np.full(count, tree, dtype="S12"), nodes)
+        log_q = -1.0 / scale
+
+        def geometric(words: np.ndarray) -> np.ndarray:
+            u = ((words >> np.uint64(11)).astype(np.float64) + 1.0) * 2.0 ** -53  # (0, 1]
+            return np.floor(np.log(u) / log_q).astype(np.int64)
+
+        return geometric(hi) - geometric(lo)
+
+
+# ---------------------------------------------------------------------- insertion-only counter
+class InsertionOnlyCounter:
+    """Continual sum of vectors fed once per step (L1 sensitivity 1 per update), eps-DP.
+
+    Released value at step k = exact prefix sum + the noise of the nodes that cover [1, k]: the
+    noisy totals of the completed blocks [2^b, 2^{b+1}) (scale 2/eps) and the dyadic nodes of the
+    current block's prefix (scale 2 (b + 1) / eps). Node noises are PRF values of the node's
+    position, so the same node always carries the same noise."""
+
+    def __init__(self, eps: float, dims: int, noise: DynamicNoise, label: str):
+        self.eps, self.dims, self.noise, self.label = eps, dims, noise, label
+        self.step = 0
+        self.exact = np.zeros(dims, dtype=np.int64)
+
+    def feed(self, increment: Optional[np.ndarray] = None) -> None:
+        self.step += 1
+        if increment is not None:
+            self.exact += increment
+
+    def _nodes(self) -> list[tuple[float, str]]:
+        """(scale, label) of every noisy node read by the release at the current step."""
+        k = self.step
+        if k == 0:
+            return []
+        b = k.bit_length() - 1
+        total_scale, node_scale = counter_scales(self.eps, k)
+        nodes = [(total_scale, f"{self.label}:block{c}") for c in range(b)]
+        length, offset = k - (1 << b) + 1, 0
+        for level in range(b, -1, -1):
+            size = 1 << level
+            if length & size:
+                nodes.append((node_scale, f"{self.label}:b{b}:l{level}:i{offset // size}"))
+                offset += size
+        return nodes
+
+    def estimate(self) -> np.ndarray:
+        out = self.exact.astype(np.float64)
+        for scale, label in self._nodes():
+            out += self.noise.laplace(scale, label, self.dims)
+        return out
+
+    def bound(self, failure: float) -> float:
+        """Public bound on one coordinate's noise at this step, exceeded with probability <=
+        failure (union bound over the nodes read)."""
+        nodes = self._nodes()
+        return float(sum(discrete_laplace_tail(scale, failure / len(nodes)) for scale, _ in nodes)) if nodes else 0.0
+
+
+# ---------------------------------------------------------------------- private partitioning
+class PrivatePartitioner:
+    """Algorithm 2 (infinite private partitioning). :meth:`advance` consumes updates and returns
+    the positions t at which segments close."""
+
+    def __init__(self, eps: float, beta: float, noise: DynamicNoise):
+        self.eps, self.beta, self.noise = eps, beta, noise
+        self.threshold_scale, self.query_scale = svt_scales(eps)
+        self.t = 0
+        self.j = 0
+        self._open_instance(horizon=2)
+
+    def _open_instance(self, horizon: int) -> None:
+        self.j += 1
+        self.start = self.t
+        self.horizon = horizon
+        self.theta = svt_threshold(self.eps, horizon, svt_beta(self.beta, self.j))
+        self.noisy_theta = self.theta + float(self.noise.laplace(self.threshold_scale, f"svt{self.j}:threshold", 1)[0])
+
+    def advance(self, updates: int) -> list[int]:
+        """Feed ``updates`` updates (one per step); return the steps at which segments closed."""
+        closes = []
+        end = self.t + updates
+        while self.t < end:
+            n = min(NOISE_CHUNK, end - self.t)
+            steps = np.arange(self.t + 1, self.t + n + 1, dtype=np.int64)
+            counts = steps - self.start  # updates since the segment opened (one per step)
+            noise = self.noise.laplace(self.query_scale, f"svt{self.j}:queries", n, start=int(self.t - self.start))
+            fire = (counts + noise > self.noisy_theta) | (steps >= self.horizon)
+            hits = np.nonzero(fire)[0]
+            if not len(hits):
+                self.t += n
+                continue
+            self.t = int(steps[hits[0]])
+            closes.append(self.t)
+            self._open_instance(horizon=self.t * self.t)
+        return closes
+
+
+# ---------------------------------------------------------------------- Algorithm 3 at a node
+def noisy_histogram(counts: np.ndarray, eps: float, noise: DynamicNoise, label: str) -> np.ndarray:
+    """Default static mechanism: the item histogram plus Laplace(1/eps) per item (an update
+    changes one count by one: L1 sensitivity 1)."""
+    return counts.astype(np.float64) + noise.laplace(1.0 / eps, label, len(counts))
+
+
+StaticRelease = Callable[[np.ndarray, float, DynamicNoise, str], np.ndarray]
+
+
+class NodeMechanism:
+    """Algorithm 3 at node v_i (section 4.2), with node budget eps(v) (section 4.3)."""
+
+    def __init__(self, index: int, level: int, members: dict[int, int], eps_node: float, beta: float, dims: int,
+                 noise: DynamicNoise, label: str, static_release: StaticRelease = noisy_histogram):
+        self.index, self.level, self.eps_node, self.beta, self.dims = index, level, eps_node, beta, dims
+        self.noise, self.label, self.static_release = noise, label, static_release
+        self.members = dict(members)  # instance id -> item, live items of the current round
+        self.halted = False
+        self.restarts = 0
+        self.initial_size = len(members)
+        self.r = 0
+        self._start_round(check_termination=False)
+
+    def _histogram(self) -> np.ndarray:
+        return np.bincount(np.fromiter(self.members.values(), dtype=np.int64, count=len(self.members)), minlength=self.dims)
+
+    def _start_round(self, check_termination: bool) -> None:
+        self.r += 1
+        self.eps_r = round_epsilon(self.eps_node, self.r)
+        self.beta_r = round_beta(self.beta, self.r)
+        tag = f"{self.label}:r{self.r}"
+        self.n_tilde = len(self.members) + float(self.noise.laplace(1.0 / self.eps_r, f"{tag}:size", 1)[0])
+        self.q_ins = InsertionOnlyCounter(self.eps_r, self.dims, self.noise, f"{tag}:q-ins")
+        self.lap_ins = InsertionOnlyCounter(self.eps_r, 1, self.noise, f"{tag}:lap-ins")
+        if check_termination:
+            # gamma of the fresh Lap-Ins counter at its first step, with probability 1 - beta_r
+            probe = InsertionOnlyCounter(self.eps_r, 1, self.noise, f"{tag}:lap-ins")
+            probe.step = 1
+            if self.n_tilde < 2 * probe.bound(self.beta_r):
+                self.halted = True  # line 23: answer 0 from now on
+                return
+        self.base = self.static_release(self._histogram(), self.eps_r, self.noise, f"{tag}:static")
+
+    def step(self, deleted: list[int]) -> None:
+        """One later segment: ``deleted`` are instance ids deleted in it (any ids; members only
+        count). Lines 6-26."""
+        if self.halted:
+            return
+        inc = np.zeros(self.dims, dtype=np.int64)
+        gone = 0
+        for iid in deleted:
+            item = self.members.pop(iid, None)
+            if item is not None:
+                inc[item] += 1
+                gone += 1
+        self.q_ins.feed(inc if gone else None)
+        self.lap_ins.feed(np.array([gone]) if gone else None)
+        n_del = float(self.lap_ins.estimate()[0])
+        gamma = self.lap_ins.bound(self.beta_r)
+        if n_del > self.n_tilde / 2 + 2 * gamma:  # line 18: restart with the remaining items
+            self.restarts += 1
+            self._start_round(check_termination=True)
+
+    def answer(self) -> np.ndarray:
+        if self.halted:
+            return np.zeros(self.dims)
+        return self.base - self.q_ins.estimate()
+
+
+# ---------------------------------------------------------------------- online interval tree
+def interval_tree_level(index: int) -> int:
+    """Level of node v_i in the in-order numbered tree: leaves (odd i) are level 1."""
+    return (index & -index).bit_length()
+
+
+def query_nodes(q: int) -> list[int]:
+    """v_q and its left ancestors: the prefixes of q's binary form (section 4.1.2)."""
+    out = []
+    while q:
+        out.append(q)
+        q &= q - 1
+    return out
+
+
+@dataclass
+class Instance:
+    item: int
+    segment: int  # segment whose close inserted it (the open segment until then)
+
+
+class OnlineIntervalTree:
+    """Section 4.1 with Algorithm 3 at every node; :meth:`close_segment` returns the answer."""
+
+    def __init__(self, plan: DynamicPlan, dims: int, noise: DynamicNoise, static_release: StaticRelease = noisy_histogram):
+        self.plan, self.dims, self.noise, self.static_release = plan, dims, noise, static_release
+        self.nodes: dict[int, NodeMechanism] = {}
+        self.by_segment: dict[int, set[int]] = defaultdict(set)  # live instance ids by insertion segment
+        self.stats = {"nodes_built": 0, "restarts": [], "max_members": 0}
+
+    def close_segment(self, j: int, live: dict[int, Instance], inserted: list[int], deleted: list[tuple[int, int]]) -> np.ndarray:
+        """Segment j closed: ``inserted`` instance ids are new and live; ``deleted`` are (id,
+        insertion segment) of older instances deleted in it (same-segment pairs never get here)."""
+        for iid, segment in deleted:
+            self.by_segment[segment].discard(iid)
+        deleted = [iid for iid, _ in deleted]
+        for node in self.nodes.values():  # Algorithm 3, line 6: every node sees every later segment
+            node.step(deleted)
+        for iid in inserted:
+            self.by_segment[j].add(iid)
+        lo = j & (j - 1)  # closest left ancestor; 0: none (left-most path)
+        members = {iid: live[iid].item for s in range(lo + 1, j + 1) for iid in self.by_segment.get(s, ())}
+        level = interval_tree_level(j)
+        eps_v = level_epsilon(self.plan.epsilon_counts, level)
+        self.nodes[j] = NodeMechanism(j, level, members, eps_v, self.plan.beta, self.dims, self.noise, f"node{j}",
+                                      self.static_release)
+        self.stats["nodes_built"] += 1
+        self.stats["max_members"] = max(self.stats["max_members"], len(members))
+        keep = set(query_nodes(j))
+        for index in [i for i in self.nodes if i not in keep]:  # never read again
+            self.stats["restarts"].append((self.nodes[index].initial_size, self.nodes[index].restarts))
+            del self.nodes[index]
+        for s in [s for s in self.by_segment if not self.by_segment[s]]:
+            del self.by_segment[s]
+        return sum((self.nodes[i].answer() for i in keep), np.zeros(self.dims))
+
+    def members_by_query_node(self, j: int) -> dict[int, dict[int, int]]:
+        """For tests (Lemma 9): the live members each node read at segment j holds."""
+        return {i: dict(self.nodes[i].members) for i in query_nodes(j)}
+
+
+# ---------------------------------------------------------------------- the whole counter
+@dataclass
+class DynamicRelease:
+    segment: int
+    position: int  # updates consumed when the segment closed (an SVT output)
+    counts: np.ndarray  # noisy count per item
+    exact: np.ndarray = field(repr=False, default=None)  # true counts, for benchmarks only (never published)
+
+
+class InvalidUpdate(ValueError):
+    pass
+
+
+class DynamicCounter:
+    """Per-item counts of a multiset under inserts and deletes, published at each segment."""
+
+    def __init__(self, plan: DynamicPlan, items: list[str], noise: Optional[NodeNoise], query: str,
+                 static_release: StaticRelease = noisy_histogram):
+        self.plan = plan
+        self.items = list(items)
+        self.index = {item: i for i, item in enumerate(self.items)}
+        self.dims = len(self.items)
+        self.noise = DynamicNoise(noise, query)
+        self.partitioner = PrivatePartitioner(plan.epsilon_partition, plan.beta, self.noise)
+        self.live: dict[int, Instance] = {}
+        self.stacks: dict[int, list[int]] = defaultdict(list)  # item -> live instance ids, newest last
+        self.exact = np.zeros(self.dims, dtype=np.int64)
+        self.segment = 1
+        self._inserted: list[int] = []
+        self._deleted: list[int] = []
+        self._ins_counts = np.zeros(self.dims, dtype=np.int64)
+        self._del_counts = np.zeros(self.dims, dtype=np.int64)
+        self._next_id = 0
+        self.updates = 0
+        if plan.mechanism == "interval_tree":
+            self.tree = OnlineIntervalTree(plan, self.dims, self.noise, static_release)
+        else:
+            eps = plan.epsilon_counts  # inserts and deletes are disjoint: parallel composition
+            self.inserts = InsertionOnlyCounter(eps, self.dims, self.noise, "baseline:inserts")
+            self.deletes = InsertionOnlyCounter(eps, self.dims, self.noise, "baseline:deletes")
+
+    def check(self, item: str, op: str) -> Optional[str]:
+        """Why an update is invalid (None if valid): unknown item, unknown op, absent item."""
+        if item not in self.index:
+            return "field 'item' is not in the query's declared items"
+        if op not in ("insert", "delete"):
+            return "field 'op' must be 'insert' or 'delete'"
+        if op == "delete" and self.exact[self.index[item]] <= 0:
+            return "delete of an item that is not present"
+        return None
+
+    def update(self, item: str, op: str) -> Optional[DynamicRelease]:
+        """Apply one valid update; returns the release if it closed a segment."""
+        reason = self.check(item, op)
+        if reason is not None:
+            raise InvalidUpdate(reason)
+        x = self.index[item]
+        if op == "insert":
+            iid = self._next_id
+            self._next_id += 1
+            self.live[iid] = Instance(x, self.segment)
+            self.stacks[x].append(iid)
+            self._inserted.append(iid)
+            self._ins_counts[x] += 1
+            self.exact[x] += 1
+        else:
+            iid = self.stacks[x].pop()  # newest copy: any interval representation is fine (section 4)
+            inst = self.live.pop(iid)
+            if inst.segment == self.segment:
+                self._inserted.remove(iid)  # inserted and deleted in one segment: discarded
+            else:
+                self._deleted.append((iid, inst.segment))
+            self._del_counts[x] += 1
+            self.exact[x] -= 1
+        self.updates += 1
+        if not self.partitioner.advance(1):
+            return None
+        return self._close()
+
+    def _close(self) -> DynamicRelease:
+        j = self.segment
+        if self.plan.mechanism == "interval_tree":
+            counts = self.tree.close_segment(j, self.live, self._inserted, self._deleted)
+        else:
+            self.inserts.feed(self._ins_counts.copy())
+            self.deletes.feed(self._del_counts.copy())
+            counts = self.inserts.estimate() - self.deletes.estimate()
+        self._inserted, self._deleted = [], []
+        self._ins_counts[:] = 0
+        self._del_counts[:] = 0
+        self.segment += 1
+        return DynamicRelease(j, self.updates, counts, self.exact.copy())
