@@ -56,14 +56,33 @@ def _human_plan(query: QueryConfig, plan: PrivacyPlan) -> str:
     return "\n".join(lines)
 
 
+def _human_dynamic_plan(q) -> str:
+    plan = q.plan()
+    d = plan.to_dict()
+    unit = (f"per {q.unit_field!r} with at most {q.contribution_bound} updates (mechanisms at eps/{q.contribution_bound})"
+            if q.unit_field else "per update")
+    lines = [
+        f"dynamic query {q.name}: {q.epsilon:g}-DP {unit}; per-item counts of {len(q.items)} items under insert/delete",
+        f"  mechanism          {plan.mechanism}" + ("  (online interval tree, Algorithm 3 at every node)" if plan.mechanism == "interval_tree"
+                                                    else "  (two insertion-only counters: inserts minus deletes)"),
+        f"  partitioning       eps_p {plan.epsilon_partition:.4g} (SVT, Algorithm 2); first threshold theta_1 = {d['first_svt_threshold']:.1f} updates",
+        f"  counts             eps {plan.epsilon_counts:.4g}" + (
+            "; node eps by level 1..4: " + ", ".join(f"{e:.3g}" for e in d["node_epsilon_by_level"][:4]) if plan.mechanism == "interval_tree" else
+            " for each of the insert and delete counters (an update is in one: parallel composition)"),
+        f"  total spent        eps {plan.epsilon_spent:.6g}, delta 0 (Laplace only; declared delta {q.delta:g} unused)",
+    ]
+    return "\n".join(lines)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     entries = [(q, plan_for(q)) for q in config.queries]
     if args.json:
-        json.dump({"queries": [_plan_entry(q, p) for q, p in entries]}, sys.stdout, indent=2)
+        json.dump({"queries": [_plan_entry(q, p) for q, p in entries],
+                   "dynamic": [{"name": q.name, **q.plan().to_dict()} for q in config.dynamic]}, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        print("\n\n".join(_human_plan(q, p) for q, p in entries))
+        print("\n\n".join([_human_plan(q, p) for q, p in entries] + [_human_dynamic_plan(q) for q in config.dynamic]))
     return 0
 
 
@@ -85,6 +104,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
                 if dead:
                     dead.close()
         stats = {p.query.name: p.stats for p in runner.pipelines}
+        dynamic = [(d.query.name, d.updates_in, dict(d.dropped), d.counter.segment - 1) for d in runner.dynamic]
     finally:
         runner.close()
     invalid = sum(summary.invalid.values())
@@ -95,6 +115,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
     for name, st in stats.items():
         dropped = ", ".join(f"{k} {v:,}" for k, v in sorted(st.dropped.items()) if v) or "none"
         print(f"  {name}: {st.events_in:,} events, dropped: {dropped}; {len(st.keys_released):,} keys released", file=sys.stderr)
+    for name, updates, dropped, segments in dynamic:
+        text = ", ".join(f"{k} {v:,}" for k, v in sorted(dropped.items()) if v) or "none"
+        print(f"  {name}: {updates:,} updates, dropped: {text}; {segments:,} segments released", file=sys.stderr)
     return 0
 
 

@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from accountant import BudgetError, PrivacyPlan, QueryBudget, plan_query
+from accountant.dynamic import DynamicPlan
 
 _DURATION = re.compile(r"^\s*(\d+)\s*(ms|s|m|h|d)\s*$")
 _UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
@@ -119,15 +120,63 @@ class QueryConfig(BaseModel):
         )
 
 
+class DynamicQueryConfig(BaseModel):
+    """Per-item counts of a multiset under inserts and deletes (Qiu & Yi; DESIGN.md section 6).
+
+    Input records ``{"item": ..., "op": "insert"|"delete", "ts": ...}``; ``items`` is the public
+    domain of items (a noisy count is published for every one of them, so the domain must not
+    depend on the data). Without ``unit_field`` the privacy unit is one update; with it, each
+    unit's first ``contribution_bound`` updates count and the mechanisms run at
+    ``epsilon / contribution_bound`` (group privacy for pure DP)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=100)
+    input_topic: str = "dpstream-dynamic-updates"
+    output_topic: str = "dp-dynamic-counts"
+    item_field: str = "item"
+    op_field: str = "op"
+    time_field: Optional[str] = "ts"
+    unit_field: Optional[str] = None
+    contribution_bound: int = Field(1, ge=1)
+    items: list[str] = Field(min_length=1, max_length=100_000)
+    epsilon: float = Field(gt=0)
+    delta: float = Field(0.0, ge=0, lt=1)
+    beta: float = Field(0.05, gt=0, lt=1)
+    partition_share: float = Field(0.25, gt=0, lt=1)
+    mechanism: Literal["baseline", "interval_tree"] = "baseline"
+
+    @field_validator("epsilon")
+    @classmethod
+    def _finite_eps(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError("must be finite")
+        return value
+
+    @field_validator("items")
+    @classmethod
+    def _distinct(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError("must be distinct")
+        return value
+
+    def plan(self) -> DynamicPlan:
+        return DynamicPlan(self.epsilon / (self.contribution_bound if self.unit_field else 1), self.delta, self.beta,
+                           self.partition_share, self.mechanism)
+
+
 class DpstreamConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    queries: list[QueryConfig] = Field(min_length=1)
+    queries: list[QueryConfig] = Field(default_factory=list)
+    dynamic: list[DynamicQueryConfig] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _unique_names(self) -> "DpstreamConfig":
+        if not self.queries and not self.dynamic:
+            raise ValueError("queries: the config needs at least one query (under 'queries' or 'dynamic')")
         seen = set()
-        for q in self.queries:
+        for q in [*self.queries, *self.dynamic]:
             if q.name in seen:
                 raise ValueError(f"queries: duplicate query name {q.name!r}")
             seen.add(q.name)

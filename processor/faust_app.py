@@ -53,6 +53,8 @@ def broker_address(url: str) -> str:
 def trigger_tick_seconds(config: DpstreamConfig) -> float:
     """How often the timer looks for due triggers: a tenth of the shortest trigger interval,
     at most 1 s, at least 50 ms."""
+    if not config.queries:
+        return 1.0
     shortest = min(q.window_ms // q.triggers for q in config.queries) / 1000.0
     return min(1.0, max(0.05, shortest / 10))
 
@@ -70,6 +72,7 @@ def build_app(s: WorkerSettings) -> faust.App:
     publisher = KafkaPublisher(broker)
     stage1_in = app.channel()
     stage2_in = app.channel()
+    dynamic_in = app.channel()
     status = {"ready": False, "worker": None, "consumer": None}
 
     async def send(messages) -> None:
@@ -115,6 +118,18 @@ def build_app(s: WorkerSettings) -> faust.App:
                 await crash(exc)
                 return
 
+    @app.agent(dynamic_in, name="dpstream.dynamic_counts")
+    async def dynamic_counts(batches):
+        """Dynamic queries: insert/delete updates -> per-item counts at each closed segment."""
+        async for topic, partition, records in batches:
+            try:
+                worker = status["worker"]
+                await send(worker.process_dynamic(topic, partition, records))  # state already committed
+                worker.mark_dynamic_published((topic, partition))
+            except Exception as exc:  # noqa: BLE001
+                await crash(exc)
+                return
+
     @app.timer(trigger_tick_seconds(s.config), name="dpstream.fire_triggers")
     async def fire_triggers():
         """The fixed trigger schedule: key selection, perturbation, prediction, publication."""
@@ -144,18 +159,27 @@ def build_app(s: WorkerSettings) -> faust.App:
         loop = asyncio.get_running_loop()
         consumer = None
         try:
-            specs = topics_for(s.config.queries, s.partitions)
+            specs = topics_for(s.config.queries, s.partitions, s.config.dynamic)
             await loop.run_in_executor(None, lambda: create_topics(broker, specs))
             inputs = {q.input_topic for q in s.config.queries}
-            counts = await loop.run_in_executor(None, lambda: _partition_counts(broker, inputs | {repartition_topic(q.name) for q in s.config.queries}))
+            dynamic_inputs = {q.input_topic for q in s.config.dynamic}
+            counts = await loop.run_in_executor(None, lambda: _partition_counts(
+                broker, inputs | dynamic_inputs | {repartition_topic(q.name) for q in s.config.queries}))
+            for topic in dynamic_inputs:
+                if counts[topic] != 1:
+                    raise RuntimeError(f"dynamic input topic {topic!r} has {counts[topic]} partitions; it needs exactly 1")
             # existing topics keep their partition counts: use what the broker has
-            repartitions = {n for t, n in counts.items() if t not in inputs}
-            if len(repartitions) != 1:
+            repartitions = {n for t, n in counts.items() if t not in inputs | dynamic_inputs}
+            if len(repartitions) > 1:
                 raise RuntimeError(f"repartition topics have different partition counts: {sorted(repartitions)}")
-            worker = await loop.run_in_executor(None, lambda: DpstreamWorker(s.config, s.secret, s.state_dir, s.ownership,
-                                                                             {t: counts[t] for t in inputs}, repartitions.pop(), metrics))
+            worker = await loop.run_in_executor(None, lambda: DpstreamWorker(
+                s.config, s.secret, s.state_dir, s.ownership, {t: counts[t] for t in inputs},
+                repartitions.pop() if repartitions else s.partitions, metrics))
             status["worker"] = worker
             await publish(worker.unpublished())
+            for key in worker.dynamic:  # releases recomputed from the update log, not yet sent
+                await send(worker.dynamic_releases(key))
+                worker.mark_dynamic_published(key)
             consumer = AIOKafkaConsumer(bootstrap_servers=broker, group_id=None, enable_auto_commit=False, auto_offset_reset="earliest",
                                         max_partition_fetch_bytes=8 * 1024 * 1024, fetch_max_bytes=32 * 1024 * 1024)
             await consumer.start()
@@ -165,6 +189,8 @@ def build_app(s: WorkerSettings) -> faust.App:
                 stage_of[_tp(*key)] = (stage1_in, src)
             for key, src in worker.stage2.items():
                 stage_of[_tp(*key)] = (stage2_in, src)
+            for key, src in worker.dynamic.items():
+                stage_of[_tp(*key)] = (dynamic_in, src)
             consumer.assign(list(stage_of))
             for tp, (_, src) in stage_of.items():
                 consumer.seek(tp, src.last_offset + 1)  # the state's own offset, not a group commit

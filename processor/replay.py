@@ -29,6 +29,7 @@ from typing import Callable, Iterator, Optional, TextIO
 import numpy as np
 
 from processor.config import DpstreamConfig
+from processor.dynamic_stream import DynamicQueryState
 from processor.noise import NodeNoise, Pseudonymizer
 from processor.pipeline import EventColumns, QueryPipeline, check_noise_epoch
 from state import keys as sk
@@ -71,6 +72,7 @@ class ReplayRunner:
         self.pipelines = [QueryPipeline(q, self.noise, self.store) for q in config.queries]
         self.parsers = [EventParser.for_query(q) for q in config.queries]
         self._check_epoch()
+        self.dynamic = [DynamicQueryState(q, self.noise, self.pseudonyms, self.store) for q in config.dynamic]
 
     def _check_epoch(self) -> None:
         check_noise_epoch(self.store, self.noise)
@@ -113,6 +115,7 @@ class ReplayRunner:
                 self._put_int(batch, b"watermark" + pipe.qid, wm)
             self.store.write(batch)
             chunk.clear()
+            self._publish_dynamic(output, summary)
             self._fire_due(watermarks, output, summary)
 
         for raw in _open_lines(Path(input_path)):
@@ -148,15 +151,7 @@ class ReplayRunner:
             for (line_no, raw), obj in zip(chunk, parsed):
                 event = obj if isinstance(obj, InvalidRecord) else parser.from_mapping(obj)
                 if isinstance(event, InvalidRecord):
-                    reason = event.reason
-                    summary.invalid[f"{pipe.query.name}: {reason}"] += 1
-                    if reported < MAX_REPORTED_INVALID:
-                        self.log.write(f"line {line_no}: query {pipe.query.name}: {reason}\n")
-                    elif reported == MAX_REPORTED_INVALID:
-                        self.log.write("(further invalid lines are counted, not shown)\n")
-                    reported += 1
-                    if dead_letters is not None:
-                        dead_letters.write(encode_json({"query": pipe.query.name, **dead_letter(reason, raw.rstrip(b"\n"), f"line {line_no}")}).decode() + "\n")
+                    reported = self._invalid(pipe.query.name, event.reason, line_no, raw, summary, dead_letters, reported)
                     continue
                 users.append(event.user)
                 keys.append(event.key)
@@ -174,7 +169,34 @@ class ReplayRunner:
             watermarks[q] = max(watermarks[q], int(running[-1]))
             records = pipe.bound(events, prior, batch)
             pipe.accumulate(records, seq, batch)
+        for dyn in self.dynamic:
+            for (line_no, raw), obj in zip(chunk, parsed):
+                _, reason = dyn.apply(obj, batch)
+                if reason is not None:
+                    reported = self._invalid(dyn.query.name, reason, line_no, raw, summary, dead_letters, reported)
         return batch, reported
+
+    def _invalid(self, query: str, reason: str, line_no: int, raw: bytes, summary, dead_letters, reported: int) -> int:
+        summary.invalid[f"{query}: {reason}"] += 1
+        if reported < MAX_REPORTED_INVALID:
+            self.log.write(f"line {line_no}: query {query}: {reason}\n")
+        elif reported == MAX_REPORTED_INVALID:
+            self.log.write("(further invalid lines are counted, not shown)\n")
+        if dead_letters is not None:
+            dead_letters.write(encode_json({"query": query, **dead_letter(reason, raw.rstrip(b"\n"), f"line {line_no}")}).decode() + "\n")
+        return reported + 1
+
+    def _publish_dynamic(self, output: TextIO, summary: ReplaySummary) -> None:
+        batch = WriteBatch()
+        for dyn in self.dynamic:
+            records = dyn.take_pending()
+            for record in records:
+                output.write(encode_json(record).decode() + "\n")
+            summary.releases += len(records)
+            dyn.mark_published(batch)
+        if len(batch):
+            output.flush()
+            self.store.write(batch)
 
     def _publish(self, pipe: QueryPipeline, window: int, trigger: int, releases, output: TextIO, summary: ReplaySummary) -> None:
         for record in releases:
@@ -211,3 +233,4 @@ class ReplayRunner:
         for pipe in self.pipelines:
             for window, trigger, releases in pipe.unpublished():
                 self._publish(pipe, window, trigger, releases, output, summary)
+        self._publish_dynamic(output, summary)

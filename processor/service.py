@@ -40,7 +40,8 @@ from typing import Iterable, Optional, Protocol, Sequence
 
 import numpy as np
 
-from processor.config import DpstreamConfig
+from processor.config import DpstreamConfig, plan_for
+from processor.dynamic_stream import DynamicQueryState
 from processor.metrics import PipelineMetrics
 from processor.noise import NodeNoise, Pseudonymizer
 from processor.pipeline import BoundedRecords, EventColumns, PipelineStats, QueryPipeline, check_noise_epoch
@@ -150,6 +151,7 @@ class DpstreamWorker:
         self.stage1: dict[tuple[str, int], SourcePartition] = {}
         self.stage2: dict[tuple[str, int], SourcePartition] = {}
         self.parsers = {q.name: EventParser.for_query(q) for q in config.queries}
+        self._plans = {q.name: plan_for(q) for q in config.queries}
         by_topic = defaultdict(list)
         for q in config.queries:
             by_topic[q.input_topic].append(q)
@@ -162,6 +164,15 @@ class DpstreamWorker:
             for p in ownership.partitions(repartitions):
                 store = self._open(f"{topic}-{p}")
                 self.stage2[(topic, p)] = SourcePartition(topic, p, store, [QueryPipeline(q, self.noise, store)])
+        # dynamic queries: one-partition topics, owned by the worker that owns partition 0
+        self.dynamic: dict[tuple[str, int], SourcePartition] = {}
+        self.dynamic_states: dict[tuple[str, int], list[DynamicQueryState]] = defaultdict(list)
+        if 0 in ownership.partitions(1):
+            for q in config.dynamic:
+                key = (q.input_topic, 0)
+                if key not in self.dynamic:
+                    self.dynamic[key] = SourcePartition(q.input_topic, 0, self._open(f"{q.input_topic}-0"), [])
+                self.dynamic_states[key].append(DynamicQueryState(q, self.noise, self.pseudonyms, self.dynamic[key].store))
 
     # ------------------------------------------------------------------ setup
     def _check_layout(self, input_partitions: dict[str, int]) -> None:
@@ -190,7 +201,7 @@ class DpstreamWorker:
 
     @property
     def sources(self) -> list[SourcePartition]:
-        return list(self.stage1.values()) + list(self.stage2.values())
+        return list(self.stage1.values()) + list(self.stage2.values()) + list(self.dynamic.values())
 
     def pipelines(self) -> Iterable[QueryPipeline]:
         for src in self.sources:
@@ -257,6 +268,37 @@ class DpstreamWorker:
         source.commit(batch, records[-1].offset)
         return len(records)
 
+    # ------------------------------------------------------------------ dynamic queries
+    def process_dynamic(self, topic: str, partition: int, records: Sequence[RecordLike]) -> list[Message]:
+        """Apply update records: the update log, unit counts and offset in one write; returns the
+        dead letters and the releases to send, after which :meth:`mark_dynamic_published`."""
+        key = (topic, partition)
+        source = self.dynamic[key]
+        records = [r for r in records if r.offset > source.last_offset]
+        if not records:
+            return []
+        batch, messages = WriteBatch(), []
+        for r in records:
+            obj = json_object(r.value)
+            for st in self.dynamic_states[key]:
+                _, reason = st.apply(obj, batch)
+                if reason is not None:
+                    body = {"query": st.query.name, **dead_letter(reason, r.value or b"", f"{topic}/{partition}@{r.offset}")}
+                    messages.append(Message(DEAD_LETTER_TOPIC, encode_json(body)))
+        source.commit(batch, records[-1].offset)
+        return messages + self.dynamic_releases(key)
+
+    def dynamic_releases(self, key: tuple[str, int]) -> list[Message]:
+        return [Message(st.query.output_topic, encode_json(rec), st.query.name.encode())
+                for st in self.dynamic_states[key] for rec in st.take_pending()]
+
+    def mark_dynamic_published(self, key: tuple[str, int]) -> None:
+        batch = WriteBatch()
+        for st in self.dynamic_states[key]:
+            st.mark_published(batch)
+        if len(batch):
+            self.dynamic[key].store.write(batch)
+
     def fire_due(self, now_ms: int) -> list[FiredTrigger]:
         """Fire every owned trigger whose time (plus allowed lateness) has passed on the wall
         clock: the schedule, never the data, decides. Releases are journaled on return."""
@@ -303,8 +345,12 @@ class DpstreamWorker:
             total.keys_loaded += st.keys_loaded
             total.keys_tracked += st.keys_tracked
             keys_released[name] += len(st.keys_released)  # stage-2 partitions hold disjoint keys
-        plans = {q.name: next(p.plan for p in self.pipelines() if p.query.name == q.name) for q in self.config.queries}
+        plans = self._plans
         for name, total in combined.items():
             self.metrics.observe_pipeline(name, total, plans[name], keys_released=keys_released[name])
+        for states in self.dynamic_states.values():
+            for st in states:
+                total = PipelineStats(events_in=st.updates_in, dropped=Counter(st.dropped), releases=st.releases)
+                self.metrics.observe_pipeline(st.query.name, total, st.counter.plan, keys_released=0)
         for source in self.sources:
             self.metrics.state_bytes.labels(source.name).set(source.store.size_bytes())

@@ -14,6 +14,10 @@ are big-endian so scans come back in trigger order. Group-by keys and users appe
 | ``j`` release journal | trigger (4), key | release record JSON |
 | ``g`` window progress | (none) | last fired trigger (u32) |
 | ``m`` runner metadata | name | bytes |
+| ``d`` dynamic query update log | sequence (8) | item index (u32), op (1: insert, 2: delete) |
+| ``n`` dynamic query privacy units | unit | updates counted (u32) |
+
+(The dynamic tables have no window: ``table | query id | ...``.)
 """
 from __future__ import annotations
 
@@ -28,6 +32,8 @@ PREDICTIONS = b"p"
 JOURNAL = b"j"
 PROGRESS = b"g"
 META = b"m"
+DYNAMIC_LOG = b"d"
+DYNAMIC_UNITS = b"n"
 
 WINDOW_TABLES = (USERS, PENDING, KEYS, PREDICTIONS)
 

@@ -257,3 +257,43 @@ def test_sigkill_mid_stream_and_restart_changes_nothing(scenario):
     assert_no_conflicting_releases(released)
     # same releases as an uninterrupted run: same counts (so no user counted past C) and same noise
     assert canonical(released) == canonical(sc.replay())
+
+
+def test_dynamic_agent_publishes_what_replay_publishes_and_dead_letters_absent_deletes(tmp_path, broker):
+    tag = uuid.uuid4().hex[:8]
+    sc = Scenario(tmp_path, broker)
+    name, topic, out = f"dyn{tag}", f"it-updates-{tag}", f"it-counts-{tag}"
+    sc.config.write_text(f"dynamic:\n  - name: {name}\n    input_topic: {topic}\n    output_topic: {out}\n"
+                         f"    items: [a, b, c]\n    epsilon: 2.0\n")
+    rng = np.random.default_rng(5)
+    live, lines = [], [b'{"item":"b","op":"delete","ts":1}']  # nothing present yet: invalid
+    for i in range(6_000):
+        if live and rng.random() < 0.4:
+            item = live.pop(int(rng.integers(len(live))))
+            lines.append(f'{{"item":"{item}","op":"delete","ts":{i}}}'.encode())
+        else:
+            item = "abc"[int(rng.integers(3))]
+            live.append(item)
+            lines.append(f'{{"item":"{item}","op":"insert","ts":{i}}}'.encode())
+    sc.events.write_bytes(b"\n".join(lines) + b"\n")
+    w = sc.worker("dyn").start()
+    try:
+        w.wait_ready()
+        from confluent_kafka import Producer
+
+        p = Producer({"bootstrap.servers": broker, "linger.ms": 5})
+        for line in lines:
+            p.produce(topic, line)
+        assert p.flush(30) == 0
+        deadline = time.time() + 60
+        while time.time() < deadline and w.metric("dpstream_events_in_total", query=name) < len(lines):
+            time.sleep(0.2)
+        released = sc.read(out)
+        expected = sc.replay()
+        assert len(expected) >= 5
+        assert canonical(released) == canonical(expected)
+        letters = [d for d in sc.read(DEAD_LETTER_TOPIC) if d.get("query") == name]
+        assert [d["reason"] for d in letters] == ["delete of an item that is not present"]
+        assert w.metric("dpstream_events_dropped_total", query=name, reason="malformed") == 1
+    finally:
+        w.stop()

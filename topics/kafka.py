@@ -28,8 +28,9 @@ def repartition_topic(query_name: str) -> str:
     return f"dpstream-{query_name}-by-key"
 
 
-def topics_for(queries: Iterable, partitions: int = 8) -> list[TopicSpec]:
-    """Every topic the queries need, deduplicated by name (queries may share input/output)."""
+def topics_for(queries: Iterable, partitions: int = 8, dynamic: Iterable = ()) -> list[TopicSpec]:
+    """Every topic the queries need, deduplicated by name (queries may share input/output).
+    A dynamic query's input has one partition: its counter needs one order of all updates."""
     specs: dict[str, TopicSpec] = {}
 
     def add(spec: TopicSpec) -> None:
@@ -39,8 +40,11 @@ def topics_for(queries: Iterable, partitions: int = 8) -> list[TopicSpec]:
         add(TopicSpec(q.input_topic, partitions, {}, "input events"))
         add(TopicSpec(repartition_topic(q.name), partitions, {"cleanup.policy": "delete"}, "stage 1 -> stage 2, keyed by group-by key"))
         add(TopicSpec(q.output_topic, partitions, {"cleanup.policy": "compact"}, "releases, keyed by (query, window, key)"))
+    for q in dynamic:
+        add(TopicSpec(q.input_topic, 1, {}, "insert/delete updates for the dynamic agent (one partition)"))
+        add(TopicSpec(q.output_topic, 1, {"cleanup.policy": "compact"}, "dynamic counts, keyed by query"))
     add(TopicSpec(DEAD_LETTER_TOPIC, 1, {"cleanup.policy": "delete"}, "invalid records with reason and original bytes"))
-    add(TopicSpec(DYNAMIC_UPDATES_TOPIC, partitions, {}, "insert/delete updates for the dynamic agent"))
+    add(TopicSpec(DYNAMIC_UPDATES_TOPIC, 1, {}, "insert/delete updates for the dynamic agent (one partition)"))
     return list(specs.values())
 
 
