@@ -9,6 +9,11 @@ Compares the two mechanisms of :class:`processor.dynamic.DynamicCounter` (Qiu & 
   (inserts, deletes) whose difference is published, with error polylog in the number of updates
   N_t.
 
+For plain counts the Laplace error does not grow with the data size, so the tree has nothing to
+gain, while splitting its budget costs a lot: a level-l node in round r gets
+eps_c / (10.8 l^2 r^2) for each of its four mechanisms (section 4.3, Algorithm 3). The baseline is
+expected to win here. The tree pays off only for static mechanisms whose error grows with |D|.
+
 Workload. A stream is a sequence of updates (item, insert|delete) over a small domain of
 ``items`` labels; inserted labels follow a Zipf-like law (P[label k] ~ 1 / (k + 1)^1.1) and a
 delete removes a uniformly random live copy, so it only ever deletes present items. Two kinds,

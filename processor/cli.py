@@ -219,6 +219,14 @@ def cmd_bench_kafka(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_dynamic(args: argparse.Namespace) -> int:
+    from processor.bench_dynamic import run_dynamic_bench
+
+    run_dynamic_bench(items=args.items, updates=args.updates, epsilon=args.epsilon, beta=args.beta, partition_share=args.partition_share,
+                      seeds=args.seeds, json_path=args.json, plot_path=args.plot)
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from processor.bench import run_engine_bench
 
@@ -324,6 +332,16 @@ def build_parser() -> argparse.ArgumentParser:
     kafka.add_argument("--repeats", type=int, default=3, help="runs of each; medians are reported")
     kafka.add_argument("--json", help="also write the results to this JSON file")
     kafka.set_defaults(func=cmd_bench_kafka)
+    dyn = bench_sub.add_parser("dynamic", help="dynamic counts: online interval tree vs baseline, heavy and little churn")
+    dyn.add_argument("--items", type=int, default=8, help="item domain size (default 8)")
+    dyn.add_argument("--updates", type=int, default=150_000, help="updates per stream (default 150,000)")
+    dyn.add_argument("--epsilon", type=float, default=1.0)
+    dyn.add_argument("--beta", type=float, default=0.05)
+    dyn.add_argument("--partition-share", type=float, default=0.25, help="share of epsilon for private partitioning (default 0.25)")
+    dyn.add_argument("--seeds", type=int, default=3, help="streams per kind; medians are reported")
+    dyn.add_argument("--json", help="write the results to this JSON file")
+    dyn.add_argument("--plot", help="draw error vs updates to this PNG")
+    dyn.set_defaults(func=cmd_bench_dynamic)
     dpsqlp = bench_sub.add_parser("dpsqlp", help="the DP-SQLP paper's synthetic workload: DP-SQLP vs Baselines 1 and 2")
     dpsqlp.add_argument("--users", type=int, default=10_000_000, help="users (paper: 10,000,000)")
     dpsqlp.add_argument("--keys", type=int, default=1_000_000, help="key space (paper: 1,000,000)")
