@@ -69,6 +69,8 @@ def counter_scales(eps: float, step: int) -> tuple[float, float]:
 def discrete_laplace_tail(scale: float, failure: float) -> int:
     """Smallest m with P[|X| > m] <= failure for X discrete Laplace, P[x] ~ exp(-|x| / scale):
     P[|X| > m] = 2 q^(m+1) / (1 + q), q = exp(-1 / scale)."""
+    if scale <= 0 or 1.0 / scale > 700:  # q underflows: the noise is 0 except w.p. < e^-700
+        return 0
     q = math.exp(-1.0 / scale)
     m = math.log(failure * (1 + q) / 2.0) / math.log(q) - 1
     return max(0, math.ceil(m))

@@ -123,8 +123,9 @@ class QueryConfig(BaseModel):
 class DynamicQueryConfig(BaseModel):
     """Per-item counts of a multiset under inserts and deletes (Qiu & Yi; DESIGN.md section 6).
 
-    Input records ``{"item": ..., "op": "insert"|"delete", "ts": ...}``; ``items`` is the public
-    domain of items (a noisy count is published for every one of them, so the domain must not
+    Input records ``{"item": ..., "op": "insert"|"delete", "ts": ...}``; ``ts`` falls in tick
+    ``(ts - start) // tick + 1`` (the paper's timestamps; records must not go back to a decided
+    tick); ``items`` is the public domain of items (a noisy count is published for every one of them, so the domain must not
     depend on the data). Without ``unit_field`` the privacy unit is one update; with it, each
     unit's first ``contribution_bound`` updates count and the mechanisms run at
     ``epsilon / contribution_bound`` (group privacy for pure DP)."""
@@ -136,7 +137,9 @@ class DynamicQueryConfig(BaseModel):
     output_topic: str = "dp-dynamic-counts"
     item_field: str = "item"
     op_field: str = "op"
-    time_field: Optional[str] = "ts"
+    time_field: str = "ts"
+    start: int = Field(ge=0)  # epoch ms of tick 1: public, fixed before the data
+    tick: str = "1s"  # the paper's timestamp unit: updates in one tick share a timestamp
     unit_field: Optional[str] = None
     contribution_bound: int = Field(1, ge=1)
     items: list[str] = Field(min_length=1, max_length=100_000)
@@ -152,6 +155,16 @@ class DynamicQueryConfig(BaseModel):
         if not math.isfinite(value):
             raise ValueError("must be finite")
         return value
+
+    @field_validator("tick")
+    @classmethod
+    def _tick(cls, value: str) -> str:
+        parse_duration_ms(value)
+        return value
+
+    @property
+    def tick_ms(self) -> int:
+        return parse_duration_ms(self.tick)
 
     @field_validator("items")
     @classmethod

@@ -5,7 +5,10 @@ Pure: no I/O. Every budget and threshold comes from :mod:`accountant.dynamic`. E
 is a keyed PRF of its position (:class:`DynamicNoise`), so replaying the same updates with the
 same secret gives identical outputs, which is how the agent recovers its state.
 
-Time is the update sequence: update number t is the paper's timestamp t (one update per step).
+Time is ticks (the paper's timestamps t = 1, 2, ...): each update carries its tick, several
+updates may share one, and ticks without updates are the paper's empty steps (x_t = bottom), at
+which SVT still draws. Neighbouring streams differ by one update; every other update keeps its
+tick. (:meth:`DynamicCounter.update` gives each update its own new tick, for benchmarks.)
 The pieces:
 
 * :class:`PrivatePartitioner` - Algorithm 2: SVT instances with thresholds theta_j over the count
@@ -124,7 +127,8 @@ class PrivatePartitioner:
     def __init__(self, eps: float, beta: float, noise: DynamicNoise):
         self.eps, self.beta, self.noise = eps, beta, noise
         self.threshold_scale, self.query_scale = svt_scales(eps)
-        self.t = 0
+        self.t = 0  # last decided tick
+        self.count = 0  # updates since the open segment started
         self.j = 0
         self._open_instance(horizon=2)
 
@@ -135,22 +139,28 @@ class PrivatePartitioner:
         self.theta = svt_threshold(self.eps, horizon, svt_beta(self.beta, self.j))
         self.noisy_theta = self.theta + float(self.noise.laplace(self.threshold_scale, f"svt{self.j}:threshold", 1)[0])
 
-    def advance(self, updates: int) -> list[int]:
-        """Feed ``updates`` updates (one per step); return the steps at which segments closed."""
-        closes = []
-        end = self.t + updates
-        while self.t < end:
-            n = min(NOISE_CHUNK, end - self.t)
-            steps = np.arange(self.t + 1, self.t + n + 1, dtype=np.int64)
-            counts = steps - self.start  # updates since the segment opened (one per step)
-            noise = self.noise.laplace(self.query_scale, f"svt{self.j}:queries", n, start=int(self.t - self.start))
-            fire = (counts + noise > self.noisy_theta) | (steps >= self.horizon)
+    def advance(self, counts) -> list[int]:
+        """Decide the next ticks: ``counts[k]`` updates arrived at tick t + 1 + k (an int n means
+        n ticks of one update each). Returns the ticks at which segments closed."""
+        counts = np.ones(counts, dtype=np.int64) if isinstance(counts, (int, np.integer)) else np.asarray(counts, dtype=np.int64)
+        closes, pos, n = [], 0, len(counts)
+        while pos < n:
+            m = min(NOISE_CHUNK, n - pos)
+            steps = np.arange(self.t + 1, self.t + m + 1, dtype=np.int64)
+            running = self.count + np.cumsum(counts[pos:pos + m])  # updates since the segment opened
+            noise = self.noise.laplace(self.query_scale, f"svt{self.j}:queries", m, start=int(self.t - self.start))
+            fire = (running + noise > self.noisy_theta) | (steps >= self.horizon)
             hits = np.nonzero(fire)[0]
             if not len(hits):
-                self.t += n
+                self.t += m
+                self.count = int(running[-1])
+                pos += m
                 continue
-            self.t = int(steps[hits[0]])
+            k = int(hits[0])
+            self.t = int(steps[k])
+            pos += k + 1
             closes.append(self.t)
+            self.count = 0
             self._open_instance(horizon=self.t * self.t)
         return closes
 
@@ -290,7 +300,7 @@ class OnlineIntervalTree:
 @dataclass
 class DynamicRelease:
     segment: int
-    position: int  # updates consumed when the segment closed (an SVT output)
+    position: int  # the tick at which the segment closed (an SVT output)
     counts: np.ndarray  # noisy count per item
     exact: np.ndarray = field(repr=False, default=None)  # true counts, for benchmarks only (never published)
 
@@ -320,6 +330,9 @@ class DynamicCounter:
         self._del_counts = np.zeros(self.dims, dtype=np.int64)
         self._next_id = 0
         self.updates = 0
+        self.tick = 0  # tick of the updates not yet decided (0: none)
+        self.decided = 0  # every tick <= decided has been decided by the partitioner
+        self._undecided = 0
         if plan.mechanism == "interval_tree":
             self.tree = OnlineIntervalTree(plan, self.dims, self.noise, static_release)
         else:
@@ -327,8 +340,11 @@ class DynamicCounter:
             self.inserts = InsertionOnlyCounter(eps, self.dims, self.noise, "baseline:inserts")
             self.deletes = InsertionOnlyCounter(eps, self.dims, self.noise, "baseline:deletes")
 
-    def check(self, item: str, op: str) -> Optional[str]:
-        """Why an update is invalid (None if valid): unknown item, unknown op, absent item."""
+    def check(self, item: str, op: str, tick: Optional[int] = None) -> Optional[str]:
+        """Why an update is invalid (None if valid): unknown item, unknown op, absent item, or a
+        tick already decided (late)."""
+        if tick is not None and (tick <= self.decided or tick < self.tick):
+            return "late: its time is before an already decided tick"
         if item not in self.index:
             return "field 'item' is not in the query's declared items"
         if op not in ("insert", "delete"):
@@ -337,11 +353,42 @@ class DynamicCounter:
             return "delete of an item that is not present"
         return None
 
-    def update(self, item: str, op: str) -> Optional[DynamicRelease]:
-        """Apply one valid update; returns the release if it closed a segment."""
-        reason = self.check(item, op)
+    def apply(self, item: str, op: str, tick: int) -> list[DynamicRelease]:
+        """Apply one valid update at ``tick`` (>= 1; ticks must not go back). Ticks before it are
+        decided first - including empty ones, where SVT still draws (section 2.4: x_t = bottom) -
+        and the releases of the segments that closed are returned. The paper's time model:
+        an update's tick is its own, so adding or removing one update moves no other."""
+        reason = self.check(item, op, tick)
         if reason is not None:
             raise InvalidUpdate(reason)
+        releases = self.advance_to(tick)
+        self._record(item, op)
+        self.tick = tick
+        self._undecided += 1
+        return releases
+
+    def advance_to(self, tick: int) -> list[DynamicRelease]:
+        """Decide every tick before ``tick``; returns the releases of the segments closed."""
+        n = tick - 1 - self.decided
+        if n <= 0:
+            return []
+        counts = np.zeros(n, dtype=np.int64)
+        if self._undecided:
+            counts[self.tick - self.decided - 1] = self._undecided
+        closes = self.partitioner.advance(counts)
+        self.decided = tick - 1
+        self._undecided = 0
+        return [self._close(t) for t in closes]
+
+    def update(self, item: str, op: str) -> Optional[DynamicRelease]:
+        """One update at its own new tick, decided at once (sequence time, for benchmarks and
+        tests; the agent uses :meth:`apply` with the records' times)."""
+        tick = max(self.decided, self.tick) + 1
+        self.apply(item, op, tick)
+        releases = self.advance_to(tick + 1)
+        return releases[-1] if releases else None
+
+    def _record(self, item: str, op: str) -> None:
         x = self.index[item]
         if op == "insert":
             iid = self._next_id
@@ -361,11 +408,8 @@ class DynamicCounter:
             self._del_counts[x] += 1
             self.exact[x] -= 1
         self.updates += 1
-        if not self.partitioner.advance(1):
-            return None
-        return self._close()
 
-    def _close(self) -> DynamicRelease:
+    def _close(self, tick: int) -> DynamicRelease:
         j = self.segment
         if self.plan.mechanism == "interval_tree":
             counts = self.tree.close_segment(j, self.live, self._inserted, self._deleted)
@@ -377,4 +421,4 @@ class DynamicCounter:
         self._ins_counts[:] = 0
         self._del_counts[:] = 0
         self.segment += 1
-        return DynamicRelease(j, self.updates, counts, self.exact.copy())
+        return DynamicRelease(j, tick, counts, self.exact.copy())

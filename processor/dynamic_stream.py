@@ -1,8 +1,9 @@
 """A dynamic query over a stream of update records, with its state in a store: shared by
 ``dpstream replay`` and the Kafka worker's dynamic agent (DESIGN.md sections 3, 6 and 12).
 
-Per record: validate (item in the declared domain, op, a delete only of a present item - else
-the record is invalid: dead-lettered, never a negative count), bound the privacy unit's updates
+Per record: validate (item in the declared domain, op, a delete only of a present item, a time
+not before an already decided tick - else the record is invalid: dead-lettered, never a negative
+count), bound the privacy unit's updates
 when the query has a ``unit_field``, append the update to the query's *update log* in the
 store, and feed it to :class:`processor.dynamic.DynamicCounter`, which returns a release when a
 segment closes.
@@ -36,7 +37,8 @@ def dynamic_release_record(query: DynamicQueryConfig, counter: DynamicCounter, r
     """One published update of a dynamic query: noisy counts of every declared item."""
     plan = counter.plan
     counts = {item: float(v) for item, v in zip(counter.items, release.counts.tolist())}
-    return {"query": query.name, "segment": release.segment, "position": release.position, "counts": counts,
+    return {"query": query.name, "segment": release.segment, "tick": release.position,
+            "time": query.start + release.position * query.tick_ms, "counts": counts,
             "total": float(sum(counts.values())), "mechanism": f"dynamic:{plan.mechanism}",
             "epsilon": query.epsilon, "delta": plan.delta_spent}
 
@@ -58,16 +60,16 @@ class DynamicQueryState:
         self.published = int.from_bytes(raw, "little") if raw else 0
         self.pending: list[DynamicRelease] = []  # recomputed by the log replay, not yet published
         for key, value in store.scan_prefix(sk.DYNAMIC_LOG + self.qid):
-            item, op = int.from_bytes(value[:4], "little"), OP_NAMES[value[4]]
-            release = self.counter.update(query.items[item], op)
-            if release is not None and release.segment > self.published:
-                self.pending.append(release)
+            item, op, tick = int.from_bytes(value[:4], "little"), OP_NAMES[value[4]], int.from_bytes(value[5:13], "little")
+            for release in self.counter.apply(query.items[item], op, tick):
+                if release.segment > self.published:
+                    self.pending.append(release)
 
     @property
     def _published_key(self) -> bytes:
         return sk.META + b"dyn-published" + self.qid
 
-    def parse(self, obj: Union[dict, InvalidRecord]) -> Union[tuple[str, str, Optional[str]], InvalidRecord]:
+    def parse(self, obj: Union[dict, InvalidRecord]) -> Union[tuple[str, str, int, Optional[str]], InvalidRecord]:
         if isinstance(obj, InvalidRecord):
             return obj
         q = self.query
@@ -77,46 +79,46 @@ class DynamicQueryState:
         op = obj.get(q.op_field)
         if op not in OPS:
             return InvalidRecord(f"field {q.op_field!r} must be 'insert' or 'delete'")
-        if q.time_field is not None:
-            ts = obj.get(q.time_field)
-            if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts != int(ts):
-                return InvalidRecord(f"field {q.time_field!r} must be an integer (epoch milliseconds)")
+        ts = obj.get(q.time_field)
+        if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts != int(ts):
+            return InvalidRecord(f"field {q.time_field!r} must be an integer (epoch milliseconds)")
+        if ts < q.start:
+            return InvalidRecord(f"field {q.time_field!r} is before the query's start")
         unit = None
         if q.unit_field is not None:
             unit = _text(obj.get(q.unit_field), q.unit_field)
             if isinstance(unit, InvalidRecord):
                 return unit
-        return item, op, unit
+        return item, op, (int(ts) - q.start) // q.tick_ms + 1, unit
 
-    def apply(self, obj: Union[dict, InvalidRecord], batch: WriteBatch) -> tuple[Optional[DynamicRelease], Optional[str]]:
-        """One record: (release if a segment closed, invalid reason if invalid). Updates the
-        log and unit counts in ``batch``; the caller writes it, then publishes."""
+    def apply(self, obj: Union[dict, InvalidRecord], batch: WriteBatch) -> tuple[list[DynamicRelease], Optional[str]]:
+        """One record: (releases of the segments it closed, invalid reason if invalid). Updates
+        the log and unit counts in ``batch``; the caller writes it, then publishes."""
         self.updates_in += 1
         parsed = self.parse(obj)
         if isinstance(parsed, InvalidRecord):
             self.dropped["malformed"] += 1
-            return None, parsed.reason
-        item, op, unit = parsed
-        reason = self.counter.check(item, op)
+            return [], parsed.reason
+        item, op, tick, unit = parsed
+        reason = self.counter.check(item, op, tick)
         if reason is not None:
             reason = reason.replace("'item'", repr(self.query.item_field))
-            self.dropped["malformed"] += 1
-            return None, reason
+            self.dropped["late" if reason.startswith("late") else "malformed"] += 1
+            return [], reason
         if unit is not None:
             uid = int(self.pseudonyms.users([unit])[0])
             used = self._units.get(uid, 0)
             if used >= self.query.contribution_bound:
                 self.dropped["contribution_bound"] += 1
-                return None, None
+                return [], None
             self._units[uid] = used + 1
             batch.put(sk.DYNAMIC_UNITS + self.qid + uid.to_bytes(8, "big"), (used + 1).to_bytes(4, "little"))
         seq = self.counter.updates
         batch.put(sk.DYNAMIC_LOG + self.qid + seq.to_bytes(8, "big"),
-                  self.counter.index[item].to_bytes(4, "little") + bytes([OPS[op]]))
-        release = self.counter.update(item, op)
-        if release is not None:
-            self.pending.append(release)
-        return release, None
+                  self.counter.index[item].to_bytes(4, "little") + bytes([OPS[op]]) + tick.to_bytes(8, "little"))
+        releases = self.counter.apply(item, op, tick)
+        self.pending += releases
+        return releases, None
 
     def take_pending(self) -> list[dict]:
         """Releases to publish now (logged, not yet marked published), as records."""

@@ -14,7 +14,7 @@ are big-endian so scans come back in trigger order. Group-by keys and users appe
 | ``j`` release journal | trigger (4), key | release record JSON |
 | ``g`` window progress | (none) | last fired trigger (u32) |
 | ``m`` runner metadata | name | bytes |
-| ``d`` dynamic query update log | sequence (8) | item index (u32), op (1: insert, 2: delete) |
+| ``d`` dynamic query update log | sequence (8) | item index (u32), op (1: insert, 2: delete), tick (u64) |
 | ``n`` dynamic query privacy units | unit | updates counted (u32) |
 
 (The dynamic tables have no window: ``table | query id | ...``.)

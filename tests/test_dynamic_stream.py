@@ -46,7 +46,7 @@ def run(state: DynamicQueryState, records, store, chunk: int = 500, publish: boo
 
 
 def make(store, **kw) -> DynamicQueryState:
-    q = DynamicQueryConfig(name="plans", items=ITEMS, epsilon=1.0, **kw)
+    q = DynamicQueryConfig(name="plans", items=ITEMS, epsilon=1.0, start=0, tick="5ms", **kw)
     return DynamicQueryState(q, NodeNoise(TEST_SECRET), Pseudonymizer(TEST_SECRET), store)
 
 
@@ -85,10 +85,15 @@ def test_invalid_updates_and_unit_bound():
     assert "'op'" in st.apply({"item": "a", "op": "upsert", "ts": 1, "user": "x"}, batch)[1]
     assert "declared items" in st.apply({"item": "zz", "op": "insert", "ts": 1, "user": "x"}, batch)[1]
     assert st.apply(InvalidRecord("not valid JSON"), batch)[1] == "not valid JSON"
+    assert "'ts'" in st.apply({"item": "a", "op": "insert", "ts": "soon", "user": "x"}, batch)[1]
     assert "'user'" in st.apply({"item": "a", "op": "insert", "ts": 1}, batch)[1]
     for _ in range(3):  # the unit's third update is dropped, not counted
         assert st.apply({"item": "a", "op": "insert", "ts": 1, "user": "x"}, batch)[1] is None
     assert st.counter.exact.tolist() == [2, 0, 0, 0]
-    assert st.dropped["contribution_bound"] == 1 and st.dropped["malformed"] == 5
+    assert st.dropped["contribution_bound"] == 1 and st.dropped["malformed"] == 6
+    # time never goes back to a decided tick
+    st.apply({"item": "a", "op": "insert", "ts": 100, "user": "y"}, batch)
+    assert st.apply({"item": "a", "op": "insert", "ts": 3, "user": "z"}, batch)[1].startswith("late")
+    assert st.dropped["late"] == 1
     # mechanisms run at epsilon / C (group privacy)
     assert st.counter.plan.epsilon == 0.5

@@ -264,7 +264,7 @@ def test_dynamic_agent_publishes_what_replay_publishes_and_dead_letters_absent_d
     sc = Scenario(tmp_path, broker)
     name, topic, out = f"dyn{tag}", f"it-updates-{tag}", f"it-counts-{tag}"
     sc.config.write_text(f"dynamic:\n  - name: {name}\n    input_topic: {topic}\n    output_topic: {out}\n"
-                         f"    items: [a, b, c]\n    epsilon: 2.0\n")
+                         f"    items: [a, b, c]\n    start: 0\n    tick: 2ms\n    epsilon: 2.0\n")
     rng = np.random.default_rng(5)
     live, lines = [], [b'{"item":"b","op":"delete","ts":1}']  # nothing present yet: invalid
     for i in range(6_000):
