@@ -127,7 +127,8 @@ Stage 1 (by user) reads the queries' input topics, bounds each user's contributi
 the bounded records to one repartition topic per query, partitioned by key; stage 2 (by key)
 accumulates them per micro-batch and, at each trigger of the fixed schedule (wall clock), runs key
 selection, perturbation and release prediction and publishes the releases to the output topic.
-Input records must be keyed by the user id. Worker i of N owns partitions p with p % N == i of
+Input records must be keyed by the user id. Dynamic queries (insert/delete updates, one-partition
+input topics) run in an agent of the worker that owns partition 0. Worker i of N owns partitions p with p % N == i of
 every topic it reads, and keeps their state under --state-dir (keep it across restarts: it holds
 the contribution counts, the release journal and the input offsets). Topics are created if
 missing. Health and metrics: http://HOST:WEB_PORT/healthz, /readyz, /metrics."""
