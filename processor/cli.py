@@ -163,6 +163,43 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return run_worker(settings, loglevel=args.log_level)
 
 
+BUDGET_HELP = """Show the privacy budget ledger of a state directory: per principal the budget per
+refresh period, what is spent and remaining, the last reset and refusals. Opens the ledger read-only,
+so it works while the worker or a replay runs."""
+
+
+def cmd_budget(args: argparse.Namespace) -> int:
+    from processor.budget import open_ledger_readonly
+
+    config = load_config(args.config)
+    if config.budget is None:
+        raise ConfigError(f"config file {args.config}: budget: no budget section (the ledger is off)")
+    try:
+        ledger = open_ledger_readonly(config, args.state_dir)
+    except FileNotFoundError:
+        raise ConfigError(f"--state-dir: no budget ledger under {args.state_dir} (nothing charged yet?)") from None
+    now = int(time.time() * 1000)
+    entries = ledger.entries(now)
+    if args.json:
+        json.dump({"shadow": config.budget.shadow, "epoch": config.budget.epoch, "principals": [
+            {"principal": e.principal, "max_epsilon": e.max_epsilon, "max_delta": e.max_delta, "refresh_ms": e.refresh_ms,
+             "spent_epsilon": e.spent_epsilon, "spent_delta": e.spent_delta, "remaining_epsilon": e.remaining[0],
+             "remaining_delta": e.remaining[1], "last_reset_ms": e.last_reset_ms, "charges": e.charges, "refusals": e.refusals}
+            for e in entries]}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    mode = "shadow (tracked, never refused)" if config.budget.shadow else "enforced"
+    print(f"budget ledger, epoch {config.budget.epoch!r}, {mode}, principal = {config.budget.principal}")
+    print(f"  {'principal':<24} {'eps spent':>10} {'eps max':>9} {'eps left':>9} {'delta spent':>12} {'delta left':>11} "
+          f"{'charges':>8} {'refused':>8}  refresh / last reset")
+    for e in entries:
+        refresh = f"every {e.refresh_ms / 86_400_000:g} d" if e.refresh_ms else "never"
+        reset = time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(e.last_reset_ms / 1000))
+        print(f"  {e.principal:<24} {e.spent_epsilon:>10.4g} {e.max_epsilon:>9.4g} {e.remaining[0]:>9.4g} {e.spent_delta:>12.3g} "
+              f"{e.remaining[1]:>11.3g} {e.charges:>8} {e.refusals:>8}  {refresh} / {reset}")
+    return 0
+
+
 def cmd_produce(args: argparse.Namespace) -> int:
     from processor.faust_app import broker_address
     from processor.kafka_tools import file_lines, produce, synthetic_lines
@@ -280,6 +317,12 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--app-id", default=os.environ.get("DPSTREAM_APP_ID", "dpstream"), help="Faust app id (default dpstream)")
     worker.add_argument("--log-level", default="info", choices=["debug", "info", "warn", "error"])
     worker.set_defaults(func=cmd_worker)
+
+    budget = sub.add_parser("budget", help="show the privacy budget ledger of a state directory", description=BUDGET_HELP)
+    budget.add_argument("--config", required=True, help="YAML file with the queries and the budget section")
+    budget.add_argument("--state-dir", required=True, help="the worker's or replay's state directory")
+    budget.add_argument("--json", action="store_true", help="print JSON")
+    budget.set_defaults(func=cmd_budget)
 
     producer = sub.add_parser("produce", help="send a JSONL file or a synthetic stream to an input topic, keyed by user")
     _broker_arg(producer)

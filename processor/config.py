@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from accountant import BudgetError, PrivacyPlan, QueryBudget, plan_query
 from accountant.dynamic import DynamicPlan
+from accountant.ledger import BudgetPolicy
 
 _DURATION = re.compile(r"^\s*(\d+)\s*(ms|s|m|h|d)\s*$")
 _UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
@@ -51,6 +52,7 @@ class QueryConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=100)
+    tenant: Optional[str] = None  # budget principal when budget.principal is 'tenant'
     input_topic: str = "events"
     output_topic: str = "dp-histograms"
     user_field: str = "user_id"
@@ -133,6 +135,7 @@ class DynamicQueryConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=100)
+    tenant: Optional[str] = None  # budget principal when budget.principal is 'tenant'
     input_topic: str = "dpstream-dynamic-updates"
     output_topic: str = "dp-dynamic-counts"
     item_field: str = "item"
@@ -178,16 +181,71 @@ class DynamicQueryConfig(BaseModel):
                            self.partition_share, self.mechanism)
 
 
+class BudgetLimit(BaseModel):
+    """A principal's budget per refresh period (basic composition: epsilons and deltas add)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_epsilon: float = Field(gt=0)
+    max_delta: float = Field(0.0, ge=0, lt=1)
+    refresh: Optional[str] = None  # e.g. 30d; null: the budget never refreshes
+
+    @field_validator("refresh")
+    @classmethod
+    def _refresh(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None:
+            parse_duration_ms(value)
+        return value
+
+    @field_validator("max_epsilon")
+    @classmethod
+    def _finite_max(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError("must be finite")
+        return value
+
+    def policy(self) -> BudgetPolicy:
+        return BudgetPolicy(self.max_epsilon, self.max_delta, parse_duration_ms(self.refresh) if self.refresh else None)
+
+
+class BudgetConfig(BaseModel):
+    """The budget ledger (DESIGN.md section 7): who is charged, how much each may spend."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    principal: Literal["query", "tenant", "input_topic"] = "query"
+    shadow: bool = False  # track and report, never refuse
+    epoch: str = Field("1", min_length=1)  # a new epoch (lost state, new noise secret) is named here
+    default: Optional[BudgetLimit] = None
+    principals: dict[str, BudgetLimit] = Field(default_factory=dict)
+
+    def principal_of(self, query) -> str:
+        if self.principal == "query":
+            return query.name
+        if self.principal == "input_topic":
+            return query.input_topic
+        return query.tenant
+
+
 class DpstreamConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     queries: list[QueryConfig] = Field(default_factory=list)
     dynamic: list[DynamicQueryConfig] = Field(default_factory=list)
+    budget: Optional[BudgetConfig] = None
 
     @model_validator(mode="after")
     def _unique_names(self) -> "DpstreamConfig":
         if not self.queries and not self.dynamic:
             raise ValueError("queries: the config needs at least one query (under 'queries' or 'dynamic')")
+        if self.budget is not None:
+            for kind, qs in (("queries", self.queries), ("dynamic", self.dynamic)):
+                for i, q in enumerate(qs):
+                    principal = self.budget.principal_of(q)
+                    if principal is None:
+                        raise ValueError(f"{kind}[{i}].tenant: budget.principal is 'tenant', so every query needs a tenant")
+                    if principal not in self.budget.principals and self.budget.default is None:
+                        raise ValueError(f"budget.principals: no budget for {principal!r} ({kind}[{i}]) and no budget.default")
         seen = set()
         for q in [*self.queries, *self.dynamic]:
             if q.name in seen:

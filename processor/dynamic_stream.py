@@ -51,6 +51,7 @@ class DynamicQueryState:
         self.qid = sk.query_id(query.name)
         self.counter = DynamicCounter(query.plan(), query.items, noise, query.name)
         self.dropped: Counter = Counter()
+        self.refused = False  # the budget ledger refused this query: it does not run
         self.updates_in = 0
         self.releases = 0
         self._units: dict[int, int] = {}
@@ -95,6 +96,9 @@ class DynamicQueryState:
         """One record: (releases of the segments it closed, invalid reason if invalid). Updates
         the log and unit counts in ``batch``; the caller writes it, then publishes."""
         self.updates_in += 1
+        if self.refused:
+            self.dropped["budget"] += 1
+            return [], None
         parsed = self.parse(obj)
         if isinstance(parsed, InvalidRecord):
             self.dropped["malformed"] += 1

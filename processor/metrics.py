@@ -33,6 +33,14 @@ class PipelineMetrics:
         self.budget_remaining = Gauge("dpstream_budget_epsilon_remaining", "Epsilon declared minus spent", ["query"], registry=r)
         self.consumer_lag = Gauge("dpstream_consumer_lag_records", "Records behind the end of the input", ["topic", "partition"], registry=r)
         self.ready = Gauge("dpstream_ready", "1 when the worker has opened its state, republished its journal and is consuming", registry=r)
+        self.ledger_spent = Gauge("dpstream_ledger_epsilon_spent", "Epsilon a principal has spent in the current refresh period",
+                                  ["principal"], registry=r)
+        self.ledger_remaining = Gauge("dpstream_ledger_epsilon_remaining", "Epsilon a principal may still spend in this period",
+                                      ["principal"], registry=r)
+        self.ledger_delta_remaining = Gauge("dpstream_ledger_delta_remaining", "Delta a principal may still spend in this period",
+                                            ["principal"], registry=r)
+        self.ledger_refusals = Gauge("dpstream_ledger_refusals", "Charges refused (shadow mode: would have been refused), ever",
+                                     ["principal"], registry=r)
         self._seen: dict[tuple, int] = {}
 
     def _delta(self, name: tuple, total: int) -> int:
@@ -53,3 +61,10 @@ class PipelineMetrics:
         self.keys_tracked.labels(query).set(stats.keys_tracked)
         self.budget_spent.labels(query).set(plan.epsilon_spent)
         self.budget_remaining.labels(query).set(max(0.0, plan.epsilon - plan.epsilon_spent))
+
+    def observe_ledger(self, entries) -> None:
+        for e in entries:
+            self.ledger_spent.labels(e.principal).set(e.spent_epsilon)
+            self.ledger_remaining.labels(e.principal).set(e.remaining[0])
+            self.ledger_delta_remaining.labels(e.principal).set(e.remaining[1])
+            self.ledger_refusals.labels(e.principal).set(e.refusals)

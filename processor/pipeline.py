@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -217,6 +217,9 @@ class QueryPipeline:
             ("pdone", "<u4"), ("pad", "<u4"), ("noise_max", "<f8"), ("sel_tree", "S12"), ("pert_tree", "S12"),
             ("sel_cache", "<f8", (L,)), ("pcache", "<f8", (L,)),
         ])
+        #: Called with a window start before the window opens; False refuses it (the budget
+        #: ledger's check, DESIGN.md section 7). The pipeline never sees who is charged.
+        self.window_gate: Optional[Callable[[int], bool]] = None
         self._progress: dict[int, int] = {}
         for key, value in store.scan_prefix(sk.PROGRESS + self.qid):
             self._progress[int.from_bytes(key[5:13], "big")] = int.from_bytes(value, "little")
@@ -292,6 +295,14 @@ class QueryPipeline:
         if not len(records):
             return
         windows, inverse = np.unique(records.window, return_inverse=True)
+        if self.window_gate is not None:
+            refused = np.array([w not in self._progress and not self.window_gate(w) for w in windows.tolist()], dtype=bool)
+            if refused.any():
+                self.stats.dropped["budget"] += int(refused[inverse].sum())
+                records = records.take(np.nonzero(~refused[inverse])[0])
+                if not len(records):
+                    return
+                windows, inverse = np.unique(records.window, return_inverse=True)
         fired = np.array([self.progress(w) for w in windows.tolist()], dtype=np.int64)[inverse]
         on_time = records.trigger > fired
         self.stats.dropped["late"] += int(len(records) - on_time.sum())

@@ -29,6 +29,7 @@ from typing import Callable, Iterator, Optional, TextIO
 import numpy as np
 
 from processor.config import DpstreamConfig
+from processor.budget import LEDGER_STORE, BudgetGate, open_ledger
 from processor.dynamic_stream import DynamicQueryState
 from processor.noise import NodeNoise, Pseudonymizer
 from processor.pipeline import EventColumns, QueryPipeline, check_noise_epoch
@@ -73,6 +74,13 @@ class ReplayRunner:
         self.parsers = [EventParser.for_query(q) for q in config.queries]
         self._check_epoch()
         self.dynamic = [DynamicQueryState(q, self.noise, self.pseudonyms, self.store) for q in config.dynamic]
+        self.ledger = open_ledger(config, self.stores.store(LEDGER_STORE))
+        if self.ledger is not None:
+            gate = BudgetGate(config, self.ledger)
+            for pipe in self.pipelines:
+                pipe.window_gate = gate.window_gate(pipe.query)
+            for dyn in self.dynamic:
+                dyn.refused = not gate.start_dynamic(dyn.query)
 
     def _check_epoch(self) -> None:
         check_noise_epoch(self.store, self.noise)

@@ -40,6 +40,7 @@ from typing import Iterable, Optional, Protocol, Sequence
 
 import numpy as np
 
+from processor.budget import LEDGER_STORE, BudgetGate, open_ledger
 from processor.config import DpstreamConfig, plan_for
 from processor.dynamic_stream import DynamicQueryState
 from processor.metrics import PipelineMetrics
@@ -164,6 +165,13 @@ class DpstreamWorker:
             for p in ownership.partitions(repartitions):
                 store = self._open(f"{topic}-{p}")
                 self.stage2[(topic, p)] = SourcePartition(topic, p, store, [QueryPipeline(q, self.noise, store)])
+        # the budget ledger: windows are charged when they open at stage 2 (processor.budget)
+        self.ledger = open_ledger(config, self._open(LEDGER_STORE))
+        self.gate = BudgetGate(config, self.ledger) if self.ledger is not None else None
+        if self.gate is not None:
+            for source in self.stage2.values():
+                for pipe in source.pipelines:
+                    pipe.window_gate = self.gate.window_gate(pipe.query)
         # dynamic queries: one-partition topics, owned by the worker that owns partition 0
         self.dynamic: dict[tuple[str, int], SourcePartition] = {}
         self.dynamic_states: dict[tuple[str, int], list[DynamicQueryState]] = defaultdict(list)
@@ -172,7 +180,10 @@ class DpstreamWorker:
                 key = (q.input_topic, 0)
                 if key not in self.dynamic:
                     self.dynamic[key] = SourcePartition(q.input_topic, 0, self._open(f"{q.input_topic}-0"), [])
-                self.dynamic_states[key].append(DynamicQueryState(q, self.noise, self.pseudonyms, self.dynamic[key].store))
+                state = DynamicQueryState(q, self.noise, self.pseudonyms, self.dynamic[key].store)
+                if self.gate is not None:
+                    state.refused = not self.gate.start_dynamic(q)
+                self.dynamic_states[key].append(state)
 
     # ------------------------------------------------------------------ setup
     def _check_layout(self, input_partitions: dict[str, int]) -> None:
@@ -354,3 +365,5 @@ class DpstreamWorker:
                 self.metrics.observe_pipeline(st.query.name, total, st.counter.plan, keys_released=0)
         for source in self.sources:
             self.metrics.state_bytes.labels(source.name).set(source.store.size_bytes())
+        if self.ledger is not None:
+            self.metrics.observe_ledger(self.ledger.entries(int(time.time() * 1000)))

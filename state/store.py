@@ -130,10 +130,14 @@ class MemoryStore(Store):
 class RocksDBStore(Store):
     """RocksDB through rocksdict in raw-bytes mode; one database directory per partition."""
 
-    def __init__(self, path: str | os.PathLike, block_cache_mb: int = 512, write_buffer_mb: int = 128):
-        from rocksdict import BlockBasedOptions, Cache, DBCompactionStyle, Options, Rdict
+    def __init__(self, path: str | os.PathLike, block_cache_mb: int = 512, write_buffer_mb: int = 128, read_only: bool = False):
+        """``read_only``: open a database another process may hold (RocksDB's read-only mode: a
+        consistent view as of opening; writes raise)."""
+        from rocksdict import AccessType, BlockBasedOptions, Cache, DBCompactionStyle, Options, Rdict
 
         self.path = Path(path)
+        if read_only and not (self.path / "CURRENT").exists():
+            raise FileNotFoundError(f"no RocksDB database at {self.path}")
         self.path.mkdir(parents=True, exist_ok=True)
         options = Options(raw_mode=True)
         options.create_if_missing(True)
@@ -152,7 +156,7 @@ class RocksDBStore(Store):
         options.set_write_buffer_size(write_buffer_mb * 1024 * 1024)
         options.set_max_write_buffer_number(3)
         options.increase_parallelism(2)
-        self._db = Rdict(str(self.path), options)
+        self._db = Rdict(str(self.path), options, access_type=AccessType.read_only() if read_only else AccessType.read_write())
 
     def get(self, key: bytes) -> Optional[bytes]:
         return self._db.get(key)

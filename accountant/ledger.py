@@ -1,0 +1,167 @@
+"""The privacy budget ledger (DESIGN.md sections 7 and 12; Kenthapadi et al., LinkedIn Audience
+Engagements API, sections 4.2 and 6).
+
+One entry per *principal* (a query, a tenant or an input stream - configurable): the maximum
+budget (epsilon, delta) allowed per refresh period, what has been spent, and when it was last
+reset. As in the paper's key-value budget manager, every operation is an atomic read-modify-write
+of one entry: :meth:`BudgetLedger.check` (checkBudget), :meth:`BudgetLedger.charge`
+(updateBudget) and :meth:`BudgetLedger.get` (getBudget). Spend composes by basic (sequential)
+composition: epsilons and deltas add.
+
+The ledger never resets silently:
+
+* entries and charges are persisted in a store (RocksDB through ``state/``) and recovered on
+  restart; each charge has an id (e.g. ``query:window``) and charging the same id again is a
+  no-op, so a replayed window is never charged twice and never refunded;
+* spent budget returns to zero only at a configured refresh (``refresh`` period after
+  ``last_reset``), recorded in the entry;
+* the store carries its *epoch* (configured name + the noise secret's fingerprint); opening it
+  under another epoch is refused. Losing the store or rotating the secret is a new epoch, which
+  must be configured explicitly.
+
+In shadow mode charges are tracked and would-be refusals counted, but nothing is refused.
+The ledger sees principals and costs only; mechanisms never see the principal.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+from state.store import Store, WriteBatch
+
+ENTRY = b"L"
+CHARGE = b"C"
+EPOCH_KEY = b"E"
+TOLERANCE = 1e-12  # relative float slack when comparing sums of epsilons
+
+
+class BudgetExceeded(RuntimeError):
+    """A charge would overspend; the message names the principal, requested and remaining."""
+
+    def __init__(self, principal: str, requested: tuple[float, float], remaining: tuple[float, float]):
+        self.principal, self.requested, self.remaining = principal, requested, remaining
+        super().__init__(f"privacy budget of {principal!r} exhausted: requested epsilon {requested[0]:.6g}, delta {requested[1]:.3g}; "
+                         f"remaining epsilon {remaining[0]:.6g}, delta {remaining[1]:.3g}")
+
+
+class LedgerEpochError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class BudgetPolicy:
+    max_epsilon: float
+    max_delta: float
+    refresh_ms: Optional[int] = None  # None: never refreshes
+
+
+@dataclass
+class BudgetEntry:
+    principal: str
+    max_epsilon: float
+    max_delta: float
+    refresh_ms: Optional[int]
+    spent_epsilon: float = 0.0
+    spent_delta: float = 0.0
+    last_reset_ms: int = 0
+    charges: int = 0
+    refusals: int = 0  # refused (or, in shadow mode, would-be refused) charges
+
+    @property
+    def remaining(self) -> tuple[float, float]:
+        return max(0.0, self.max_epsilon - self.spent_epsilon), max(0.0, self.max_delta - self.spent_delta)
+
+    def allows(self, epsilon: float, delta: float) -> bool:
+        return (self.spent_epsilon + epsilon <= self.max_epsilon * (1 + TOLERANCE)
+                and self.spent_delta + delta <= self.max_delta * (1 + TOLERANCE))
+
+
+@dataclass(frozen=True)
+class ChargeResult:
+    principal: str
+    charged: bool  # False: refused (not in shadow mode), or already charged earlier
+    duplicate: bool
+    would_refuse: bool
+    entry: BudgetEntry = field(repr=False)
+
+
+class BudgetLedger:
+    def __init__(self, store: Store, policies: dict[str, BudgetPolicy], default: Optional[BudgetPolicy], epoch: str,
+                 shadow: bool = False, read_only: bool = False):
+        self.store = store
+        self.policies = policies
+        self.default = default
+        self.shadow = shadow
+        self._lock = threading.Lock()
+        stored = store.get(EPOCH_KEY)
+        if stored is None:
+            if not read_only:
+                batch = WriteBatch()
+                batch.put(EPOCH_KEY, epoch.encode())
+                store.write(batch)
+        elif stored.decode() != epoch:
+            raise LedgerEpochError(f"the budget ledger belongs to epoch {stored.decode()!r}, not {epoch!r}: a new epoch "
+                                   f"(lost state, new noise secret) needs a new ledger state directory, configured explicitly")
+
+    def policy(self, principal: str) -> BudgetPolicy:
+        policy = self.policies.get(principal, self.default)
+        if policy is None:
+            raise KeyError(f"no budget configured for principal {principal!r} (and no default)")
+        return policy
+
+    def _load(self, principal: str, now_ms: int) -> tuple[BudgetEntry, bool]:
+        """The entry with the current policy's limits; refreshed if its period has passed."""
+        policy = self.policy(principal)
+        raw = self.store.get(ENTRY + principal.encode())
+        if raw is None:
+            entry = BudgetEntry(principal, policy.max_epsilon, policy.max_delta, policy.refresh_ms, last_reset_ms=now_ms)
+            changed = True
+        else:
+            entry = BudgetEntry(**json.loads(raw))
+            changed = (entry.max_epsilon, entry.max_delta, entry.refresh_ms) != (policy.max_epsilon, policy.max_delta, policy.refresh_ms)
+            entry.max_epsilon, entry.max_delta, entry.refresh_ms = policy.max_epsilon, policy.max_delta, policy.refresh_ms
+        if entry.refresh_ms and now_ms >= entry.last_reset_ms + entry.refresh_ms:
+            periods = (now_ms - entry.last_reset_ms) // entry.refresh_ms
+            entry.last_reset_ms += periods * entry.refresh_ms  # the configured refresh, on its schedule
+            entry.spent_epsilon = entry.spent_delta = 0.0
+            changed = True
+        return entry, changed
+
+    def get(self, principal: str, now_ms: int) -> BudgetEntry:
+        with self._lock:
+            return self._load(principal, now_ms)[0]
+
+    def entries(self, now_ms: int) -> list[BudgetEntry]:
+        names = {k[len(ENTRY):].decode() for k, _ in self.store.scan_prefix(ENTRY)} | set(self.policies)
+        return [self.get(name, now_ms) for name in sorted(names)]
+
+    def check(self, principal: str, epsilon: float, delta: float, now_ms: int) -> bool:
+        return self.get(principal, now_ms).allows(epsilon, delta)
+
+    def charge(self, principal: str, epsilon: float, delta: float, charge_id: str, now_ms: int) -> ChargeResult:
+        """Spend (epsilon, delta) for ``charge_id`` atomically; idempotent per id. Raises
+        :class:`BudgetExceeded` when it would overspend (shadow mode: records and allows)."""
+        with self._lock:
+            entry, _ = self._load(principal, now_ms)
+            charge_key = CHARGE + principal.encode() + b"\0" + charge_id.encode()
+            previous = self.store.get(charge_key)
+            if previous is not None:
+                return ChargeResult(principal, False, True, False, entry)
+            would_refuse = not entry.allows(epsilon, delta)
+            batch = WriteBatch()
+            if would_refuse:
+                entry.refusals += 1
+                if not self.shadow:
+                    batch.put(ENTRY + principal.encode(), json.dumps(asdict(entry)).encode())
+                    self.store.write(batch)
+                    raise BudgetExceeded(principal, (epsilon, delta), entry.remaining)
+            entry.spent_epsilon += epsilon
+            entry.spent_delta += delta
+            entry.charges += 1
+            batch.put(ENTRY + principal.encode(), json.dumps(asdict(entry)).encode())
+            batch.put(charge_key, json.dumps({"epsilon": epsilon, "delta": delta, "at_ms": now_ms,
+                                              "period_start_ms": entry.last_reset_ms}).encode())
+            self.store.write(batch)  # entry and charge record: one atomic write
+            return ChargeResult(principal, True, False, would_refuse, entry)

@@ -1,0 +1,75 @@
+"""The budget ledger wired to the queries: who is charged what, and when (DESIGN.md 7, 12).
+
+* A DP-SQLP query is charged its plan's (epsilon, delta) when a window opens (the first
+  record of the window reaches stage 2), with charge id ``query:window_start`` - the guarantee
+  is per user and window, so each window is one spend. A refused window's records are dropped
+  (``dpstream_events_dropped_total{reason="budget"}``) and the error names requested vs
+  remaining.
+* A dynamic query runs over an unbounded stream under one guarantee: it is charged once, when
+  it starts (charge id ``query:start``); refused, it does not run.
+
+The principal (query, tenant or input topic) is the ledger's business; the pipeline only sees a
+yes/no gate per window.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+from accountant.ledger import BudgetExceeded, BudgetLedger
+from processor.config import DpstreamConfig, plan_for
+from state.store import RocksDBStore, Store
+
+log = logging.getLogger("dpstream.budget")
+LEDGER_STORE = "ledger"
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def open_ledger(config: DpstreamConfig, store: Store, read_only: bool = False) -> Optional[BudgetLedger]:
+    b = config.budget
+    if b is None:
+        return None
+    return BudgetLedger(store, {name: limit.policy() for name, limit in b.principals.items()},
+                        b.default.policy() if b.default else None, b.epoch, shadow=b.shadow, read_only=read_only)
+
+
+def open_ledger_readonly(config: DpstreamConfig, state_dir: str) -> BudgetLedger:
+    """The ledger of a state directory, readable while a worker or replay holds it."""
+    store = RocksDBStore(Path(state_dir) / f"partition-{LEDGER_STORE}", block_cache_mb=8, write_buffer_mb=4, read_only=True)
+    return open_ledger(config, store, read_only=True)
+
+
+class BudgetGate:
+    def __init__(self, config: DpstreamConfig, ledger: BudgetLedger, clock: Callable[[], int] = _now_ms):
+        self.config, self.ledger, self.clock = config, ledger, clock
+        self.refused: set[str] = set()
+
+    def window_gate(self, query) -> Callable[[int], bool]:
+        plan = plan_for(query)
+        principal = self.config.budget.principal_of(query)
+
+        def gate(window_start: int) -> bool:
+            return self._charge(principal, plan.epsilon_spent, plan.delta_spent, f"{query.name}:{window_start}")
+
+        return gate
+
+    def start_dynamic(self, query) -> bool:
+        plan = query.plan()
+        return self._charge(self.config.budget.principal_of(query), query.epsilon, plan.delta_spent, f"{query.name}:start")
+
+    def _charge(self, principal: str, epsilon: float, delta: float, charge_id: str) -> bool:
+        try:
+            result = self.ledger.charge(principal, epsilon, delta, charge_id, self.clock())
+        except BudgetExceeded as exc:
+            log.error("%s (charge %s refused)", exc, charge_id)
+            self.refused.add(charge_id)
+            return False
+        if result.would_refuse:
+            log.warning("shadow mode: charge %s of %r would have been refused (remaining epsilon %.6g)", charge_id, principal,
+                        result.entry.remaining[0])
+        return True
