@@ -24,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from processor.config import DpstreamConfig
 from processor.metrics import PipelineMetrics
 from processor.service import DpstreamWorker, FiredTrigger, Ownership
-from topics.kafka import KafkaPublisher, create_topics, repartition_topic, topics_for
+from topics.kafka import KafkaPublisher, aiokafka_security, client_security, create_topics, repartition_topic, topics_for
 
 log = logging.getLogger("dpstream.worker")
 
@@ -62,11 +62,13 @@ def trigger_tick_seconds(config: DpstreamConfig) -> float:
 def build_app(s: WorkerSettings) -> faust.App:
     broker = broker_address(s.broker)
     os.makedirs(s.state_dir, exist_ok=True)
+    security = client_security()
     app = faust.App(
         s.app_id, broker=f"kafka://{broker.replace(',', ';kafka://')}", store="memory://", datadir=os.path.join(s.state_dir, "faust"),
         web_enabled=True, web_port=s.web_port,
         web_bind=s.web_host, web_host=s.web_host, processing_guarantee="at_least_once", topic_allow_declare=False,
         broker_session_timeout=s.session_timeout, broker_heartbeat_interval=s.heartbeat_interval, autodiscover=False,
+        broker_credentials=_faust_credentials(security),
     )
     metrics = PipelineMetrics()
     publisher = KafkaPublisher(broker)
@@ -181,7 +183,8 @@ def build_app(s: WorkerSettings) -> faust.App:
                 await send(worker.dynamic_releases(key))
                 worker.mark_dynamic_published(key)
             consumer = AIOKafkaConsumer(bootstrap_servers=broker, group_id=None, enable_auto_commit=False, auto_offset_reset="earliest",
-                                        max_partition_fetch_bytes=8 * 1024 * 1024, fetch_max_bytes=32 * 1024 * 1024)
+                                        max_partition_fetch_bytes=8 * 1024 * 1024, fetch_max_bytes=32 * 1024 * 1024,
+                                        **aiokafka_security(security))
             await consumer.start()
             status["consumer"] = consumer
             stage_of = {}
@@ -235,6 +238,20 @@ def build_app(s: WorkerSettings) -> faust.App:
     return app
 
 
+def _faust_credentials(settings: dict):
+    """Faust's own client (its app consumer and producer) with the same security settings."""
+    protocol = settings.get("security.protocol", "PLAINTEXT")
+    if protocol == "PLAINTEXT":
+        return None
+    from aiokafka.helpers import create_ssl_context
+
+    ssl = create_ssl_context(cafile=settings.get("ssl.ca.location")) if "SSL" in protocol else None
+    if "SASL" in protocol:
+        return faust.SASLCredentials(username=settings.get("sasl.username"), password=settings.get("sasl.password"),
+                                     mechanism=settings.get("sasl.mechanisms", "PLAIN"), ssl_context=ssl)
+    return faust.SSLCredentials(ssl)
+
+
 def _tp(topic: str, partition: int):
     from aiokafka import TopicPartition
 
@@ -244,7 +261,7 @@ def _tp(topic: str, partition: int):
 def _partition_counts(broker: str, topics: set[str]) -> dict[str, int]:
     from confluent_kafka.admin import AdminClient
 
-    meta = AdminClient({"bootstrap.servers": broker}).list_topics(timeout=15)
+    meta = AdminClient({"bootstrap.servers": broker, **client_security()}).list_topics(timeout=15)
     counts = {}
     for topic in topics:
         if topic not in meta.topics or meta.topics[topic].error is not None:

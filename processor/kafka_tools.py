@@ -67,7 +67,9 @@ def produce(broker: str, topic: str, lines: Iterator[bytes], user_field: str = "
         if err is not None:
             errors.append(str(err))
 
-    producer = Producer({"bootstrap.servers": broker, **PRODUCER_DEFAULTS, **(client_config or {})})
+    from topics.kafka import client_security
+
+    producer = Producer({"bootstrap.servers": broker, **PRODUCER_DEFAULTS, **client_security(), **(client_config or {})})
     sent = 0
     for raw in lines:
         while True:
@@ -91,7 +93,9 @@ def tail(broker: str, topic: str, out: TextIO = sys.stdout, idle_seconds: Option
     ``idle_seconds`` without a record, or after ``max_records``; otherwise runs until interrupted."""
     from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, KafkaError, TopicPartition
 
-    consumer = Consumer({"bootstrap.servers": broker, "group.id": "dpstream-tail", "enable.auto.commit": False})
+    from topics.kafka import client_security
+
+    consumer = Consumer({"bootstrap.servers": broker, "group.id": "dpstream-tail", "enable.auto.commit": False, **client_security()})
     meta = consumer.list_topics(topic, timeout=15).topics.get(topic)
     if meta is None or meta.error is not None:
         consumer.close()

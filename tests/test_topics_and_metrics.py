@@ -33,3 +33,17 @@ def test_metrics_follow_prometheus_names_and_count_deltas():
     text = generate_latest(metrics.registry).decode()
     assert 'dpstream_trigger_duration_seconds_bucket{le="0.5",query="clicks"} 1.0' in text
     assert 'dpstream_budget_epsilon_spent{query="clicks"}' in text
+
+
+def test_kafka_security_settings_come_from_the_environment_for_every_client():
+    from processor.faust_app import _faust_credentials
+    from topics.kafka import aiokafka_security, client_security
+
+    env = {"DPSTREAM_KAFKA_SECURITY_PROTOCOL": "SASL_PLAINTEXT", "DPSTREAM_KAFKA_SASL_MECHANISM": "SCRAM-SHA-512",
+           "DPSTREAM_KAFKA_SASL_USERNAME": "svc", "DPSTREAM_KAFKA_SASL_PASSWORD": "s3cret", "UNRELATED": "x"}
+    conf = client_security(env)
+    assert conf == {"security.protocol": "SASL_PLAINTEXT", "sasl.mechanisms": "SCRAM-SHA-512", "sasl.username": "svc", "sasl.password": "s3cret"}
+    aio = aiokafka_security(conf)
+    assert (aio["security_protocol"], aio["sasl_mechanism"], aio["sasl_plain_username"]) == ("SASL_PLAINTEXT", "SCRAM-SHA-512", "svc")
+    assert type(_faust_credentials(conf)).__name__ == "SASLCredentials"
+    assert client_security({}) == {} and aiokafka_security({}) == {} and _faust_credentials({}) is None

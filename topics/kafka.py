@@ -52,7 +52,7 @@ def create_topics(bootstrap: str, specs: list[TopicSpec], replication: int = 1, 
     """Create the topics that do not exist yet; returns the names created."""
     from confluent_kafka.admin import AdminClient, NewTopic
 
-    admin = AdminClient({"bootstrap.servers": bootstrap, **(client_config or {})})
+    admin = AdminClient({"bootstrap.servers": bootstrap, **client_security(), **(client_config or {})})
     existing = set(admin.list_topics(timeout=timeout).topics)
     missing = [s for s in specs if s.name not in existing]
     if not missing:
@@ -87,7 +87,7 @@ class KafkaPublisher:
         self._errors: list[str] = []
         self.producer = Producer({"bootstrap.servers": bootstrap, "acks": "all", "linger.ms": 5, "enable.idempotence": False,
                                   "queue.buffering.max.messages": 1_000_000, "message.max.bytes": 8 * 1024 * 1024,
-                                  **(client_config or {})})
+                                  **client_security(), **(client_config or {})})
 
     def _on_delivery(self, err, msg) -> None:
         if err is not None:
@@ -109,3 +109,37 @@ class KafkaPublisher:
         errors, self._errors = self._errors, []
         if left or errors:
             raise DeliveryError(f"{left} messages not acknowledged after {timeout:g} s; errors: {errors[:5]}")
+
+
+SECURITY_ENV = {
+    "DPSTREAM_KAFKA_SECURITY_PROTOCOL": "security.protocol",  # PLAINTEXT | SSL | SASL_PLAINTEXT | SASL_SSL
+    "DPSTREAM_KAFKA_SASL_MECHANISM": "sasl.mechanisms",  # PLAIN | SCRAM-SHA-256 | SCRAM-SHA-512
+    "DPSTREAM_KAFKA_SASL_USERNAME": "sasl.username",
+    "DPSTREAM_KAFKA_SASL_PASSWORD": "sasl.password",
+    "DPSTREAM_KAFKA_SSL_CA_LOCATION": "ssl.ca.location",  # PEM file of the broker's CA
+}
+
+
+def client_security(environ=None) -> dict:
+    """librdkafka (confluent-kafka) security settings from the environment (the Helm chart sets
+    them from Secrets). Values are never logged."""
+    import os
+
+    environ = os.environ if environ is None else environ
+    return {key: environ[var] for var, key in SECURITY_ENV.items() if environ.get(var)}
+
+
+def aiokafka_security(settings: dict) -> dict:
+    """The same settings as aiokafka keyword arguments (the worker's input consumer)."""
+    if not settings:
+        return {}
+    from aiokafka.helpers import create_ssl_context
+
+    out = {"security_protocol": settings.get("security.protocol", "PLAINTEXT")}
+    if "SSL" in out["security_protocol"]:
+        out["ssl_context"] = create_ssl_context(cafile=settings.get("ssl.ca.location"))
+    if "SASL" in out["security_protocol"]:
+        out["sasl_mechanism"] = settings.get("sasl.mechanisms", "PLAIN")
+        out["sasl_plain_username"] = settings.get("sasl.username")
+        out["sasl_plain_password"] = settings.get("sasl.password")
+    return out
