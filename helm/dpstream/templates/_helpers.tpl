@@ -30,7 +30,6 @@ helm.sh/chart: {{ include "dpstream.chart" . }}
 {{ include "dpstream.selectorLabels" . }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
-app.kubernetes.io/component: worker
 {{- end }}
 
 {{/* Labels that select the worker pods (immutable in the StatefulSet: never change them). */}}
@@ -94,8 +93,8 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- else if .Values.noiseKey.value }}
 {{- fail "noiseKey.value is set but noiseKey.create is false: remove the secret from your values (use noiseKey.existingSecret)" }}
 {{- end }}
-{{- if not (hasKey .Values.queries "queries") }}
-{{- if not (hasKey .Values.queries "dynamic") }}
+{{- if not .Values.queriesYaml }}
+{{- if not (or (hasKey .Values.queries "queries") (hasKey .Values.queries "dynamic")) }}
 {{- fail "queries must be a mapping with a 'queries' list (and optionally 'dynamic'), as in examples/queries.yaml" }}
 {{- end }}
 {{- end }}
