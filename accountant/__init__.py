@@ -1,6 +1,7 @@
 """Privacy accounting: the one place every noise scale, threshold and composition is derived.
 
-Nothing else in dpstream re-derives a formula; the pipeline asks :func:`plan_query`.
+Nothing else in dpstream re-derives a formula; the pipeline asks :func:`plan_levels`
+(one plan per level of a hierarchical query; :func:`plan_query` for a flat one).
 """
 from accountant.calibration import (
     cks_delta,
@@ -14,6 +15,7 @@ from accountant.plan import (
     BudgetError,
     PrivacyPlan,
     QueryBudget,
+    plan_levels,
     plan_query,
 )
 
@@ -25,6 +27,7 @@ __all__ = [
     "cks_epsilon",
     "cks_rho",
     "honaker_variance_factor",
+    "plan_levels",
     "plan_query",
     "prefix_variance_factor",
     "read_levels",

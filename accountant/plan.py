@@ -81,6 +81,8 @@ class QueryBudget:
     key_selection_share: float = 0.5
     composition: str = "zcdp"  # zcdp | basic
     resolution: Optional[float] = None  # value grid for sums; counts use 1
+    levels: int = 1  # levels of a hierarchical query (DESIGN.md section 8); 1: a flat histogram
+    level_shares: Optional[tuple] = None  # share of the budget per level (sum 1); None: equal
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,9 @@ class PrivacyPlan:
     tail_multiplier: float
     thresholds: tuple = field(repr=False)
     expected_stddev: float = 0.0
+    level: int = 1  # which level of a hierarchical query this plan calibrates (1 = coarsest)
+    levels: int = 1
+    level_share: float = 1.0  # this level's share of the query's budget
     conversion: str = "zCDP -> (eps, delta): Canonne-Kamath-Steinke 2020 Prop. 12 (optimal)"
 
     @property
@@ -157,6 +162,14 @@ def _check(budget: QueryBudget) -> None:
         raise BudgetError("beta", f"must be in (0, 1) or null, got {budget.beta!r}")
     if not 0 < budget.key_selection_share < 1:
         raise BudgetError("key_selection_share", f"must be in (0, 1), got {budget.key_selection_share!r}")
+    if not (isinstance(budget.levels, int) and 1 <= budget.levels <= 16):
+        raise BudgetError("levels", f"must be an integer in [1, 16], got {budget.levels!r}")
+    if budget.level_shares is not None:
+        shares = list(budget.level_shares)
+        if len(shares) != budget.levels or not all(isinstance(x, (int, float)) and math.isfinite(x) and x > 0 for x in shares):
+            raise BudgetError("level_shares", f"must be {budget.levels} positive numbers, one per level, got {shares!r}")
+        if abs(sum(shares) - 1.0) > 1e-9:
+            raise BudgetError("level_shares", f"must add up to 1, got {sum(shares):.12g}")
     if budget.composition not in ("zcdp", "basic"):
         raise BudgetError("composition", f"must be 'zcdp' or 'basic', got {budget.composition!r}")
     if budget.resolution is not None:
@@ -186,94 +199,136 @@ def _choose_resolution(budget: QueryBudget, sigma_m: float) -> float:
     return budget.clamp / 2 ** j
 
 
+def _level_shares(budget: QueryBudget) -> tuple[float, ...]:
+    if budget.level_shares is None:
+        return (1.0 / budget.levels,) * budget.levels
+    return tuple(float(s) for s in budget.level_shares)
+
+
 def plan_query(budget: QueryBudget) -> PrivacyPlan:
-    """Calibrate a query. Raises :class:`BudgetError` naming the field when it cannot be met."""
+    """Calibrate a query. Raises :class:`BudgetError` naming the field when it cannot be met.
+
+    For a hierarchical query this is the plan of its first (coarsest) level; every level's plan
+    carries the query's totals (``epsilon_spent``, ``delta_spent``, ...), so callers that only
+    need the guarantee may use it. The mechanisms use :func:`plan_levels`."""
+    return plan_levels(budget)[0]
+
+
+def plan_levels(budget: QueryBudget) -> tuple[PrivacyPlan, ...]:
+    """One plan per level of the query (one level for a flat query).
+
+    A hierarchical query (DESIGN.md section 8) keeps a histogram per level: each admitted record
+    adds one to one key of every level, so a user touches at most C keys' rounds per level and
+    the level histograms compose. Under ``zcdp`` the levels split the total rho by
+    ``level_shares`` (each level then splits its part between key selection and perturbation),
+    the thresholding term counts the user's C keys of every level, ``(e^eps + 1) * levels * C *
+    beta``, and one CKS conversion gives the total. Under ``basic`` each level is the paper's
+    split query at ``(share * eps, share * delta)`` and the levels' epsilons and deltas add.
+
+    Fields that describe noise (sigmas, thresholds, beta, per-part rho/eps/delta, expected
+    stddev) are the level's; fields that describe the guarantee (``epsilon``, ``delta``,
+    ``rho_total``, ``delta_beta``, ``delta_sampler``, ``delta_conversion``, ``*_spent``) are the
+    whole query's, identical in every level's plan.
+    """
     _check(budget)
     eps, delta, C = budget.epsilon, budget.delta, budget.contribution_bound
     h = read_levels(budget.triggers)
     share = budget.key_selection_share
-    nodes_touched = 2 * C * h
+    levels = budget.levels
+    shares = _level_shares(budget)
+    parts = []  # per level: (rho_k, rho_m, eps_k, delta_k, eps_m, delta_m, beta)
 
     if budget.composition == "zcdp":
         beta = budget.beta
         if beta is None:
-            beta = DEFAULT_BETA_DELTA_SHARE * delta / ((math.exp(eps) + 1.0) * C)
-        delta_beta = (math.exp(eps) + 1.0) * C * beta
-        delta_sampler = (math.exp(eps) + 1.0) * nodes_touched * SAMPLER_TV_BOUND
+            beta = DEFAULT_BETA_DELTA_SHARE * delta / ((math.exp(eps) + 1.0) * C * levels)
+        delta_beta = (math.exp(eps) + 1.0) * levels * C * beta
+        delta_sampler = (math.exp(eps) + 1.0) * levels * 2 * C * h * SAMPLER_TV_BOUND
         delta_conv = delta - delta_beta - delta_sampler
         if delta_conv <= 0:
-            raise BudgetError("beta", f"the thresholding term (e^eps+1)*C*beta = {delta_beta:.3g} leaves no delta")
+            raise BudgetError("beta", f"the thresholding term (e^eps+1)*levels*C*beta = {delta_beta:.3g} leaves no delta")
         rho = cks_rho(eps, delta_conv)
-        rho_k, rho_m = share * rho, (1.0 - share) * rho
-        eps_k = cks_epsilon(rho_k, share * delta_conv)
-        delta_k = share * delta_conv + delta_beta
-        eps_m = cks_epsilon(rho_m, (1.0 - share) * delta_conv)
-        delta_m = (1.0 - share) * delta_conv
+        for s in shares:
+            rho_k, rho_m = share * s * rho, (1.0 - share) * s * rho
+            parts.append((rho_k, rho_m,
+                          cks_epsilon(rho_k, share * s * delta_conv), share * s * delta_conv + delta_beta / levels,
+                          cks_epsilon(rho_m, (1.0 - share) * s * delta_conv), (1.0 - share) * s * delta_conv, beta))
         eps_spent = cks_epsilon(rho, delta_conv)
         delta_spent = cks_delta(rho, eps) + delta_beta + delta_sampler
     else:
-        eps_k, eps_m = share * eps, (1.0 - share) * eps
-        delta_k, delta_m = 2.0 * delta / 3.0, delta / 3.0
-        beta = budget.beta
-        if beta is None:
-            beta = 0.5 * delta_k / ((math.exp(eps_k) + 1.0) * C)
-        delta_beta = (math.exp(eps_k) + 1.0) * C * beta
-        sampler_k = (math.exp(eps_k) + 1.0) * C * h * SAMPLER_TV_BOUND
-        sampler_m = (math.exp(eps_m) + 1.0) * C * h * SAMPLER_TV_BOUND
-        delta_sampler = sampler_k + sampler_m
-        conv_k = delta_k - delta_beta - sampler_k
-        if conv_k <= 0:
-            raise BudgetError("beta", f"the thresholding term (e^eps_k+1)*C*beta = {delta_beta:.3g} exceeds delta_k")
-        rho_k = cks_rho(eps_k, conv_k)
-        rho_m = cks_rho(eps_m, delta_m - sampler_m)
-        rho = rho_k + rho_m
-        delta_conv = conv_k + delta_m - sampler_m
-        eps_spent = eps_k + eps_m
-        delta_spent = cks_delta(rho_k, eps_k) + delta_beta + cks_delta(rho_m, eps_m) + delta_sampler
+        rho = delta_beta = delta_sampler = delta_conv = eps_spent = delta_spent = 0.0
+        for s in shares:
+            eps_l, delta_l = s * eps, s * delta
+            eps_k, eps_m = share * eps_l, (1.0 - share) * eps_l
+            delta_k, delta_m = 2.0 * delta_l / 3.0, delta_l / 3.0
+            beta = budget.beta
+            if beta is None:
+                beta = 0.5 * delta_k / ((math.exp(eps_k) + 1.0) * C)
+            beta_term = (math.exp(eps_k) + 1.0) * C * beta
+            sampler_k = (math.exp(eps_k) + 1.0) * C * h * SAMPLER_TV_BOUND
+            sampler_m = (math.exp(eps_m) + 1.0) * C * h * SAMPLER_TV_BOUND
+            conv_k = delta_k - beta_term - sampler_k
+            if conv_k <= 0:
+                raise BudgetError("beta", f"the thresholding term (e^eps_k+1)*C*beta = {beta_term:.3g} exceeds delta_k")
+            rho_k = cks_rho(eps_k, conv_k)
+            rho_m = cks_rho(eps_m, delta_m - sampler_m)
+            parts.append((rho_k, rho_m, eps_k, delta_k, eps_m, delta_m, beta))
+            rho += rho_k + rho_m
+            delta_beta += beta_term
+            delta_sampler += sampler_k + sampler_m
+            delta_conv += conv_k + delta_m - sampler_m
+            eps_spent += eps_k + eps_m
+            delta_spent += cks_delta(rho_k, eps_k) + beta_term + cks_delta(rho_m, eps_m) + sampler_k + sampler_m
 
-    sigma_k = math.sqrt(C * h / (2.0 * rho_k))
-    sigma_m = C * budget.clamp * math.sqrt(h / (2.0 * rho_m))
-    if sigma_k > MAX_SAMPLER_SIGMA:
-        raise BudgetError("contribution_bound", f"key-selection noise sigma {sigma_k:.4g} is beyond the sampler's range")
-    resolution = _choose_resolution(budget, sigma_m)
-    sigma_m_units = sigma_m / resolution
-    if sigma_m_units > MAX_SAMPLER_SIGMA:
-        field_name = "contribution_bound" if budget.aggregate == "count" else "resolution"
-        raise BudgetError(field_name, f"perturbation noise is {sigma_m_units:.4g} grid steps, beyond the sampler's range")
-
-    z = tail_multiplier(budget.triggers, beta)
-    thresholds = tuple(z * sigma_k * math.sqrt(prefix_variance_factor(r)) for r in range(1, budget.triggers + 1))
-    expected_stddev = sigma_m * math.sqrt(prefix_variance_factor(budget.triggers))
-
-    return PrivacyPlan(
-        epsilon=eps,
-        delta=delta,
-        composition=budget.composition,
-        triggers=budget.triggers,
-        tree_height=h,
-        contribution_bound=C,
-        clamp=float(budget.clamp),
-        aggregate=budget.aggregate,
-        resolution=resolution,
-        key_threshold=float(budget.key_threshold),
-        beta=beta,
-        delta_beta=delta_beta,
-        delta_sampler=delta_sampler,
-        delta_conversion=delta_conv,
-        rho_total=rho,
-        rho_key_selection=rho_k,
-        rho_key_selection_per_tree=rho_k / C,
-        rho_perturbation=rho_m,
-        sigma_key_selection=sigma_k,
-        sigma_perturbation=sigma_m,
-        sigma_perturbation_units=sigma_m_units,
-        epsilon_key_selection=eps_k,
-        delta_key_selection=delta_k,
-        epsilon_perturbation=eps_m,
-        delta_perturbation=delta_m,
-        epsilon_spent=eps_spent,
-        delta_spent=delta_spent,
-        tail_multiplier=z,
-        thresholds=thresholds,
-        expected_stddev=expected_stddev,
-    )
+    sigmas = []
+    for rho_k, rho_m, *_ in parts:
+        sigma_k = math.sqrt(C * h / (2.0 * rho_k))
+        sigma_m = C * budget.clamp * math.sqrt(h / (2.0 * rho_m))
+        if sigma_k > MAX_SAMPLER_SIGMA:
+            raise BudgetError("contribution_bound", f"key-selection noise sigma {sigma_k:.4g} is beyond the sampler's range")
+        sigmas.append((sigma_k, sigma_m))
+    # one value grid for all levels: every record goes to every level with the same grid value
+    resolution = _choose_resolution(budget, min(m for _, m in sigmas))
+    plans = []
+    for level, ((rho_k, rho_m, eps_k, delta_k, eps_m, delta_m, beta), (sigma_k, sigma_m), s) in enumerate(zip(parts, sigmas, shares), 1):
+        sigma_m_units = sigma_m / resolution
+        if sigma_m_units > MAX_SAMPLER_SIGMA:
+            field_name = "contribution_bound" if budget.aggregate == "count" else "resolution"
+            raise BudgetError(field_name, f"perturbation noise is {sigma_m_units:.4g} grid steps, beyond the sampler's range")
+        z = tail_multiplier(budget.triggers, beta)
+        plans.append(PrivacyPlan(
+            epsilon=eps,
+            delta=delta,
+            composition=budget.composition,
+            triggers=budget.triggers,
+            tree_height=h,
+            contribution_bound=C,
+            clamp=float(budget.clamp),
+            aggregate=budget.aggregate,
+            resolution=resolution,
+            key_threshold=float(budget.key_threshold),
+            beta=beta,
+            delta_beta=delta_beta,
+            delta_sampler=delta_sampler,
+            delta_conversion=delta_conv,
+            rho_total=rho,
+            rho_key_selection=rho_k,
+            rho_key_selection_per_tree=rho_k / C,
+            rho_perturbation=rho_m,
+            sigma_key_selection=sigma_k,
+            sigma_perturbation=sigma_m,
+            sigma_perturbation_units=sigma_m_units,
+            epsilon_key_selection=eps_k,
+            delta_key_selection=delta_k,
+            epsilon_perturbation=eps_m,
+            delta_perturbation=delta_m,
+            epsilon_spent=eps_spent,
+            delta_spent=delta_spent,
+            tail_multiplier=z,
+            thresholds=tuple(z * sigma_k * math.sqrt(prefix_variance_factor(r)) for r in range(1, budget.triggers + 1)),
+            expected_stddev=sigma_m * math.sqrt(prefix_variance_factor(budget.triggers)),
+            level=level,
+            levels=levels,
+            level_share=s,
+        ))
+    return tuple(plans)
