@@ -9,7 +9,7 @@ import time
 from typing import Sequence
 
 from accountant import PrivacyPlan
-from processor.config import ConfigError, QueryConfig, load_config, plan_for
+from processor.config import ConfigError, QueryConfig, level_plans_for, load_config, plan_for
 
 PLAN_HELP = """Print, for each query of a config, the noise scales, thresholds, budget split and
 expected error, before anything runs. Needs no noise secret and no broker."""
@@ -25,9 +25,33 @@ remaining trigger of every started window fires. Same input, config and secret: 
 output. Invalid lines are reported by line number and reason, counted and skipped."""
 
 
+CONSISTENCY_NOTE = ("post-processing of released noisy counts and public parameters only: epsilon 0, delta 0 "
+                    "(post-processing immunity; Fioretto, Van Hentenryck and Zhu, Lemma 3)")
+
+
 def _plan_entry(query: QueryConfig, plan: PrivacyPlan) -> dict:
     entry = {"name": query.name, "window": query.window, **plan.to_dict()}
+    if query.hierarchy:
+        entry["levels"] = [{"key_fields": query.key_fields[:p.level], **p.to_dict()} for p in level_plans_for(query)]
+        entry["consistency"] = {"epsilon": 0.0, "delta": 0.0, "why": CONSISTENCY_NOTE}
     return entry
+
+
+def _human_levels(query: QueryConfig, plan: PrivacyPlan) -> list[str]:
+    """The hierarchy's split: each level's share, noise and thresholds, and the free consistency step."""
+    lines = [f"  hierarchy          {query.levels} histograms, one per prefix of key_fields (coarse to fine); every record "
+             f"counts once in each; budget split by level (rho shares in zcdp, (eps, delta) shares in basic)"]
+    for p in level_plans_for(query):
+        taus = p.thresholds
+        lines += [
+            f"  level {p.level} ({', '.join(query.key_fields[:p.level])})",
+            f"                     share {p.level_share:.4g}: key selection rho {p.rho_key_selection:.6g}, sigma_k = "
+            f"{p.sigma_key_selection:.4f} users; perturbation rho {p.rho_perturbation:.6g}, sigma_m = {p.sigma_perturbation:.4f}",
+            f"                     tau_1 = {taus[0]:.2f}, tau_T = {taus[-1]:.2f}, max {max(taus):.2f}; expected stddev at T "
+            f"{p.expected_stddev:.2f}",
+        ]
+    lines.append(f"  consistency        parent = sum of released children + 'other', non-negative integers: {CONSISTENCY_NOTE}")
+    return lines
 
 
 def _human_plan(query: QueryConfig, plan: PrivacyPlan) -> str:
@@ -43,16 +67,20 @@ def _human_plan(query: QueryConfig, plan: PrivacyPlan) -> str:
         f"  key selection      rho {plan.rho_key_selection:.6g} = C x {plan.rho_key_selection_per_tree:.4g} per round tree "
         f"(sensitivity 1, h levels); sigma_k = {plan.sigma_key_selection:.4f} users",
         f"                     on its own: eps {plan.epsilon_key_selection:.4f}, delta {plan.delta_key_selection:.4g} (incl. beta term)",
-        f"  thresholds         beta {plan.beta:.4g}; (e^eps+1) C beta = {plan.delta_beta:.4g}; z = sqrt(2 ln(T/beta)) = {plan.tail_multiplier:.4f}",
+        f"  thresholds         beta {plan.beta:.4g}; (e^eps+1) {'levels ' if plan.levels > 1 else ''}C beta = {plan.delta_beta:.4g}; z = sqrt(2 ln(T/beta)) = {plan.tail_multiplier:.4f}",
         f"                     release when noisy users > mu + tau_i, mu = {plan.key_threshold:g}: tau_1 = {taus[0]:.2f}, "
         f"tau_T = {taus[-1]:.2f}, min {min(taus):.2f}, max {max(taus):.2f}",
         f"  perturbation       rho {plan.rho_perturbation:.6g}, sensitivity C*L = {C * plan.clamp:g}; sigma_m = {plan.sigma_perturbation:.4f}"
         + (f" (grid {plan.resolution:g})" if plan.aggregate == "sum" else ""),
         f"                     on its own: eps {plan.epsilon_perturbation:.4f}, delta {plan.delta_perturbation:.4g}",
+        *(_human_levels(query, plan) if query.hierarchy else []),
         f"  sampler            TV <= 2^-100 per node -> delta += {plan.delta_sampler:.3g}",
         f"  total spent        eps {plan.epsilon_spent:.6f}, delta {plan.delta_spent:.6g}  (declared {plan.epsilon:g}, {plan.delta:g})",
-        f"  expected stddev    {plan.expected_stddev:.2f} of a released {plan.aggregate} at the last trigger",
+        f"  expected stddev    {plan.expected_stddev:.2f} of a released {plan.aggregate} at the last trigger"
+        + (" (level 1)" if query.hierarchy else ""),
     ]
+    if query.hierarchy:  # the per-part lines above are level 1's; the level block has them all
+        lines = [line for line in lines if not line.lstrip().startswith(("key selection", "perturbation", "on its own", "release when"))]
     return "\n".join(lines)
 
 
@@ -265,6 +293,14 @@ def cmd_bench_dynamic(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_hierarchy(args: argparse.Namespace) -> int:
+    from processor.bench_hierarchy import run_hierarchy_bench
+
+    run_hierarchy_bench(countries=args.countries, users=args.users, triggers=args.triggers, epsilons=args.epsilon, seed=args.seed,
+                        json_path=args.json)
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from processor.bench import run_engine_bench
 
@@ -386,6 +422,15 @@ def build_parser() -> argparse.ArgumentParser:
     dyn.add_argument("--json", help="write the results to this JSON file")
     dyn.add_argument("--plot", help="draw error vs updates to this PNG")
     dyn.set_defaults(func=cmd_bench_dynamic)
+    hier = bench_sub.add_parser("hierarchy", help="consistent hierarchical counts: per-level error of raw, clamp-and-round and "
+                                "consistent values, violations, time per trigger (synthetic three-level hierarchy)")
+    hier.add_argument("--countries", type=int, default=20, help="top-level keys (~350 leaves each on average; default 20)")
+    hier.add_argument("--users", type=int, default=200_000, help="users (~2.5 records each; default 200000)")
+    hier.add_argument("--triggers", type=int, default=10, help="triggers per window (default 10)")
+    hier.add_argument("--epsilon", type=float, nargs="+", default=[1.0, 6.0], help="epsilons to run (default 1 6)")
+    hier.add_argument("--seed", type=int, default=1)
+    hier.add_argument("--json", help="write the results as JSON here")
+    hier.set_defaults(func=cmd_bench_hierarchy)
     dpsqlp = bench_sub.add_parser("dpsqlp", help="the DP-SQLP paper's synthetic workload: DP-SQLP vs Baselines 1 and 2")
     dpsqlp.add_argument("--users", type=int, default=10_000_000, help="users (paper: 10,000,000)")
     dpsqlp.add_argument("--keys", type=int, default=1_000_000, help="key space (paper: 1,000,000)")

@@ -18,7 +18,7 @@ from typing import Literal, Mapping, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from accountant import BudgetError, PrivacyPlan, QueryBudget, plan_query
+from accountant import BudgetError, PrivacyPlan, QueryBudget, plan_levels, plan_query
 from accountant.dynamic import DynamicPlan
 from accountant.ledger import BudgetPolicy
 
@@ -72,6 +72,10 @@ class QueryConfig(BaseModel):
     key_selection_share: float = 0.5
     composition: Literal["zcdp", "basic"] = "zcdp"
     resolution: Optional[float] = None
+    #: key_fields are a hierarchy, coarse to fine (country > state > city): one histogram per
+    #: level (key = prefix of key_fields), published consistent (DESIGN.md section 8)
+    hierarchy: bool = False
+    level_shares: Optional[list[float]] = None  # budget share per level (sum 1); null: equal
 
     @field_validator("window")
     @classmethod
@@ -100,7 +104,21 @@ class QueryConfig(BaseModel):
             raise ValueError("value_field: must be null for aggregate 'count' (COUNT(*))")
         if self.window_ms % self.triggers:
             raise ValueError(f"triggers: the window ({self.window}) must split into {self.triggers} whole milliseconds")
+        if self.hierarchy:
+            if len(self.key_fields) < 2:
+                raise ValueError("key_fields: a hierarchy needs at least two key fields, coarse to fine")
+            if self.aggregate != "count":
+                raise ValueError("hierarchy: consistent hierarchies publish non-negative integer counts; aggregate must be 'count'")
+            if len(set(self.key_fields)) != len(self.key_fields):
+                raise ValueError("key_fields: the levels of a hierarchy must be distinct fields")
+        elif self.level_shares is not None:
+            raise ValueError("level_shares: only a hierarchy (hierarchy: true) has levels")
         return self
+
+    @property
+    def levels(self) -> int:
+        """Histograms kept: one per prefix of key_fields for a hierarchy, else one."""
+        return len(self.key_fields) if self.hierarchy else 1
 
     @property
     def window_ms(self) -> int:
@@ -119,6 +137,8 @@ class QueryConfig(BaseModel):
             key_selection_share=self.key_selection_share,
             composition=self.composition,
             resolution=self.resolution,
+            levels=self.levels,
+            level_shares=tuple(self.level_shares) if self.level_shares is not None else None,
         )
 
 
@@ -318,4 +338,10 @@ def load_config(path: str | os.PathLike, environ: Mapping[str, str] = os.environ
 
 
 def plan_for(query: QueryConfig) -> PrivacyPlan:
+    """The query's plan (for a hierarchy: its first level's, which carries the query's totals)."""
     return plan_query(query.budget())
+
+
+def level_plans_for(query: QueryConfig) -> tuple[PrivacyPlan, ...]:
+    """One plan per level (one for a flat query): what the mechanisms run with."""
+    return plan_levels(query.budget())

@@ -26,6 +26,11 @@ class PipelineMetrics:
         self.keys_loaded = Gauge("dpstream_keys_loaded", "Keys loaded by the last trigger (micro-batch plus predicted)", ["query"], registry=r)
         self.keys_released = Gauge("dpstream_keys_released", "Distinct keys released so far", ["query"], registry=r)
         self.keys_tracked = Gauge("dpstream_keys_tracked", "Key states held for open windows", ["query"], registry=r)
+        self.consistency_updates = Counter("dpstream_consistency_updates_total",
+                                           "Records of a hierarchy re-issued because a key's consistent value changed (its noisy "
+                                           "count did not)", ["query"], registry=r)
+        self.consistency_seconds = Counter("dpstream_consistency_seconds_total",
+                                           "Time spent making a hierarchy's published view consistent", ["query"], registry=r)
         self.trigger_seconds = Histogram("dpstream_trigger_duration_seconds", "Time to run one trigger", ["query"],
                                          buckets=TRIGGER_BUCKETS, registry=r)
         self.state_bytes = Gauge("dpstream_state_size_bytes", "Approximate size of the state store", ["partition"], registry=r)
@@ -41,9 +46,9 @@ class PipelineMetrics:
                                             ["principal"], registry=r)
         self.ledger_refusals = Gauge("dpstream_ledger_refusals", "Charges refused (shadow mode: would have been refused), ever",
                                      ["principal"], registry=r)
-        self._seen: dict[tuple, int] = {}
+        self._seen: dict[tuple, float] = {}
 
-    def _delta(self, name: tuple, total: int) -> int:
+    def _delta(self, name: tuple, total: float) -> float:
         """Counters are fed from cumulative totals: add only what is new."""
         before = self._seen.get(name, 0)
         self._seen[name] = total
@@ -56,6 +61,8 @@ class PipelineMetrics:
         self.releases.labels(query).inc(self._delta(("rel", query), stats.releases))
         self.accumulated.labels(query).inc(self._delta(("acc", query), stats.accumulated))
         self.triggers.labels(query).inc(self._delta(("trig", query), stats.triggers_fired))
+        self.consistency_updates.labels(query).inc(self._delta(("cons", query), stats.consistency_updates))
+        self.consistency_seconds.labels(query).inc(self._delta(("cons_s", query), stats.consistency_seconds))
         self.keys_loaded.labels(query).set(stats.keys_loaded)
         self.keys_released.labels(query).set(len(stats.keys_released) if keys_released is None else keys_released)
         self.keys_tracked.labels(query).set(stats.keys_tracked)

@@ -31,6 +31,7 @@ clock (the watermark in replay, wall time in the worker) passes ``window_start +
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -38,15 +39,34 @@ from typing import Callable, Optional
 import numpy as np
 
 from processor.bounding import ContributionBounder, last_contributions
-from processor.config import QueryConfig, parse_duration_ms, plan_for
+from processor.config import QueryConfig, level_plans_for, parse_duration_ms
+from processor.consistency import solve as solve_consistency
 from processor.key_selection import KeySelector, SelectionBatch
-from processor.noise import NodeNoise
+from processor.noise import NodeNoise, Pseudonymizer
 from processor.perturbation import HierarchicalPerturber, PerturbationBatch
 from state import keys as sk
 from state.store import Store, WriteBatch
 from topics.records import encode_json, key_for_output, release_record
 
 _USER_ENTRY = np.dtype([("key", "<u8"), ("trigger", "<u4")])
+#: a hierarchy's published view, per released key: what the consistency step starts from
+_VIEW_ENTRY = np.dtype([("level", "<u4"), ("released_at", "<u4"), ("count", "<f8"), ("stddev", "<f8"), ("consistent", "<i8"),
+                        ("other", "<i8")])
+#: initial half-width of a value's domain in the consistency program, in standard deviations of
+#: its noise (Fioretto et al. section 11.2 size domains from the noise; the solver widens them
+#: whenever the optimum touches a bound, so this only affects speed, never the result)
+CONSISTENCY_SPREAD = 3.0
+
+
+def _key_text(parts: list) -> str:
+    """The text of a key of several fields: the JSON list EventParser produces."""
+    return json.dumps(parts, ensure_ascii=False, separators=(",", ":"))
+
+
+def level_key_texts(text: str, depth: int) -> list[str]:
+    """The key of each level 1..depth of a hierarchy for a full key (its prefixes, coarse first)."""
+    parts = json.loads(text)
+    return [_key_text(parts[:level]) for level in range(1, depth)] + [text]
 
 
 def _parse_user_states(values: list) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -113,6 +133,8 @@ class BoundedRecords:
     slots: np.ndarray  # int64, 1..C
     units: np.ndarray  # int64, value on the grid
     previous: np.ndarray  # int64, trigger of the user's previous record for this key (0: none)
+    levels: np.ndarray  # int64, level of the key (1 = coarsest; always 1 for a flat query)
+    roots: np.ndarray  # uint64, id of the key's level-1 prefix (the key itself for a flat query): routes stage 2
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -121,7 +143,7 @@ class BoundedRecords:
         return BoundedRecords(*(getattr(self, f)[index] for f in self.__dataclass_fields__))
 
     _COLUMNS = (("window", "<i8"), ("trigger", "<u4"), ("key_ids", "<u8"), ("users", "<u8"), ("slots", "<u2"), ("units", "<i8"),
-                ("previous", "<u4"))
+                ("previous", "<u4"), ("levels", "<u1"), ("roots", "<u8"))
 
     def encode(self) -> bytes:
         """Wire form of stage-1 output (the repartition topic's message value): fixed-width
@@ -150,7 +172,7 @@ class BoundedRecords:
         keys = np.array([texts[k] for k in cols["key_ids"].tolist()], dtype=object)
         return cls(cols["window"].astype(np.int64), cols["trigger"].astype(np.int64), cols["key_ids"].astype(np.uint64), keys,
                    cols["users"].astype(np.uint64), cols["slots"].astype(np.int64), cols["units"].astype(np.int64),
-                   cols["previous"].astype(np.int64))
+                   cols["previous"].astype(np.int64), cols["levels"].astype(np.int64), cols["roots"].astype(np.uint64))
 
 
 @dataclass
@@ -162,6 +184,8 @@ class MicroBatch:
     previous: np.ndarray
     units: np.ndarray
     texts: dict
+    levels: np.ndarray  # per record
+    roots: np.ndarray  # per record
 
 
 @dataclass
@@ -174,6 +198,8 @@ class PipelineStats:
     keys_tracked: int = 0  # key states held in open windows
     accumulated: int = 0  # bounded records appended to pending micro-batches (stage 2 input)
     triggers_fired: int = 0
+    consistency_updates: int = 0  # records re-issued only because a key's consistent value changed
+    consistency_seconds: float = 0.0  # time spent in the consistency step (hierarchies)
 
 
 class Schedule:
@@ -199,9 +225,15 @@ class Schedule:
 
 
 class QueryPipeline:
-    def __init__(self, query: QueryConfig, noise: NodeNoise, store: Store):
+    def __init__(self, query: QueryConfig, noise: NodeNoise, store: Store, pseudonyms: Optional[Pseudonymizer] = None):
         self.query = query
-        self.plan = plan_for(query)
+        #: one plan per level (DESIGN.md section 8); a flat query has one level
+        self.plans = level_plans_for(query)
+        self.plan = self.plans[0]  # shared terms: C, L, grid, mu, the query's (epsilon, delta)
+        self.depth = query.levels
+        if self.depth > 1 and pseudonyms is None:
+            raise ValueError(f"query {query.name}: a hierarchy needs the pseudonymizer for its level keys")
+        self.pseudonyms = pseudonyms
         self.noise = noise
         self.store = store
         self.schedule = Schedule(query)
@@ -214,7 +246,7 @@ class QueryPipeline:
         self._row = np.dtype([
             ("round", "<u4"), ("start", "<u4"), ("done", "<u4"), ("predicted", "<u4"),
             ("count", "<i8"), ("participations", "<i8"), ("buffer", "<i8"), ("released", "<i8"),
-            ("pdone", "<u4"), ("pad", "<u4"), ("noise_max", "<f8"), ("sel_tree", "S12"), ("pert_tree", "S12"),
+            ("pdone", "<u4"), ("level", "<u4"), ("noise_max", "<f8"), ("root", "<u8"), ("sel_tree", "S12"), ("pert_tree", "S12"),
             ("sel_cache", "<f8", (L,)), ("pcache", "<f8", (L,)),
         ])
         #: Called with a window start before the window opens; False refuses it (the budget
@@ -273,7 +305,21 @@ class QueryPipeline:
         admitted = assigned.admitted
         self.stats.dropped["contribution_bound"] += int(len(order) - admitted.sum())
         keep = idx[admitted]
-        last = last_contributions(group_of[admitted], events.key_ids[keep], trigger[admitted], st_group, st_key, st_trigger)
+        rec_group, rec_trigger = group_of[admitted], trigger[admitted]
+        rec_keys, rec_ids, rec_levels, rec_roots = events.keys[keep], events.key_ids[keep], np.ones(len(keep), dtype=np.int64), events.key_ids[keep]
+        rec_window, rec_users, rec_slots, rec_units = window[admitted], users[admitted], assigned.slots[admitted], units[admitted]
+        if self.depth > 1:
+            # a hierarchy: each admitted record adds one to one key of every level (the prefixes
+            # of its key), record-major; the user's C slots are shared by the levels and stage 2
+            # de-duplicates per (user, slot, level)
+            texts, ids = self._level_keys(rec_keys)
+            d = self.depth
+            rec_keys, rec_ids = texts.ravel(), ids.ravel()
+            rec_levels = np.tile(np.arange(1, d + 1, dtype=np.int64), len(keep))
+            rec_roots = np.repeat(ids[:, 0], d)
+            rec_group, rec_trigger, rec_window, rec_users, rec_slots, rec_units = (
+                np.repeat(a, d) for a in (rec_group, rec_trigger, rec_window, rec_users, rec_slots, rec_units))
+        last = last_contributions(rec_group, rec_ids, rec_trigger, st_group, st_key, st_trigger)
         entries = np.empty(len(last.group), dtype=_USER_ENTRY)
         entries["key"], entries["trigger"] = last.key, last.trigger
         raw = entries.tobytes()
@@ -285,8 +331,15 @@ class QueryPipeline:
                 # a user at the bound admits nothing more: the per-key entries are never needed again
                 entries_raw = b"" if full[g] else raw[bounds[g] * _USER_ENTRY.itemsize:bounds[g + 1] * _USER_ENTRY.itemsize]
                 batch.put(key, count.to_bytes(2, "little") + entries_raw)
-        return BoundedRecords(window[admitted], trigger[admitted], events.key_ids[keep], events.keys[keep], users[admitted],
-                              assigned.slots[admitted], units[admitted], last.previous)
+        return BoundedRecords(rec_window, rec_trigger, rec_ids, rec_keys, rec_users, rec_slots, rec_units, last.previous,
+                              rec_levels, rec_roots.astype(np.uint64))
+
+    def _level_keys(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(texts, ids), each (records, depth): the key of every level for each record's key."""
+        distinct, inverse = np.unique(keys.astype(str), return_inverse=True)
+        texts = np.array([level_key_texts(k, self.depth) for k in distinct.tolist()], dtype=object).reshape(len(distinct), self.depth)
+        ids = self.pseudonyms.group_keys(texts.ravel().tolist()).reshape(len(distinct), self.depth)
+        return texts[inverse], ids[inverse]
 
     # ------------------------------------------------------------------ stage 2 input
     def accumulate(self, records: BoundedRecords, seq: int, batch: WriteBatch) -> None:
@@ -367,28 +420,33 @@ class QueryPipeline:
         has_data = np.zeros(n, dtype=bool)
         has_data[kidx] = True
         rows, names = self._load_keys(window, all_ids, texts)
+        fresh = rows["level"] == 0  # new keys: level and root come with their records
+        if fresh.any():
+            level_of, root_of = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.uint64)
+            level_of[kidx], root_of[kidx] = micro.levels, micro.roots
+            rows["level"][fresh], rows["root"][fresh] = level_of[fresh], root_of[fresh]
         # --- merge the micro-batch: users new to each key's round (their previous record for the
         # key came before the round started), buffered aggregate
         delta_units = np.zeros(n, dtype=np.int64)
         np.add.at(delta_units, kidx, rec_units)
         new_users = np.bincount(kidx[rec_prev < rows["start"][kidx]], minlength=n).astype(np.int64)
         rows["buffer"] += delta_units
-        # --- key selection (Algorithm 2)
-        selector = KeySelector(self.plan, self.noise, self.query.name, window)
-        sel = SelectionBatch(names, rows["round"].astype(np.int64), rows["start"].astype(np.int64), rows["done"].astype(np.int64),
-                             rows["count"].copy(), rows["participations"].copy(), rows["sel_cache"].copy(),
-                             self._tree_ids(window, rows, "sel_tree", names, "select"), rows["noise_max"].copy())
-        step = selector.step(sel, trigger, new_users)
-        selected = step.selected
-        # --- perturbation (Algorithm 3)
-        releases = self._release(window, trigger, all_ids, rows, names, selected, batch) if selected.any() else []
-        for f in ("round", "start", "done", "count", "participations"):
-            rows[f] = getattr(sel, f)
-        rows["sel_cache"] = sel.cache
-        rows["sel_tree"][selected] = b""  # a new round, a new tree: its id is derived on first use
-        # --- when to look at each key next (section 4.3)
-        self._plan_visits(window, trigger, all_ids, rows, has_data, selector, sel, batch)
-        rows["noise_max"] = sel.noise_max  # prediction may have learnt it
+        # --- key selection, perturbation and visit planning, each level with its own plan
+        released: list[tuple[int, int, dict]] = []
+        for level in np.unique(rows["level"]).tolist():
+            idx = np.nonzero(rows["level"] == level)[0]
+            sub = rows[idx]
+            released += self._fire_level(self.plans[level - 1], window, trigger, all_ids[idx], sub, [names[j] for j in idx],
+                                         has_data[idx], new_users[idx], batch)
+            rows[idx] = sub
+        if self.depth > 1 and released:
+            started = time.perf_counter()
+            released = self._consistent(window, trigger, released, batch)
+            self.stats.consistency_seconds += time.perf_counter() - started
+        journal = sk.trigger_prefix(sk.JOURNAL, self.qid, window, trigger)
+        for key_id, _, record in released:
+            batch.put(journal + int(key_id).to_bytes(8, "big"), encode_json(record))
+        releases = [record for _, _, record in released]
         # --- key states, journal and progress: one atomic write
         prefix = sk.window_prefix(sk.KEYS, self.qid, window)
         encoded = [name.encode() for name in names]
@@ -403,6 +461,24 @@ class QueryPipeline:
             self.collect_window(window)
         return _ordered(releases)
 
+    def _fire_level(self, plan, window, trigger, ids, rows, names, has_data, new_users, batch) -> list[tuple[int, int, dict]]:
+        """Key selection (Algorithm 2), perturbation (Algorithm 3) and the next visit (Algorithm 4)
+        for the keys of one level; mutates ``rows``. Returns (key id, release record) pairs."""
+        selector = KeySelector(plan, self.noise, self.query.name, window)
+        sel = SelectionBatch(names, rows["round"].astype(np.int64), rows["start"].astype(np.int64), rows["done"].astype(np.int64),
+                             rows["count"].copy(), rows["participations"].copy(), rows["sel_cache"].copy(),
+                             self._tree_ids(window, rows, "sel_tree", names, "select"), rows["noise_max"].copy())
+        step = selector.step(sel, trigger, new_users)
+        selected = step.selected
+        releases = self._release(plan, window, trigger, ids, rows, names, selected) if selected.any() else []
+        for f in ("round", "start", "done", "count", "participations"):
+            rows[f] = getattr(sel, f)
+        rows["sel_cache"] = sel.cache
+        rows["sel_tree"][selected] = b""  # a new round, a new tree: its id is derived on first use
+        self._plan_visits(window, trigger, ids, rows, has_data, selector, sel, batch)
+        rows["noise_max"] = sel.noise_max  # prediction may have learnt it
+        return releases
+
     def _take_pending(self, window: int, trigger: int, batch: WriteBatch) -> "MicroBatch":
         """The trigger's micro-batch, with replayed stage-1 output removed.
 
@@ -411,27 +487,30 @@ class QueryPipeline:
         per (user, slot) here is the de-duplication of DESIGN.md section 12.
         """
         parts, texts = [], {}
+        columns = ("key_ids", "users", "slots", "units", "previous", "levels", "roots")
         for key, blob in self.store.scan_prefix(sk.trigger_prefix(sk.PENDING, self.qid, window, trigger)):
             cols, key_texts = BoundedRecords.decode_columns(blob)
-            parts.append([cols[c] for c in ("key_ids", "users", "slots", "units", "previous")])
+            parts.append([cols[c] for c in columns])
             texts.update(key_texts)
             batch.delete(key)
         if not parts:
-            empty = np.zeros(0, dtype=np.int64)
-            return MicroBatch(np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.uint64), empty, empty, texts)
-        rec_key, rec_user, rec_slot, rec_units, rec_prev = (np.concatenate([p[c] for p in parts]) for c in range(5))
-        order = np.lexsort((np.arange(len(rec_user)), rec_slot, rec_user))
-        u, sl = rec_user[order], rec_slot[order]
+            empty, none = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.uint64)
+            return MicroBatch(none, none, empty, empty, texts, empty, none)
+        rec_key, rec_user, rec_slot, rec_units, rec_prev, rec_level, rec_root = (np.concatenate([p[c] for p in parts])
+                                                                                  for c in range(len(columns)))
+        # one record per (user, slot) and level: every level of a hierarchy gets each admitted record once
+        order = np.lexsort((np.arange(len(rec_user)), rec_level, rec_slot, rec_user))
+        u, sl, lv = rec_user[order], rec_slot[order], rec_level[order]
         first = np.ones(len(order), dtype=bool)
-        first[1:] = (u[1:] != u[:-1]) | (sl[1:] != sl[:-1])
+        first[1:] = (u[1:] != u[:-1]) | (sl[1:] != sl[:-1]) | (lv[1:] != lv[:-1])
         keep = np.sort(order[first])
         self.stats.dropped["duplicate"] += int(len(rec_user) - len(keep))
         return MicroBatch(rec_key[keep].astype(np.uint64), rec_user[keep].astype(np.uint64), rec_prev[keep].astype(np.int64),
-                          rec_units[keep].astype(np.int64), texts)
+                          rec_units[keep].astype(np.int64), texts, rec_level[keep].astype(np.int64), rec_root[keep].astype(np.uint64))
 
-    def _release(self, window, trigger, all_ids, rows, names, selected, batch) -> list[dict]:
+    def _release(self, plan, window, trigger, all_ids, rows, names, selected) -> list[tuple[int, int, dict]]:
         sidx = np.nonzero(selected)[0]
-        perturber = HierarchicalPerturber(self.plan, self.noise, self.query.name, window)
+        perturber = HierarchicalPerturber(plan, self.noise, self.query.name, window)
         sub = rows[sidx]
         pb = PerturbationBatch([names[j] for j in sidx], sub["released"].copy(), sub["pdone"].astype(np.int64), sub["pcache"].copy(),
                                self._tree_ids(window, sub, "pert_tree", [names[j] for j in sidx], perturber.kind))
@@ -442,19 +521,104 @@ class QueryPipeline:
         rows["pcache"][sidx] = pb.cache
         rows["buffer"][sidx] = 0
         stddev = perturber.stddev(trigger)
-        journal = sk.trigger_prefix(sk.JOURNAL, self.qid, window, trigger)
         releases = []
         for j, value in zip(sidx.tolist(), values.tolist()):
             record = release_record(
                 query=self.query.name, window_start=window, window_end=window + self.schedule.window_ms, trigger=trigger,
                 trigger_time=self.schedule.trigger_time(window, trigger), key=key_for_output(names[j], self.query.key_fields),
-                aggregate=self.query.aggregate, value=value, stddev=stddev, epsilon=self.plan.epsilon, delta=self.plan.delta,
+                aggregate=self.query.aggregate, value=value, stddev=stddev, epsilon=plan.epsilon, delta=plan.delta,
             )
-            releases.append(record)
-            batch.put(journal + int(all_ids[j]).to_bytes(8, "big"), encode_json(record))
+            if self.depth > 1:
+                record["level"] = plan.level
+            releases.append((int(all_ids[j]), int(rows["root"][j]), record))
         self.stats.releases += len(sidx)
         self.stats.keys_released.update((self.query.name, window, names[j]) for j in sidx.tolist())
         return releases
+
+    def _consistent(self, window: int, trigger: int, released: list, batch: WriteBatch) -> list[tuple[int, int, dict]]:
+        """Consistent, non-negative integer counts for the published view of a hierarchy
+        (DESIGN.md section 8; Fioretto, Van Hentenryck and Zhu, sections 6-7).
+
+        The view is every key of the window released so far at its latest noisy count (a
+        compacted output topic holds exactly that). Only subtrees (level-1 roots) with a release
+        at this trigger can change. Their released keys form a forest (a key's parent is its
+        nearest released ancestor: an unreleased key in between is unknown, so it only adds to
+        the ancestor's remainder), and :func:`processor.consistency.solve` finds the
+        non-negative integers closest to the noisy counts in L2, weighted by each count's inverse
+        variance (the paper's plain L2 when all variances are equal), such that every released
+        parent is at least the sum of its released descendants. Each record then carries
+        ``consistent_count`` and, below the finest level, ``consistent_other``: the part of the
+        parent not in its released children (children not, or not yet, released).
+
+        Post-processing of released values and public parameters only: no budget (the paper's
+        Lemma 3). Keys released now get the consistent fields on their records; keys released
+        earlier whose consistent values changed are re-issued with their unchanged noisy count
+        (``released_at`` says when it was released), so the latest record of every key is
+        consistent once a trigger's records are all read. Written with the trigger's state.
+        """
+        view = sk.window_prefix(sk.HIERARCHY_VIEW, self.qid, window)
+        width = _VIEW_ENTRY.itemsize
+        entries: dict[int, dict] = {}
+        for root in sorted({root for _, root, _ in released}):
+            prefix = view + root.to_bytes(8, "big")
+            for key, value in self.store.scan_prefix(prefix):
+                row = np.frombuffer(value[:width], dtype=_VIEW_ENTRY)[0]
+                entries[int.from_bytes(key[len(prefix):], "big")] = {
+                    "root": root, "level": int(row["level"]), "released_at": int(row["released_at"]), "count": float(row["count"]),
+                    "stddev": float(row["stddev"]), "consistent": int(row["consistent"]), "other": int(row["other"]),
+                    "parts": json.loads(value[width:].decode())}
+        now = {}
+        for key_id, root, record in released:
+            old = entries.get(key_id, {"consistent": -1, "other": -1})
+            entries[key_id] = {"root": root, "level": record["level"], "released_at": trigger, "count": record["count"],
+                               "stddev": record["stddev"], "consistent": old["consistent"], "other": old["other"], "parts": record["key"]}
+            now[key_id] = record
+        ids = sorted(entries)
+        nodes = [entries[k] for k in ids]
+        index = {_key_text(e["parts"]): i for i, e in enumerate(nodes)}
+        parent = np.full(len(nodes), -1, dtype=np.int64)
+        direct = np.full(len(nodes), -1, dtype=np.int64)
+        for i, e in enumerate(nodes):
+            for up in range(len(e["parts"]) - 1, 0, -1):
+                j = index.get(_key_text(e["parts"][:up]))
+                if j is not None:
+                    parent[i] = j
+                    if up == len(e["parts"]) - 1:
+                        direct[i] = j
+                    break
+        noisy = np.array([e["count"] for e in nodes])
+        stddev = np.array([e["stddev"] for e in nodes])
+        solution = solve_consistency(parent, noisy, weight=1.0 / stddev ** 2, spread=CONSISTENCY_SPREAD * stddev,
+                                     open=np.ones(len(nodes), dtype=bool))
+        values = solution.values
+        in_children = np.zeros(len(nodes), dtype=np.int64)
+        has_parent = direct >= 0
+        np.add.at(in_children, direct[has_parent], values[has_parent])
+        other = values - in_children
+        out = []
+        for i, (key_id, e) in enumerate(zip(ids, nodes)):
+            value, rest = int(values[i]), int(other[i])
+            record = now.get(key_id)
+            if record is None:
+                if (value, rest) == (e["consistent"], e["other"]):
+                    continue
+                record = release_record(
+                    query=self.query.name, window_start=window, window_end=window + self.schedule.window_ms, trigger=trigger,
+                    trigger_time=self.schedule.trigger_time(window, trigger), key=e["parts"], aggregate=self.query.aggregate,
+                    value=e["count"], stddev=e["stddev"], epsilon=self.plan.epsilon, delta=self.plan.delta)
+                record["level"] = e["level"]
+                self.stats.consistency_updates += 1
+            record["released_at"] = e["released_at"]
+            record["consistent_count"] = value
+            if e["level"] < self.depth:
+                record["consistent_other"] = rest
+            out.append((key_id, e["root"], record))
+            row = np.zeros(1, dtype=_VIEW_ENTRY)
+            row["level"], row["released_at"], row["count"], row["stddev"] = e["level"], e["released_at"], e["count"], e["stddev"]
+            row["consistent"], row["other"] = value, rest
+            batch.put(view + int(e["root"]).to_bytes(8, "big") + int(key_id).to_bytes(8, "big"),
+                      row.tobytes() + _key_text(e["parts"]).encode())
+        return out
 
     def _tree_ids(self, window: int, rows: np.ndarray, field_name: str, names: list, kind: str) -> np.ndarray:
         """Tree ids cached in the key rows; missing ones (new key or new round) derived and stored."""
@@ -483,6 +647,7 @@ class QueryPipeline:
         return rows, names
 
     def _plan_visits(self, window, trigger, all_ids, rows, has_data, selector, sel, batch) -> None:
+        """Prediction-index entries of these keys (their own level's selector)."""
         T = self.schedule.triggers
         prefix = sk.window_prefix(sk.PREDICTIONS, self.qid, window)
         old = rows["predicted"].astype(np.int64)

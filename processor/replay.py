@@ -70,7 +70,7 @@ class ReplayRunner:
         self.store = self.stores.store(0)
         self.noise = NodeNoise(secret)
         self.pseudonyms = Pseudonymizer(secret)
-        self.pipelines = [QueryPipeline(q, self.noise, self.store) for q in config.queries]
+        self.pipelines = [QueryPipeline(q, self.noise, self.store, self.pseudonyms) for q in config.queries]
         self.parsers = [EventParser.for_query(q) for q in config.queries]
         self._check_epoch()
         self.dynamic = [DynamicQueryState(q, self.noise, self.pseudonyms, self.store) for q in config.dynamic]

@@ -159,12 +159,12 @@ class DpstreamWorker:
         for topic, queries in by_topic.items():
             for p in ownership.partitions(input_partitions[topic]):
                 store = self._open(f"{topic}-{p}")
-                self.stage1[(topic, p)] = SourcePartition(topic, p, store, [QueryPipeline(q, self.noise, store) for q in queries])
+                self.stage1[(topic, p)] = SourcePartition(topic, p, store, [QueryPipeline(q, self.noise, store, self.pseudonyms) for q in queries])
         for q in config.queries:
             topic = repartition_topic(q.name)
             for p in ownership.partitions(repartitions):
                 store = self._open(f"{topic}-{p}")
-                self.stage2[(topic, p)] = SourcePartition(topic, p, store, [QueryPipeline(q, self.noise, store)])
+                self.stage2[(topic, p)] = SourcePartition(topic, p, store, [QueryPipeline(q, self.noise, store, self.pseudonyms)])
         # the budget ledger: windows are charged when they open at stage 2 (processor.budget)
         self.ledger = open_ledger(config, self._open(LEDGER_STORE))
         self.gate = BudgetGate(config, self.ledger) if self.ledger is not None else None
@@ -257,7 +257,9 @@ class DpstreamWorker:
             bounded = pipe.bound(events, np.array(clock, dtype=np.int64), result.batch)
             if not len(bounded):
                 continue
-            target = (bounded.key_ids % np.uint64(self.repartitions)).astype(np.int64)
+            # by key; a hierarchy by its level-1 key, so a whole subtree is on one partition and
+            # its consistency step sees every level (DESIGN.md section 8)
+            target = (bounded.roots % np.uint64(self.repartitions)).astype(np.int64)
             out_topic = repartition_topic(q.name)
             for p in np.unique(target).tolist():
                 result.messages.append(Message(out_topic, bounded.take(np.nonzero(target == p)[0]).encode(), None, p))
@@ -355,6 +357,8 @@ class DpstreamWorker:
             total.triggers_fired += st.triggers_fired
             total.keys_loaded += st.keys_loaded
             total.keys_tracked += st.keys_tracked
+            total.consistency_updates += st.consistency_updates
+            total.consistency_seconds += st.consistency_seconds
             keys_released[name] += len(st.keys_released)  # stage-2 partitions hold disjoint keys
         plans = self._plans
         for name, total in combined.items():

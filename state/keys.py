@@ -13,6 +13,7 @@ are big-endian so scans come back in trigger order. Group-by keys and users appe
 | ``p`` prediction / visit index | trigger (4), key | empty |
 | ``j`` release journal | trigger (4), key | release record JSON |
 | ``g`` window progress | (none) | last fired trigger (u32) |
+| ``h`` published view of a hierarchy (consistency) | root (8), key | level, trigger of the noisy value, noisy value, stddev, published consistent value and remainder; then key text |
 | ``m`` runner metadata | name | bytes |
 | ``d`` dynamic query update log | sequence (8) | item index (u32), op (1: insert, 2: delete), tick (u64) |
 | ``n`` dynamic query privacy units | unit | updates counted (u32) |
@@ -31,11 +32,12 @@ KEYS = b"k"
 PREDICTIONS = b"p"
 JOURNAL = b"j"
 PROGRESS = b"g"
+HIERARCHY_VIEW = b"h"
 META = b"m"
 DYNAMIC_LOG = b"d"
 DYNAMIC_UNITS = b"n"
 
-WINDOW_TABLES = (USERS, PENDING, KEYS, PREDICTIONS)
+WINDOW_TABLES = (USERS, PENDING, KEYS, PREDICTIONS, HIERARCHY_VIEW)
 
 
 def query_id(name: str) -> bytes:

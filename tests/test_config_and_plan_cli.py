@@ -41,7 +41,7 @@ def write(tmp_path, text, name="q.yaml"):
 
 def test_example_config_loads():
     config = load_config(EXAMPLE, environ={})
-    assert [q.name for q in config.queries] == ["url_clicks", "url_clicks_fine", "basket_value"]
+    assert [q.name for q in config.queries] == ["url_clicks", "url_clicks_fine", "basket_value", "visits_by_place"]
     assert config.queries[0].window_ms == 86_400_000
 
 
