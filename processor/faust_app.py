@@ -24,7 +24,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from processor.config import DpstreamConfig
 from processor.metrics import PipelineMetrics
 from processor.service import DpstreamWorker, FiredTrigger, Ownership
-from topics.kafka import KafkaPublisher, aiokafka_security, client_security, create_topics, repartition_topic, topics_for
+from topics.kafka import (KafkaPublisher, aiokafka_security, client_security, create_topics, read_epoch_marks, repartition_topic,
+                          topics_for, write_epoch_mark)
 
 log = logging.getLogger("dpstream.worker")
 
@@ -174,10 +175,17 @@ def build_app(s: WorkerSettings) -> faust.App:
             repartitions = {n for t, n in counts.items() if t not in inputs | dynamic_inputs}
             if len(repartitions) > 1:
                 raise RuntimeError(f"repartition topics have different partition counts: {sorted(repartitions)}")
+            # what this worker's state belonged to when it last started, kept outside its volume:
+            # an empty state directory under the same epoch is a lost volume, refused
+            mark_key = f"{s.app_id}/{s.ownership.index}"
+            previous = (await loop.run_in_executor(None, lambda: read_epoch_marks(broker))).get(mark_key)
             worker = await loop.run_in_executor(None, lambda: DpstreamWorker(
                 s.config, s.secret, s.state_dir, s.ownership, {t: counts[t] for t in inputs},
-                repartitions.pop() if repartitions else s.partitions, metrics))
+                repartitions.pop() if repartitions else s.partitions, metrics, previous_mark=previous))
             status["worker"] = worker
+            if previous is None or {k: previous.get(k) for k in worker.epoch_mark} != worker.epoch_mark:
+                mark = {**worker.epoch_mark, "since_ms": int(time.time() * 1000)}
+                await loop.run_in_executor(None, lambda: write_epoch_mark(broker, mark_key, mark))
             await publish(worker.unpublished())
             for key in worker.dynamic:  # releases recomputed from the update log, not yet sent
                 await send(worker.dynamic_releases(key))

@@ -75,6 +75,17 @@ class StateLayoutError(RuntimeError):
     """The state directory does not belong to this worker layout (a new epoch is needed)."""
 
 
+class LostStateError(StateLayoutError):
+    """The state directory is empty, but this worker already ran under this budget epoch and
+    noise secret: its volume was lost (DESIGN.md section 12)."""
+
+
+def epoch_mark(config: DpstreamConfig, noise: NodeNoise) -> dict:
+    """What a worker's state belongs to: the configured budget epoch and the noise secret (as its
+    public fingerprint). Kept outside the volume (:data:`topics.kafka.EPOCH_TOPIC`)."""
+    return {"budget_epoch": config.budget.epoch if config.budget is not None else None, "noise": noise.fingerprint}
+
+
 @dataclass(frozen=True)
 class Ownership:
     """Worker ``index`` of ``workers`` owns partition p when p % workers == index."""
@@ -139,7 +150,7 @@ class FiredTrigger:
 class DpstreamWorker:
     def __init__(self, config: DpstreamConfig, secret: bytes, state_dir: str | Path, ownership: Ownership,
                  input_partitions: dict[str, int], repartitions: int, metrics: Optional[PipelineMetrics] = None,
-                 block_cache_mb: int = 64, write_buffer_mb: int = 32):
+                 block_cache_mb: int = 64, write_buffer_mb: int = 32, previous_mark: Optional[dict] = None):
         self.config = config
         self.ownership = ownership
         self.repartitions = repartitions
@@ -147,7 +158,10 @@ class DpstreamWorker:
         self.noise = NodeNoise(secret)
         self.pseudonyms = Pseudonymizer(secret)
         self.state_dir = Path(state_dir)
-        self._check_layout(input_partitions)
+        #: the epoch mark this worker's state belongs to; ``previous_mark``: what it recorded
+        #: outside its volume when it last started (None: never)
+        self.epoch_mark = epoch_mark(config, self.noise)
+        self._check_layout(input_partitions, previous_mark)
         self.stores = PartitionStores(self.state_dir, block_cache_mb, write_buffer_mb)
         self.stage1: dict[tuple[str, int], SourcePartition] = {}
         self.stage2: dict[tuple[str, int], SourcePartition] = {}
@@ -186,9 +200,23 @@ class DpstreamWorker:
                 self.dynamic_states[key].append(state)
 
     # ------------------------------------------------------------------ setup
-    def _check_layout(self, input_partitions: dict[str, int]) -> None:
+    def _check_layout(self, input_partitions: dict[str, int], previous_mark: Optional[dict] = None) -> None:
         """Ownership is static; a state directory written under another layout (worker index,
-        worker count or partition counts) would hold some partitions' state and miss others'."""
+        worker count or partition counts) would hold some partitions' state and miss others'.
+
+        A state directory with no layout is new. If this worker already ran under the same
+        budget epoch and noise secret, its state (ledger, user counts, journal) was lost:
+        starting afresh would forget spent budget and could release different values for
+        (window, key, trigger) already released with the same noise. Refused before anything is
+        written, so the refusal stands on every restart until a new epoch is configured."""
+        layout_path = self.state_dir / LAYOUT_FILE
+        if not layout_path.exists() and previous_mark is not None and \
+                {k: previous_mark.get(k) for k in self.epoch_mark} == self.epoch_mark:
+            epoch = self.epoch_mark["budget_epoch"]
+            raise LostStateError(
+                f"state directory {self.state_dir} is empty, but worker {self.ownership.index} already ran under budget epoch "
+                f"{epoch!r} and this noise secret (since {previous_mark.get('since_ms')} ms): its state was lost. Starting afresh "
+                f"would forget the budget it spent; configure a new epoch (a new budget.epoch, or a new noise secret) to start over")
         mine = {"worker_index": self.ownership.index, "workers": self.ownership.workers,
                 "input_partitions": dict(sorted(input_partitions.items())), "repartitions": self.repartitions}
         self.state_dir.mkdir(parents=True, exist_ok=True)

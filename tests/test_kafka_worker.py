@@ -297,3 +297,28 @@ def test_dynamic_agent_publishes_what_replay_publishes_and_dead_letters_absent_d
         assert w.metric("dpstream_events_dropped_total", query=name, reason="malformed") == 1
     finally:
         w.stop()
+
+
+def test_a_lost_volume_is_refused_until_a_new_epoch_is_configured(scenario):
+    """The worker records its budget epoch and noise fingerprint outside its volume (the
+    compacted epochs topic); started again on an empty state directory under the same epoch it
+    refuses, naming the epoch, and keeps refusing; a new budget.epoch starts afresh."""
+    import shutil
+
+    sc = scenario
+    w = sc.worker("vol").start()
+    sc.workers.append(w)
+    w.wait_ready()
+    w.stop()
+    assert (w.state_dir / "worker-layout.json").exists()
+    shutil.rmtree(w.state_dir)  # the volume is lost
+    for attempt in range(2):  # a refusal writes nothing, so a restart refuses again
+        w.start()
+        assert w.proc.wait(90) != 0
+        log = w.log.read_text()
+        assert "LostStateError" in log and "state was lost" in log and "configure a new epoch" in log
+        assert not (w.state_dir / "worker-layout.json").exists()
+        w.log.write_text("")
+    sc.config.write_text(sc.config.read_text() + "budget:\n  epoch: after-volume-loss\n  default: {max_epsilon: 100, max_delta: 1.0e-6}\n")
+    w.start().wait_ready()  # explicitly a new epoch: starts on the empty directory
+    w.stop()

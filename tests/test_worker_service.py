@@ -42,8 +42,8 @@ def events(n: int, seed: int = 3) -> list[Record]:
     return out
 
 
-def make_worker(path, cfg=None, ownership=Ownership(), repartitions=2) -> DpstreamWorker:
-    return DpstreamWorker(cfg or config(), TEST_SECRET, path, ownership, {"in": 1}, repartitions)
+def make_worker(path, cfg=None, ownership=Ownership(), repartitions=2, previous_mark=None) -> DpstreamWorker:
+    return DpstreamWorker(cfg or config(), TEST_SECRET, path, ownership, {"in": 1}, repartitions, previous_mark=previous_mark)
 
 
 def stage_two(worker: DpstreamWorker, messages, first_offset: int = 0) -> None:
@@ -168,3 +168,22 @@ def test_two_workers_own_disjoint_partitions():
     assert Ownership(1, 2).partitions(5) == [1, 3]
     with pytest.raises(ValueError):
         Ownership(2, 2)
+
+
+def test_an_empty_state_directory_under_an_epoch_already_run_is_a_lost_volume(tmp_path):
+    """DESIGN.md section 12: volume loss is a new, explicitly configured epoch, never a silent
+    reset of the ledger or of what was released."""
+    from processor.service import LostStateError
+
+    first = make_worker(tmp_path / "a")
+    mark = {**first.epoch_mark, "since_ms": 1}
+    first.close()
+    make_worker(tmp_path / "a", previous_mark=mark).close()  # its own state: an ordinary restart
+    with pytest.raises(LostStateError, match="state was lost"):
+        make_worker(tmp_path / "lost", previous_mark=mark)
+    assert not (tmp_path / "lost" / "worker-layout.json").exists()  # nothing written: it refuses again
+    with pytest.raises(LostStateError):
+        make_worker(tmp_path / "lost", previous_mark=mark)
+    # a new epoch (another budget.epoch or another noise secret) may start on an empty directory
+    other = {**mark, "budget_epoch": "2027-01"}
+    make_worker(tmp_path / "lost", previous_mark=other).close()

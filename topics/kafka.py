@@ -14,6 +14,10 @@ from typing import Iterable
 
 DEAD_LETTER_TOPIC = "dpstream-dead-letters"
 DYNAMIC_UPDATES_TOPIC = "dpstream-dynamic-updates"
+#: Which budget epoch and noise secret each worker's state belongs to, kept outside the worker's
+#: volume so that a lost volume is noticed (DESIGN.md section 12): compacted, keyed by
+#: ``<app id>/<worker index>``, value ``{"budget_epoch", "noise", "since_ms"}``.
+EPOCH_TOPIC = "dpstream-epochs"
 
 
 @dataclass(frozen=True)
@@ -45,7 +49,51 @@ def topics_for(queries: Iterable, partitions: int = 8, dynamic: Iterable = ()) -
         add(TopicSpec(q.output_topic, 1, {"cleanup.policy": "compact"}, "dynamic counts, keyed by query"))
     add(TopicSpec(DEAD_LETTER_TOPIC, 1, {"cleanup.policy": "delete"}, "invalid records with reason and original bytes"))
     add(TopicSpec(DYNAMIC_UPDATES_TOPIC, 1, {}, "insert/delete updates for the dynamic agent (one partition)"))
+    add(TopicSpec(EPOCH_TOPIC, 1, {"cleanup.policy": "compact"}, "each worker's budget epoch and noise fingerprint (lost-volume check)"))
     return list(specs.values())
+
+
+def read_epoch_marks(bootstrap: str, timeout: float = 30.0) -> dict[str, dict]:
+    """The latest epoch mark per worker (``<app id>/<index>`` -> mark) in :data:`EPOCH_TOPIC`.
+
+    Reads the whole (small, compacted) topic up to its end offset; raises if it cannot, because
+    a worker must not decide that its state is new without knowing what it ran before."""
+    import json
+    import time
+
+    from confluent_kafka import Consumer, TopicPartition
+
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "dpstream-epoch-marks", "enable.auto.commit": False,
+                         "auto.offset.reset": "earliest", **client_security()})
+    try:
+        low, high = consumer.get_watermark_offsets(TopicPartition(EPOCH_TOPIC, 0), timeout=timeout)
+        marks: dict[str, dict] = {}
+        if high <= low:
+            return marks
+        consumer.assign([TopicPartition(EPOCH_TOPIC, 0, low)])
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            msg = consumer.poll(0.5)
+            if msg is None:
+                continue
+            if msg.error():
+                raise RuntimeError(f"reading {EPOCH_TOPIC}: {msg.error()}")
+            if msg.key() is not None and msg.value() is not None:
+                marks[msg.key().decode()] = json.loads(msg.value())
+            if msg.offset() >= high - 1:
+                return marks
+        raise RuntimeError(f"could not read {EPOCH_TOPIC} to its end offset {high} within {timeout:g} s")
+    finally:
+        consumer.close()
+
+
+def write_epoch_mark(bootstrap: str, worker: str, mark: dict) -> None:
+    """Record (acknowledged) the epoch mark of ``<app id>/<index>``."""
+    import json
+
+    publisher = KafkaPublisher(bootstrap)
+    publisher.produce(EPOCH_TOPIC, json.dumps(mark, sort_keys=True).encode(), worker.encode())
+    publisher.flush()
 
 
 def create_topics(bootstrap: str, specs: list[TopicSpec], replication: int = 1, timeout: float = 15.0, client_config: dict | None = None) -> list[str]:
