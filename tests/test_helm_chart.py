@@ -378,8 +378,8 @@ def test_resources_come_from_values():
 
 @pytest.mark.parametrize("value_set, names, dynamic", [
     ("default", ["page_clicks"], []),
-    ("queries-mapping", ["url_clicks", "url_clicks_fine", "basket_value"], ["active_plans"]),
-    ("queries-text", ["url_clicks", "url_clicks_fine", "basket_value"], ["active_plans"]),
+    ("queries-mapping", ["url_clicks", "url_clicks_fine", "basket_value", "visits_by_place"], ["active_plans"]),
+    ("queries-text", ["url_clicks", "url_clicks_fine", "basket_value", "visits_by_place"], ["active_plans"]),
     ("dynamic-only", [], ["active_plans"]),
 ])
 def test_configmap_queries_load_with_the_project_loader(value_set, names, dynamic, tmp_path):
