@@ -297,7 +297,7 @@ def cmd_bench_hierarchy(args: argparse.Namespace) -> int:
     from processor.bench_hierarchy import run_hierarchy_bench
 
     run_hierarchy_bench(countries=args.countries, users=args.users, triggers=args.triggers, epsilons=args.epsilon, seed=args.seed,
-                        json_path=args.json)
+                        repeats=args.repeats, json_path=args.json)
     return 0
 
 
@@ -428,7 +428,8 @@ def build_parser() -> argparse.ArgumentParser:
     hier.add_argument("--users", type=int, default=200_000, help="users (~2.5 records each; default 200000)")
     hier.add_argument("--triggers", type=int, default=10, help="triggers per window (default 10)")
     hier.add_argument("--epsilon", type=float, nargs="+", default=[1.0, 6.0], help="epsilons to run (default 1 6)")
-    hier.add_argument("--seed", type=int, default=1)
+    hier.add_argument("--seed", type=int, default=1, help="first seed (default 1)")
+    hier.add_argument("--repeats", type=int, default=3, help="workloads (seeds) per epsilon; medians are printed (default 3)")
     hier.add_argument("--json", help="write the results as JSON here")
     hier.set_defaults(func=cmd_bench_hierarchy)
     dpsqlp = bench_sub.add_parser("dpsqlp", help="the DP-SQLP paper's synthetic workload: DP-SQLP vs Baselines 1 and 2")
