@@ -286,3 +286,12 @@ def load_config_text(tmp_path, text) -> DpstreamConfig:
     path = tmp_path / "worker.yaml"
     path.write_text(text)
     return load_config(path)
+
+
+def test_bench_hierarchy_runs_and_its_consistent_views_never_violate():
+    from processor.bench_hierarchy import run_hierarchy_bench
+
+    result = run_hierarchy_bench(countries=3, users=3000, triggers=4, epsilons=(6.0,), repeats=1, out=io.StringIO())
+    run = result["epsilons"][0]["runs"][0]
+    assert run["violations"]["consistent"] == 0 and run["violations"]["raw"] > 0
+    assert [lv["level"] for lv in run["per_level"]] == [1, 2, 3] and run["per_level"][0]["released"] > 0
