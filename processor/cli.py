@@ -22,7 +22,9 @@ in [window_start + (i-1) * window/T, window_start + i * window/T). The replay cl
 event time read so far; a trigger fires when that clock passes its end plus allowed_lateness,
 events for an already fired trigger are dropped as late, and at the end of the input every
 remaining trigger of every started window fires. Same input, config and secret: byte-identical
-output. Invalid lines are reported by line number and reason, counted and skipped."""
+output. Invalid lines are reported by line number and reason, counted and skipped. Releases of a
+hierarchical query also carry level, released_at, consistent_count and consistent_other (see
+the README's "Hierarchies")."""
 
 
 CONSISTENCY_NOTE = ("post-processing of released noisy counts and public parameters only: epsilon 0, delta 0 "
@@ -156,10 +158,14 @@ the bounded records to one repartition topic per query, partitioned by key; stag
 accumulates them per micro-batch and, at each trigger of the fixed schedule (wall clock), runs key
 selection, perturbation and release prediction and publishes the releases to the output topic.
 Input records must be keyed by the user id. Dynamic queries (insert/delete updates, one-partition
-input topics) run in an agent of the worker that owns partition 0. Worker i of N owns partitions p with p % N == i of
-every topic it reads, and keeps their state under --state-dir (keep it across restarts: it holds
-the contribution counts, the release journal and the input offsets). Topics are created if
-missing. Health and metrics: http://HOST:WEB_PORT/healthz, /readyz, /metrics."""
+input topics) run in an agent of the worker that owns partition 0. A hierarchical query (hierarchy:
+true) is partitioned by its level-1 key, so each subtree is made consistent on one worker. Worker
+i of N owns partitions p with p % N == i of every topic it reads, and keeps their state under
+--state-dir (keep it across restarts: it holds the contribution counts, the budget ledger, the
+release journal and the input offsets). A worker whose --state-dir is empty but which already ran
+under the configured budget epoch and noise secret (recorded in the dpstream-epochs topic)
+refuses to start: its volume was lost; configure a new epoch. Topics are created if missing.
+Health and metrics: http://HOST:WEB_PORT/healthz, /readyz, /metrics."""
 
 
 def _env_int(name: str, default: int) -> int:
