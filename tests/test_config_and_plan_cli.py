@@ -128,4 +128,4 @@ def test_console_script_runs_without_a_secret(tmp_path):
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 0, result.stderr
-    assert len(json.loads(result.stdout)["queries"]) == 3
+    assert len(json.loads(result.stdout)["queries"]) == 4
