@@ -87,19 +87,31 @@ def _parse_user_states(values: list) -> tuple[np.ndarray, np.ndarray, np.ndarray
     return before, group, entries["key"].astype(np.uint64), entries["trigger"].astype(np.int64)
 
 
+#: Version of the state layout (key rows, pending micro-batches, tables). 2: key rows carry the
+#: level and level-1 key of hierarchies, bounded records their levels and roots.
+STATE_FORMAT = b"2"
+
+
 def check_noise_epoch(store: Store, noise: NodeNoise) -> None:
     """State written under another noise secret must never be mixed with this one: the secret
-    defines the budget epoch (DESIGN.md section 12)."""
-    key = sk.META + b"noise-epoch"
+    defines the budget epoch (DESIGN.md section 12). Nor may state of another layout version be
+    read as this one."""
+    key, format_key = sk.META + b"noise-epoch", sk.META + b"state-format"
     stored = store.get(key)
     mine = noise.fingerprint.encode()
     if stored is None:
         batch = WriteBatch()
         batch.put(key, mine)
+        batch.put(format_key, STATE_FORMAT)
         store.write(batch)
-    elif stored != mine:
+        return
+    if stored != mine:
         raise RuntimeError("the state directory was written with a different noise secret (another budget epoch); "
                            "use a new state directory")
+    fmt = store.get(format_key) or b"1"
+    if fmt != STATE_FORMAT:
+        raise RuntimeError(f"the state directory was written by dpstream state format {fmt.decode()}, this is format "
+                           f"{STATE_FORMAT.decode()}: use a new state directory (a new epoch)")
 
 
 def _ordered(releases: list[dict]) -> list[dict]:

@@ -295,3 +295,23 @@ def test_bench_hierarchy_runs_and_its_consistent_views_never_violate():
     run = result["epsilons"][0]["runs"][0]
     assert run["violations"]["consistent"] == 0 and run["violations"]["raw"] > 0
     assert [lv["level"] for lv in run["per_level"]] == [1, 2, 3] and run["per_level"][0]["released"] > 0
+
+
+def test_state_of_another_layout_version_is_refused(tmp_path):
+    """Key rows gained a hierarchy's level and root: state written by the previous layout must
+    not be read as this one."""
+    from processor.noise import NodeNoise
+    from processor.pipeline import check_noise_epoch
+    from state import keys as sk
+    from state.store import MemoryStore, WriteBatch
+
+    noise = NodeNoise(TEST_SECRET)
+    fresh = MemoryStore()
+    check_noise_epoch(fresh, noise)
+    check_noise_epoch(fresh, noise)  # its own state: fine
+    old = MemoryStore()
+    batch = WriteBatch()
+    batch.put(sk.META + b"noise-epoch", noise.fingerprint.encode())  # a store of format 1 had no format key
+    old.write(batch)
+    with pytest.raises(RuntimeError, match="state format 1"):
+        check_noise_epoch(old, noise)
