@@ -46,7 +46,7 @@ from processor.noise import NodeNoise, Pseudonymizer
 from processor.perturbation import HierarchicalPerturber, PerturbationBatch
 from state import keys as sk
 from state.store import Store, WriteBatch
-from topics.records import encode_json, key_for_output, release_record
+from topics.records import encode_json, key_for_output, key_text, release_record
 
 _USER_ENTRY = np.dtype([("key", "<u8"), ("trigger", "<u4")])
 #: a hierarchy's published view, per released key: what the consistency step starts from
@@ -58,15 +58,10 @@ _VIEW_ENTRY = np.dtype([("level", "<u4"), ("released_at", "<u4"), ("count", "<f8
 CONSISTENCY_SPREAD = 3.0
 
 
-def _key_text(parts: list) -> str:
-    """The text of a key of several fields: the JSON list EventParser produces."""
-    return json.dumps(parts, ensure_ascii=False, separators=(",", ":"))
-
-
 def level_key_texts(text: str, depth: int) -> list[str]:
     """The key of each level 1..depth of a hierarchy for a full key (its prefixes, coarse first)."""
     parts = json.loads(text)
-    return [_key_text(parts[:level]) for level in range(1, depth)] + [text]
+    return [key_text(parts[:level]) for level in range(1, depth)] + [text]
 
 
 def _parse_user_states(values: list) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -445,12 +440,16 @@ class QueryPipeline:
         rows["buffer"] += delta_units
         # --- key selection, perturbation and visit planning, each level with its own plan
         released: list[tuple[int, int, dict]] = []
-        for level in np.unique(rows["level"]).tolist():
-            idx = np.nonzero(rows["level"] == level)[0]
-            sub = rows[idx]
-            released += self._fire_level(self.plans[level - 1], window, trigger, all_ids[idx], sub, [names[j] for j in idx],
-                                         has_data[idx], new_users[idx], batch)
-            rows[idx] = sub
+        levels = np.unique(rows["level"]).tolist()
+        if len(levels) == 1:  # a flat query (or one level only): no per-level copies on the hot path
+            released += self._fire_level(self.plans[levels[0] - 1], window, trigger, all_ids, rows, names, has_data, new_users, batch)
+        else:
+            for level in levels:
+                idx = np.nonzero(rows["level"] == level)[0]
+                sub = rows[idx]
+                released += self._fire_level(self.plans[level - 1], window, trigger, all_ids[idx], sub, [names[j] for j in idx],
+                                             has_data[idx], new_users[idx], batch)
+                rows[idx] = sub
         if self.depth > 1 and released:
             started = time.perf_counter()
             released = self._consistent(window, trigger, released, batch)
@@ -475,7 +474,7 @@ class QueryPipeline:
 
     def _fire_level(self, plan, window, trigger, ids, rows, names, has_data, new_users, batch) -> list[tuple[int, int, dict]]:
         """Key selection (Algorithm 2), perturbation (Algorithm 3) and the next visit (Algorithm 4)
-        for the keys of one level; mutates ``rows``. Returns (key id, release record) pairs."""
+        for the keys of one level; mutates ``rows``. Returns (key id, root id, release record) triples."""
         selector = KeySelector(plan, self.noise, self.query.name, window)
         sel = SelectionBatch(names, rows["round"].astype(np.int64), rows["start"].astype(np.int64), rows["done"].astype(np.int64),
                              rows["count"].copy(), rows["participations"].copy(), rows["sel_cache"].copy(),
@@ -587,12 +586,12 @@ class QueryPipeline:
             now[key_id] = record
         ids = sorted(entries)
         nodes = [entries[k] for k in ids]
-        index = {_key_text(e["parts"]): i for i, e in enumerate(nodes)}
+        index = {key_text(e["parts"]): i for i, e in enumerate(nodes)}
         parent = np.full(len(nodes), -1, dtype=np.int64)
         direct = np.full(len(nodes), -1, dtype=np.int64)
         for i, e in enumerate(nodes):
             for up in range(len(e["parts"]) - 1, 0, -1):
-                j = index.get(_key_text(e["parts"][:up]))
+                j = index.get(key_text(e["parts"][:up]))
                 if j is not None:
                     parent[i] = j
                     if up == len(e["parts"]) - 1:
@@ -629,7 +628,7 @@ class QueryPipeline:
             row["level"], row["released_at"], row["count"], row["stddev"] = e["level"], e["released_at"], e["count"], e["stddev"]
             row["consistent"], row["other"] = value, rest
             batch.put(view + int(e["root"]).to_bytes(8, "big") + int(key_id).to_bytes(8, "big"),
-                      row.tobytes() + _key_text(e["parts"]).encode())
+                      row.tobytes() + key_text(e["parts"]).encode())
         return out
 
     def _tree_ids(self, window: int, rows: np.ndarray, field_name: str, names: list, kind: str) -> np.ndarray:

@@ -88,7 +88,7 @@ class EventParser:
             if isinstance(part, InvalidRecord):
                 return part
             parts.append(part)
-        key = parts[0] if len(parts) == 1 else json.dumps(parts, ensure_ascii=False, separators=(",", ":"))
+        key = parts[0] if len(parts) == 1 else key_text(parts)
         if self.value_field is None:
             value = 1.0
         else:
@@ -105,6 +105,12 @@ class EventParser:
         if not 0 <= ts < 1 << 53:
             return InvalidRecord(f"field {self.time_field!r} is out of range")
         return Event(user, key, value, ts)
+
+
+def key_text(parts: Sequence[str]) -> str:
+    """The text of a key of several fields (a JSON list): one form for parsing, the levels of a
+    hierarchy and the published view, so a prefix's text is the same wherever it is built."""
+    return json.dumps(list(parts), ensure_ascii=False, separators=(",", ":"))
 
 
 def key_for_output(key: str, key_fields: Sequence[str]):
