@@ -118,6 +118,23 @@ def honaker_weights(level: int) -> tuple[float, float]:
     return children / (1.0 + children), 1.0 / (1.0 + children)
 
 
+def honaker_denominator(level: int) -> int:
+    """``D_l = 2^(l+1) - 1``: the exact integer form of bottom-up Honaker estimation.
+
+    With integer noisy node values ``y`` (data + integer noise), define ``F_0 = y`` at a leaf and
+    ``F_l = 2^l * y + F_left + F_right`` at level l. Then the Honaker estimate of a level-l node
+    is exactly ``F_l / D_l``. Proof by induction: the weights of :func:`honaker_weights` are
+    ``a_l = 2^l / D_l`` and ``b_l = (2^l - 1) / D_l`` (the children's sum has variance
+    ``2 v_{l-1} = 2^l / (2^l - 1)`` sigma^2), so ``a_l y + b_l (F_L / D_{l-1} + F_R / D_{l-1})``
+    ``= (2^l y + F_L + F_R) / D_l`` because ``D_{l-1} = 2^l - 1``. Every ``D_l`` is odd, so a sum
+    of estimates (a prefix) is a fraction with an odd denominator: it is never half-way between
+    two integers, and rounding it to the nearest integer is unambiguous.
+    """
+    if level < 0:
+        raise ValueError("level must be >= 0")
+    return (1 << (level + 1)) - 1
+
+
 def prefix_variance_factor(leaf: int) -> float:
     """Var(noisy prefix sum S_1..S_leaf) / sigma^2 (DP-SQLP eq. (2)).
 

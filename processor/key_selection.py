@@ -27,8 +27,8 @@ from typing import Sequence
 import numpy as np
 
 from accountant.plan import PrivacyPlan
-from processor.noise import NodeNoise, discrete_gaussian
-from processor.tree import HonakerForest
+from processor.noise import TREE_ID_DTYPE, NodeNoise, discrete_gaussian
+from processor.tree import ABSENT, HonakerForest
 
 SELECT_KIND = "select"
 #: Bound on (tree, leaf) pairs materialized at once while scanning the future.
@@ -45,9 +45,11 @@ class SelectionBatch:
     done: np.ndarray  # leaves of the round tree already processed
     count: np.ndarray  # true unique-user count of the current round
     participations: np.ndarray  # gate statistic: sum of all rounds' counts
-    cache: np.ndarray  # (n, levels) frontier noise estimates at `done`
+    cache: np.ndarray  # (n, levels) int64 frontier noise integers Fz at `done` (processor.tree)
     _tree_ids: np.ndarray | None = field(default=None, repr=False)
-    #: max over the round's future leaves p > (leaf when computed) of N_p - tau_p; NaN: unknown
+    #: an upper bound (float, with a guard for rounding) on max over the round's future leaves
+    #: p > (leaf when computed) of N_p - tau_p; NaN: unknown. Only ever used to *skip* a scan
+    #: that could not find a release (see :meth:`KeySelector.predict`)
     noise_max: np.ndarray | None = None
 
     def __post_init__(self) -> None:
@@ -58,7 +60,8 @@ class SelectionBatch:
     def new(cls, keys: Sequence[str], levels: int) -> "SelectionBatch":
         n = len(keys)
         zeros = np.zeros(n, dtype=np.int64)
-        return cls(list(keys), zeros.copy(), np.ones(n, dtype=np.int64), zeros.copy(), zeros.copy(), zeros.copy(), np.full((n, levels), np.nan))
+        return cls(list(keys), zeros.copy(), np.ones(n, dtype=np.int64), zeros.copy(), zeros.copy(), zeros.copy(),
+                   np.full((n, levels), ABSENT, dtype=np.int64))
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -72,9 +75,11 @@ class SelectionBatch:
 
 @dataclass
 class SelectionStep:
-    selected: np.ndarray  # bool per key
+    selected: np.ndarray  # bool per key: q_hat > mu + tau, decided in exact arithmetic
     tested: np.ndarray  # bool per key (gate open)
-    noisy_count: np.ndarray  # q_hat per key (NaN where not tested)
+    #: float approximation of q_hat per key (NaN where not tested): diagnostics and tests only,
+    #: never published and never compared with a threshold
+    noisy_count: np.ndarray
 
 
 class KeySelector:
@@ -100,7 +105,7 @@ class KeySelector:
     def tree_ids(self, batch: SelectionBatch) -> np.ndarray:
         """Ids of each key's current round tree (entries left empty are derived now)."""
         if batch._tree_ids is None:
-            batch._tree_ids = np.zeros(len(batch), dtype="S12")
+            batch._tree_ids = np.zeros(len(batch), dtype=TREE_ID_DTYPE)
         missing = np.nonzero(batch._tree_ids == b"")[0]
         if len(missing):
             batch._tree_ids[missing] = self.noise.tree_ids_for(
@@ -123,15 +128,16 @@ class KeySelector:
         batch.count += new_users
         batch.participations += new_users
         tested = batch.participations > self.mu
-        noisy = np.full(len(batch), np.nan)
         idx = np.nonzero(tested)[0]
         selected = np.zeros(len(batch), dtype=bool)
+        noisy = np.full(len(batch), np.nan)
         if len(idx):
             ids = self.tree_ids(batch)[idx]
             walk = self.forest.walk(ids, batch.done[idx], leaf[idx], batch.cache[idx])
-            noise = walk.prefix_noise(np.arange(len(idx)), leaf[idx])
-            noisy[idx] = batch.count[idx] + noise
-            selected[idx] = noisy[idx] > self.release_at[leaf[idx] - 1]
+            # q_hat = count + N, compared with mu + tau exactly (processor.tree)
+            prefix = walk.prefix(np.arange(len(idx)), leaf[idx])
+            selected[idx] = prefix.exceeds(batch.count[idx], self.release_at[leaf[idx] - 1])
+            noisy[idx] = batch.count[idx] + prefix.approx()
             batch.cache[idx] = walk.cache_at(leaf[idx])
             batch.done[idx] = leaf[idx]
         if selected.any():
@@ -143,7 +149,7 @@ class KeySelector:
         batch.start[selected] = trigger + 1
         batch.done[selected] = 0
         batch.count[selected] = 0
-        batch.cache[selected] = np.nan
+        batch.cache[selected] = ABSENT
         batch.noise_max[selected] = np.nan
         if batch._tree_ids is not None:
             batch._tree_ids[selected] = b""
@@ -155,16 +161,23 @@ class KeySelector:
         Uses exactly the noise the future triggers will see (same PRF), so a key that is neither
         in a micro-batch nor predicted for a trigger would not have been selected there.
 
-        Shortcut, exact: the round's future noise path does not depend on data, so a scan also
-        records ``noise_max = max_{p > r} (N_p - tau_p)`` in the batch. Later, at a leaf r' >= r
-        with count c', ``c' + noise_max <= mu`` proves no future release (the max over p > r'
-        is at most noise_max), and the scan is skipped. Tail keys, whose counts stay far below
-        the threshold, are then scanned once per round instead of at every visit.
+        Every "would it be selected" is the same exact comparison :meth:`step` makes
+        (:meth:`processor.tree.NoisePrefix.exceeds`), so the prediction is exactly what the real
+        step decides.
+
+        Shortcut, never changing an answer: the round's future noise path does not depend on
+        data, so a scan also records an upper bound ``noise_max >= max_{p > r} (N_p - tau_p)``
+        (the float maximum plus a guard larger than its rounding error). Later, at a leaf
+        r' >= r with count c', ``c' + noise_max <= mu`` proves that no future step releases
+        (the max over p > r' is at most the max over p > r), and the scan is skipped. Tail keys,
+        whose counts stay far below the threshold, are then scanned once per round instead of
+        at every visit.
         """
         n = len(batch)
         out = np.zeros(n, dtype=np.int64)
         last_leaf = self.triggers - batch.start + 1
-        hopeless = batch.count + batch.noise_max <= self.mu  # False where noise_max is NaN
+        # False where noise_max is NaN; the slack covers the rounding of this float sum
+        hopeless = batch.count + batch.noise_max <= self.mu - 1e-9 * (1.0 + np.abs(batch.count))
         candidates = np.nonzero((batch.participations > self.mu) & (last_leaf > batch.done) & ~hopeless)[0]
         if not len(candidates):
             return out
@@ -179,11 +192,14 @@ class KeySelector:
             part = candidates[lo:hi]
             walk = self.forest.walk(ids[part], batch.done[part], last_leaf[part], batch.cache[part])
             tree, leaf = walk.future()
-            margin = walk.prefix_noise(tree, leaf) - self.release_at[leaf - 1]
-            hit = batch.count[part][tree] + margin > 0
+            prefix = walk.prefix(tree, leaf)
+            threshold = self.release_at[leaf - 1]
+            hit = prefix.exceeds(batch.count[part][tree], threshold)
             hit_tree, first = np.unique(tree[hit], return_index=True)
             out[part[hit_tree]] = batch.start[part[hit_tree]] + leaf[hit][first] - 1
             starts = np.concatenate([[0], np.cumsum(remaining[lo:hi])[:-1]])  # every part scans >= 1 leaf
-            batch.noise_max[part] = np.maximum.reduceat(margin, starts) + self.mu
+            margin = prefix.approx() - threshold
+            guard = 1e-6 * (1.0 + np.abs(threshold).max(initial=0.0) + abs(self.mu))  # >> float error of margin
+            batch.noise_max[part] = np.maximum.reduceat(margin, starts) + guard + self.mu
             lo = hi
         return out

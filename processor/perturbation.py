@@ -3,10 +3,15 @@
 Once key selection releases a key at trigger i, the aggregate buffered since the key's last
 release (``Delta V``, line 7) is added to leaf i of the key's perturbation tree (one per window
 and aggregate column; leaf i is trigger i, a fixed public layout) and the tree's noisy prefix sum
-is published (line 9). Values live on the accountant's grid (``plan.resolution``: 1 for counts,
-``L / 2^j`` for sums) so that integer noise on the grid is the discrete Gaussian mechanism on
+is published (line 9). Values live on the accountant's grid (``plan.resolution``: 1 for counts, a
+power of two for sums) so that integer noise on the grid is the discrete Gaussian mechanism on
 integer data; the accountant's sensitivity is ``C * L`` per tree (section 4.4: all C
 contributions may land in one node).
+
+What is published is the noisy prefix rounded to the nearest whole grid step, computed exactly
+from the integer noisy nodes (:meth:`processor.tree.NoisePrefix.rounded`): an integer for a
+count, ``k * resolution`` for a sum, which is exact in binary floating point because the grid
+step is a power of two. Never ``raw + noise`` in floating point (docs/privacy.md).
 
 Between releases nothing is published for the key; the last release stands.
 """
@@ -20,7 +25,7 @@ import numpy as np
 from accountant.calibration import prefix_variance_factor
 from accountant.plan import PrivacyPlan
 from processor.noise import NodeNoise, discrete_gaussian
-from processor.tree import HonakerForest
+from processor.tree import ABSENT, HonakerForest
 
 
 @dataclass
@@ -30,13 +35,13 @@ class PerturbationBatch:
     keys: list
     released_units: np.ndarray  # exact sum (grid units) of everything released so far
     done: np.ndarray  # last leaf (trigger) released, 0 if none
-    cache: np.ndarray  # (n, levels) frontier noise estimates at `done`
+    cache: np.ndarray  # (n, levels) int64 frontier noise integers Fz at `done` (processor.tree)
     _tree_ids: np.ndarray | None = field(default=None, repr=False)
 
     @classmethod
     def new(cls, keys: Sequence[str], levels: int) -> "PerturbationBatch":
         n = len(keys)
-        return cls(list(keys), np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64), np.full((n, levels), np.nan))
+        return cls(list(keys), np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64), np.full((n, levels), ABSENT, dtype=np.int64))
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -66,9 +71,10 @@ class HierarchicalPerturber:
             batch._tree_ids = self.noise.tree_ids_for(self.query, self.window_start, self.kind, batch.keys, [0] * len(batch))
         return batch._tree_ids
 
-    def release(self, batch: PerturbationBatch, trigger: int, delta_units: np.ndarray) -> np.ndarray:
+    def release_units(self, batch: PerturbationBatch, trigger: int, delta_units: np.ndarray) -> np.ndarray:
         """Add each key's buffered aggregate (grid units) at leaf ``trigger`` and return the noisy
-        cumulative aggregates in value units. Mutates ``batch``."""
+        cumulative aggregates as whole grid steps (int64): the nearest integer to the exact noisy
+        prefix. Mutates ``batch``."""
         if not 1 <= trigger <= self.plan.triggers:
             raise ValueError(f"trigger {trigger} outside 1..{self.plan.triggers}")
         if (batch.done >= trigger).any():
@@ -76,11 +82,22 @@ class HierarchicalPerturber:
         delta_units = np.asarray(delta_units, dtype=np.int64)
         leaf = np.full(len(batch), trigger, dtype=np.int64)
         walk = self.forest.walk(self.tree_ids(batch), batch.done, leaf, batch.cache)
-        noise = walk.prefix_noise(np.arange(len(batch)), leaf)
+        prefix = walk.prefix(np.arange(len(batch)), leaf)
         batch.released_units += delta_units
         batch.cache = walk.cache_at(leaf)
         batch.done[:] = trigger
-        return (batch.released_units + noise) * self.resolution
+        return prefix.rounded(batch.released_units)
+
+    def release(self, batch: PerturbationBatch, trigger: int, delta_units: np.ndarray) -> list:
+        """:meth:`release_units` as published values: ints for a count, ``k * resolution``
+        (exact floats: the grid step is a power of two) for a sum."""
+        units = self.release_units(batch, trigger, delta_units)
+        return self.publish(units)
+
+    def publish(self, units: np.ndarray) -> list:
+        if self.plan.aggregate == "count":
+            return [int(u) for u in units.tolist()]
+        return [u * self.resolution for u in units.tolist()]
 
     def stddev(self, trigger: int) -> float:
         """Standard deviation of a release at ``trigger`` (value units), from the accountant."""

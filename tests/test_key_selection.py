@@ -9,7 +9,7 @@ from accountant.plan import QueryBudget, plan_query
 from conftest import TEST_SECRET
 from processor.key_selection import SELECT_KIND, KeySelector, SelectionBatch
 from processor.noise import NodeNoise, TreeIdentity
-from processor.tree import HonakerForest
+from processor.tree import ABSENT, HonakerForest
 
 MU = 3
 #: beta boosted so that false releases are measurable. plan_query needs
@@ -159,7 +159,7 @@ def test_round_restart(noise):
     assert (batch.round == 1).all()
     assert (batch.count == 0).all()
     assert (batch.participations == 63).all()  # the gate statistic is not reset
-    assert (batch.start == 6).all() and (batch.done == 0).all() and np.isnan(batch.cache).all()
+    assert (batch.start == 6).all() and (batch.done == 0).all() and (batch.cache == ABSENT).all()
     ids_round1 = selector.tree_ids(batch)
     assert not np.any(ids_round0 == ids_round1)
     assert ids_round1[0] == noise.tree_id(TreeIdentity("restart", 7, "k0", SELECT_KIND, 1))
@@ -339,7 +339,7 @@ def test_rejected_step_does_not_mutate_state(noise):
 def test_same_trigger_cannot_be_tested_twice(noise):
     """Regression: the guard used to be ``leaf < done``, so a key already tested at trigger t can be tested at t
     again. Both tests use the same noise N_t, so the two noisy counts differ by exactly the new
-    users: a node's noise reused on different data (DESIGN section 12)."""
+    users: a node's noise reused on different data (docs/privacy.md, "Failures")."""
     plan = boosted_plan()
     selector = KeySelector(plan, noise, "twice", 0)
     batch = selector.new_batch(["a"])

@@ -5,6 +5,10 @@ Tolerances: a release's error is a fixed linear combination of independent discr
 (sigma >= 29 grid units) and so has Gaussian moments up to ~e^{-2 pi^2 sigma^2}; the sample
 variance of n draws has sd V sqrt(2/(n-1)), the sample mean sd sqrt(V/n). Z = 5.5 sd per
 check: two-sided false failure 3.8e-8 per check, < 3e-6 over this file.
+
+Releases are the exact noisy prefix rounded to the nearest grid step: error = round(N), N the
+symmetric noise of the prefix, so the mean stays 0 and, by Sheppard's correction (accurate to
+~e^{-2 pi^2 sigma^2} for a density this smooth on the unit grid), the variance is V + 1/12 steps^2.
 """
 import math
 
@@ -41,7 +45,7 @@ def _run(perturber, keys, deltas, schedule):
     out, last = {}, 0
     for trigger in schedule:
         buffered = deltas[last + 1:trigger + 1].sum(axis=0)
-        values = perturber.release(batch, trigger, buffered)
+        values = np.asarray(perturber.release(batch, trigger, buffered))
         exact = deltas[1:trigger + 1].sum(axis=0) * perturber.resolution
         out[trigger] = (values, exact)
         last = trigger
@@ -64,15 +68,16 @@ def test_releases_unbiased_with_prefix_variance(noise, kind):
     for trigger, (values, exact) in releases.items():
         error = values - exact
         V = unit_var * plan.resolution**2 * prefix_variance_factor(trigger)
-        assert abs(error.mean()) <= Z * math.sqrt(V / n), trigger
-        assert abs(error.var(ddof=1) - V) <= Z * V * math.sqrt(2 / (n - 1)), trigger
-        # the accountant's reported stddev is the same quantity (nominal sigma)
+        rounded = V + plan.resolution**2 / 12  # Sheppard's correction for rounding to the grid
+        assert abs(error.mean()) <= Z * math.sqrt(rounded / n), trigger
+        assert abs(error.var(ddof=1) - rounded) <= Z * rounded * math.sqrt(2 / (n - 1)), trigger
+        # the accountant's reported stddev is the noise's (nominal sigma, before rounding)
         assert perturber.stddev(trigger) ** 2 == pytest.approx(V, rel=1e-9)
-        # values sit on the grid: noise is an integer number of grid steps
-        # (Honaker estimates are weighted, so only leaf-only prefixes are on the grid)
-        if trigger == 1:
-            units = values / plan.resolution
-            np.testing.assert_allclose(units, np.round(units), rtol=0, atol=1e-6)
+        # every value is a whole number of grid steps, exactly (the step is a power of two)
+        units = values / plan.resolution
+        assert (units == np.round(units)).all()
+        if kind == "count":
+            assert all(isinstance(v, int) for v in perturber.publish(np.array([1, -2])))
     assert plan.expected_stddev == pytest.approx(perturber.stddev(T), rel=1e-12)
 
 

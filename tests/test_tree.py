@@ -18,7 +18,7 @@ def reference_prefix_estimates(noise, sampler, tree_id, values):
         width = 1 << level
         for j in range((1 << (levels - 1)) >> level):
             true[level, j] = sum(values[j * width:(j + 1) * width])
-            y = noise.sample(sampler, np.array([tree_id], dtype="S12"), node_ids(np.array([level]), np.array([j])))[0]
+            y = noise.sample(sampler, np.array([tree_id], dtype="S16"), node_ids(np.array([level]), np.array([j])))[0]
             noisy[level, j] = true[level, j] + y
     est = {}
     for level in range(levels):
@@ -45,7 +45,7 @@ def test_forest_matches_reference_tree_with_random_step_sizes(noise, rng, T):
     expected = reference_prefix_estimates(noise, sampler, tree_id, values)
     # walk the tree in random jumps, carrying only the frontier cache
     done, cache, prefix = 0, forest.empty_cache(1), 0
-    ids = np.array([tree_id], dtype="S12")
+    ids = np.array([tree_id], dtype="S16")
     while done < T:
         upto = min(T, done + int(rng.integers(1, 6)))
         walk = forest.walk(ids, np.array([done]), np.array([upto]), cache)
