@@ -34,6 +34,8 @@ Gaussian per node; a user influences at most ``2 C h`` nodes, which adds
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Optional
@@ -81,7 +83,7 @@ class QueryBudget:
     key_selection_share: float = 0.5
     composition: str = "zcdp"  # zcdp | basic
     resolution: Optional[float] = None  # value grid for sums; counts use 1
-    levels: int = 1  # levels of a hierarchical query (DESIGN.md section 8); 1: a flat histogram
+    levels: int = 1  # levels of a hierarchical query (docs/privacy.md, "Post-processing: hierarchical consistency"); 1: a flat histogram
     level_shares: Optional[tuple] = None  # share of the budget per level (sum 1); None: equal
 
 
@@ -125,9 +127,16 @@ class PrivacyPlan:
     conversion: str = "zCDP -> (eps, delta): Canonne-Kamath-Steinke 2020 Prop. 12 (optimal)"
 
     @property
+    def clamp_units(self) -> int:
+        """M: a value's largest magnitude on the grid, ``floor(L / resolution)`` (values are
+        clamped to [-M, M] grid steps, so ``M * resolution <= L``; the division is exact because
+        the step is a power of two)."""
+        return int(math.floor(self.clamp / self.resolution))
+
+    @property
     def perturbation_sensitivity_units(self) -> int:
-        """Per-tree L1 sensitivity of the perturbation tree in grid units: C * L / resolution."""
-        return int(round(self.contribution_bound * self.clamp / self.resolution))
+        """Per-tree L1 sensitivity of the perturbation tree in grid units: C * M <= C L / resolution."""
+        return self.contribution_bound * self.clamp_units
 
     def threshold(self, leaf: int) -> float:
         """tau for a round tree's ``leaf`` (1-based)."""
@@ -137,6 +146,14 @@ class PrivacyPlan:
         out = asdict(self)
         out["thresholds"] = list(self.thresholds)
         return out
+
+
+def plan_fingerprint(plans) -> bytes:
+    """16 bytes naming a query's calibration (every level's plan: budget, C, L, T, grid, noise
+    scales, thresholds). A window is pinned to the plan it was opened and charged under: a tree
+    must never mix two noise scales, and a changed budget must never go uncharged."""
+    text = json.dumps([p.to_dict() for p in plans], sort_keys=True, separators=(",", ":"))
+    return hashlib.blake2b(text.encode(), digest_size=16, person=b"dpstream-plan").digest()
 
 
 def _check(budget: QueryBudget) -> None:
@@ -174,29 +191,39 @@ def _check(budget: QueryBudget) -> None:
         raise BudgetError("composition", f"must be 'zcdp' or 'basic', got {budget.composition!r}")
     if budget.resolution is not None:
         positive("resolution", budget.resolution)
-        steps = budget.clamp / budget.resolution
-        if abs(steps - round(steps)) > 1e-9 * steps:
-            raise BudgetError("resolution", "clamp must be a whole multiple of resolution")
         if budget.aggregate == "count" and budget.resolution != 1.0:
             raise BudgetError("resolution", "counts are integers; resolution must be 1 (or null)")
+        if not _is_power_of_two(budget.resolution):
+            raise BudgetError("resolution", f"must be a power of two (e.g. 0.25, 1, 8) so that released sums are exact binary "
+                                            f"numbers, got {budget.resolution!r}")
+        if budget.resolution > budget.clamp:
+            raise BudgetError("resolution", f"must be at most clamp ({budget.clamp!r}), got {budget.resolution!r}")
+
+
+def _is_power_of_two(x: float) -> bool:
+    mantissa, _ = math.frexp(x)
+    return x > 0 and mantissa == 0.5
 
 
 def _choose_resolution(budget: QueryBudget, sigma_m: float) -> float:
-    """Value grid for the perturbation tree (noise is added on this grid, DESIGN section 5).
+    """Value grid step for the perturbation tree (noise is added on this grid; docs/privacy.md).
 
-    Counts are integers (grid 1). A sum's values are rounded to a grid ``L / 2^j`` before they
-    are aggregated, so that integer noise on the grid is the discrete Gaussian mechanism on
-    integer data; otherwise the fractional part of a noisy sum would expose the raw sum. ``j``
-    is the largest in [0, 20] keeping sigma within ``TARGET_SAMPLER_SIGMA`` grid steps.
+    Counts are integers (step 1). A sum's values are rounded to a grid whose step is a power of
+    two, ``2^k``, before they are aggregated, so that integer noise on the grid is the discrete
+    Gaussian mechanism on integer data and a release ``m * 2^k`` is an exact binary number
+    (otherwise the fractional part of a noisy sum could expose the raw sum). ``k`` is the
+    smallest keeping sigma within ``TARGET_SAMPLER_SIGMA`` grid steps, with the step at most L
+    and at least ``L / 2^20``.
     """
     if budget.aggregate == "count":
         return 1.0
     if budget.resolution is not None:
         return float(budget.resolution)
-    j = 0
-    while j < 20 and sigma_m / (budget.clamp / 2 ** (j + 1)) <= TARGET_SAMPLER_SIGMA:
-        j += 1
-    return budget.clamp / 2 ** j
+    top = math.floor(math.log2(budget.clamp))
+    while 2.0 ** top > budget.clamp:  # log2 rounding
+        top -= 1
+    k = max(math.ceil(math.log2(sigma_m / TARGET_SAMPLER_SIGMA)), top - 20)
+    return 2.0 ** min(k, top)
 
 
 def _level_shares(budget: QueryBudget) -> tuple[float, ...]:
@@ -217,7 +244,7 @@ def plan_query(budget: QueryBudget) -> PrivacyPlan:
 def plan_levels(budget: QueryBudget) -> tuple[PrivacyPlan, ...]:
     """One plan per level of the query (one level for a flat query).
 
-    A hierarchical query (DESIGN.md section 8) keeps a histogram per level: each admitted record
+    A hierarchical query (docs/privacy.md, "Post-processing: hierarchical consistency") keeps a histogram per level: each admitted record
     adds one to one key of every level, so a user touches at most C keys' rounds per level and
     the level histograms compose. Under ``zcdp`` the levels split the total rho by
     ``level_shares`` (each level then splits its part between key selection and perturbation),

@@ -1,9 +1,10 @@
-"""User contribution bounding (DP-SQLP section 3.2 and section 4.1 step 1; DESIGN.md section 12).
+"""User contribution bounding (DP-SQLP section 3.2 and section 4.1 step 1; docs/privacy.md, "Failures").
 
 Stage 1, partitioned by user: each (user, window) - the privacy unit - admits at most C records,
 the first C in arrival order; each admitted record gets a *slot* 1..C. The per-user state is just
 the number of admitted records. Values are clamped to ``|v| <= L`` and put on the accountant's
-grid (``round(v / resolution)`` grid units, ties to even): the integer data the perturbation
+grid (``round(v / resolution)`` grid units, ties to even, then clamped to the ``M = floor(L /
+resolution)`` steps the accountant's sensitivity assumes): the integer data the perturbation
 tree's discrete noise needs.
 
 Why this cannot be pushed past C by at-least-once delivery: slot assignment is a deterministic
@@ -33,6 +34,7 @@ class ContributionBounder:
         self.contribution_bound = int(contribution_bound)
         self.clamp = float(clamp)
         self.resolution = float(resolution)
+        self.clamp_units = int(np.floor(self.clamp / self.resolution))
 
     def assign_slots(self, prior: np.ndarray, group_of: np.ndarray) -> SlotAssignment:
         """Slots for a batch of records. ``group_of[r]``: index of record r's (user, window) group,
@@ -56,42 +58,76 @@ class ContributionBounder:
         arr = np.asarray(values, dtype=np.float64)
         if not np.isfinite(arr).all():
             raise ValueError("value must be finite")
-        units = np.rint(np.clip(arr, -self.clamp, self.clamp) / self.resolution).astype(np.int64)
+        units = np.clip(np.rint(np.clip(arr, -self.clamp, self.clamp) / self.resolution), -self.clamp_units, self.clamp_units)
+        units = units.astype(np.int64)
         return int(units) if units.ndim == 0 else units
 
 
 @dataclass(frozen=True)
-class LastContributions:
-    previous: np.ndarray  # per record: trigger of the user's previous admitted record for the key (0: none)
-    group: np.ndarray  # updated state, sorted by (group, key): one entry per (group, key)
+class KeyHistory:
+    """What stage 1 attaches to admitted records so that stage 2 counts each user at most once per
+    (key, selection round), whatever the arrival order (docs/privacy.md, "Distinct users")."""
+
+    previous: np.ndarray  # per record: max trigger of the user's earlier-arrived records for the key with trigger <= its own (0: none)
+    amend: np.ndarray  # per record: min trigger of the user's earlier-arrived records for the key with a later trigger (0: none)
+    group: np.ndarray  # updated state, sorted by (group, key, trigger): one entry per distinct (group, key, trigger)
     key: np.ndarray
     trigger: np.ndarray
 
 
-def last_contributions(group_of: np.ndarray, key_ids: np.ndarray, triggers: np.ndarray,
-                       state_group: np.ndarray, state_key: np.ndarray, state_trigger: np.ndarray) -> LastContributions:
-    """For admitted records (arrival order), the trigger of the same user's previous record for the
-    same key, from the batch itself or from the user's state; and the updated state.
+def key_histories(group_of: np.ndarray, key_ids: np.ndarray, triggers: np.ndarray,
+                  state_group: np.ndarray, state_key: np.ndarray, state_trigger: np.ndarray) -> KeyHistory:
+    """For admitted records (arrival order): each record's *predecessor* among the same user's
+    records for the same key, and the updated per-user state (the set of (key, trigger) pairs the
+    user has contributed in the window: at most C entries).
 
-    Stage 2 counts a user as *new to a key's current round* (the unit of key selection, DP-SQLP
-    Algorithm 2) iff that previous trigger is before the round's first trigger. Stage 1 has the
-    user's state loaded anyway, so this needs no per-(key, user) state in stage 2. Each admitted
-    record is new to at most one round, so a user still joins at most C round trees.
+    Order the user's records for a key by (trigger, arrival). Stage 2 counts a record as the
+    user's arrival in the key's current round iff the trigger of the record before it in that
+    order is before the round's first trigger (or there is none). Then in any round only the
+    user's first record in the round counts: at most 1 per (key, round) tree, and since each
+    counted record is a distinct admitted record, at most C rounds. The count depends only on
+    the set of records, never on the order in which they arrived.
+
+    Stage 1 sees records in arrival order, so when a record R arrives it knows only the earlier
+    arrivals: ``previous`` is the largest earlier trigger <= R's (an earlier arrival at the same
+    trigger comes first in the order). A record arriving *after* a record of a later trigger
+    (out of event-time order) becomes the new predecessor of the earliest such later record:
+    ``amend`` names that record's trigger, and stage 2 raises the predecessor of the user's
+    records for the key in that micro-batch to R's trigger. The amended micro-batch has not
+    fired: R's own trigger has not, and triggers fire in order. Every later record already has a
+    predecessor at or after that trigger, so one amendment per arrival suffices, and applying
+    it twice (a replayed record) changes nothing (a maximum).
     """
-    n_state = len(state_group)
+    n, n_state = len(group_of), len(state_group)
     group = np.concatenate([np.asarray(state_group, dtype=np.int64), np.asarray(group_of, dtype=np.int64)])
     key = np.concatenate([np.asarray(state_key, dtype=np.uint64), np.asarray(key_ids, dtype=np.uint64)])
     trig = np.concatenate([np.asarray(state_trigger, dtype=np.int64), np.asarray(triggers, dtype=np.int64)])
-    position = np.concatenate([np.full(n_state, -1, dtype=np.int64), np.arange(len(group_of), dtype=np.int64)])
-    order = np.lexsort((position, key, group))
+    position = np.concatenate([np.full(n_state, -1, dtype=np.int64), np.arange(n, dtype=np.int64)])
+    order = np.lexsort((position, key, group))  # state entries (position -1) first, then arrival order
     g, k, t, pos = group[order], key[order], trig[order], position[order]
-    same_as_before = np.zeros(len(order), dtype=bool)
-    same_as_before[1:] = (g[1:] == g[:-1]) & (k[1:] == k[:-1])
-    prev_sorted = np.zeros(len(order), dtype=np.int64)
-    prev_sorted[1:] = np.where(same_as_before[1:], t[:-1], 0)
-    previous = np.zeros(len(group_of), dtype=np.int64)
-    is_record = pos >= 0
-    previous[pos[is_record]] = prev_sorted[is_record]
-    last = np.ones(len(order), dtype=bool)
-    last[:-1] = ~same_as_before[1:]
-    return LastContributions(previous, g[last], k[last], t[last])
+    new_segment = np.ones(len(order), dtype=bool)
+    new_segment[1:] = (g[1:] != g[:-1]) | (k[1:] != k[:-1])
+    seg_start = np.maximum.accumulate(np.where(new_segment, np.arange(len(order)), 0))
+    earlier = np.arange(len(order)) - seg_start  # elements before this one in its (user, key) segment
+    earlier[pos < 0] = 0  # state entries need no answer
+    previous = np.zeros(n, dtype=np.int64)
+    amend = np.zeros(n, dtype=np.int64)
+    total = int(earlier.sum())
+    if total:
+        b = np.repeat(np.arange(len(order)), earlier)  # the record asking
+        first = np.cumsum(earlier) - earlier
+        a = seg_start[b] + (np.arange(total) - first[b])  # each element that arrived before it
+        ta, tb = t[a], t[b]
+        askers = np.nonzero(earlier)[0]
+        starts = first[askers]
+        prev = np.maximum.reduceat(np.where(ta <= tb, ta, 0), starts)
+        big = np.iinfo(np.int64).max
+        later = np.minimum.reduceat(np.where(ta > tb, ta, big), starts)
+        previous[pos[askers]] = prev
+        amend[pos[askers]] = np.where(later == big, 0, later)
+    # the new state: distinct (user, key, trigger)
+    state_order = np.lexsort((t, k, g))
+    gs, ks, ts = g[state_order], k[state_order], t[state_order]
+    keep = np.ones(len(gs), dtype=bool)
+    keep[1:] = (gs[1:] != gs[:-1]) | (ks[1:] != ks[:-1]) | (ts[1:] != ts[:-1])
+    return KeyHistory(previous, amend, gs[keep], ks[keep], ts[keep])

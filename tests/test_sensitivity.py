@@ -1,6 +1,6 @@
 """The accountant's sensitivity assumptions (DP-SQLP section 4.4) hold on real bounded data.
 
-Pipeline model used here, per DESIGN section 4: stage 1 admits at most C records per user
+Pipeline model used here, per docs/privacy.md, "The mechanism": stage 1 admits at most C records per user
 (ContributionBounder, one slot state per user); stage 2 builds, per key, (a) the key-selection
 round tree's leaves: users new to the key at each trigger (a single round per key here), and
 (b) the perturbation tree's leaves: the sum of admitted values (grid units) at each trigger.
@@ -178,27 +178,36 @@ def test_bounder_rejects_bad_bound():
         ContributionBounder(0, 1.0)
 
 
-# --------------------------------------------------------------------------- last_contributions
+# --------------------------------------------------------------------------- key_histories
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_last_contributions_matches_a_plain_loop(seed):
-    from processor.bounding import last_contributions
+def test_key_histories_match_a_plain_loop(seed):
+    """Each record's predecessor (the latest earlier-arrived trigger <= its own) and amendment
+    target (the earliest earlier-arrived trigger > its own) per (user, key), from the user's prior
+    state and the batch in arrival order, in any event-time order; and the new state is the set of
+    distinct (user, key, trigger)."""
+    from processor.bounding import key_histories
 
     rng = np.random.default_rng(seed)
     groups, n = int(rng.integers(1, 6)), int(rng.integers(0, 40))
-    # prior state: at most one entry per (group, key)
-    state = {(int(g), int(k)): int(t) for g, k, t in zip(rng.integers(0, groups, 10), rng.integers(0, 5, 10), rng.integers(1, 9, 10))}
+    state = sorted({(int(g), int(k), int(t)) for g, k, t in zip(rng.integers(0, groups, 10), rng.integers(0, 5, 10),
+                                                                rng.integers(1, 20, 10))})
     g = rng.integers(0, groups, n)
     k = rng.integers(0, 5, n).astype(np.uint64)
-    t = np.sort(rng.integers(5, 20, n))
-    sg, sk_, st = (np.array([x[i] for x in [(a, b, c) for (a, b), c in state.items()]], dtype=np.int64) for i in range(3))
-    out = last_contributions(g, k, t, sg, sk_.astype(np.uint64), st)
-    last = dict(state)
-    expected = []
+    t = rng.integers(1, 20, n)  # arrival order is not event-time order
+    sg, sk_, st = (np.array([x[i] for x in state], dtype=np.int64) for i in range(3))
+    out = key_histories(g, k, t, sg, sk_.astype(np.uint64), st)
+    seen: dict = {}
+    for a, b, c in state:
+        seen.setdefault((a, b), []).append(c)
+    expected_prev, expected_amend = [], []
     for gi, ki, ti in zip(g.tolist(), k.tolist(), t.tolist()):
-        expected.append(last.get((gi, ki), 0))
-        last[(gi, ki)] = ti
-    np.testing.assert_array_equal(out.previous, expected)
-    assert dict(zip(zip(out.group.tolist(), out.key.tolist()), out.trigger.tolist())) == last
-    assert list(zip(out.group.tolist(), out.key.tolist())) == sorted(last)  # sorted, one entry each
+        earlier = seen.setdefault((gi, ki), [])
+        expected_prev.append(max([x for x in earlier if x <= ti], default=0))
+        expected_amend.append(min([x for x in earlier if x > ti], default=0))
+        earlier.append(ti)
+    np.testing.assert_array_equal(out.previous, expected_prev)
+    np.testing.assert_array_equal(out.amend, expected_amend)
+    assert list(zip(out.group.tolist(), out.key.tolist(), out.trigger.tolist())) == sorted(
+        {(a, b, c) for (a, b), ts in seen.items() for c in ts})
