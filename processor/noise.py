@@ -1,16 +1,21 @@
-"""Deterministic, secret-keyed integer noise for tree nodes (DESIGN.md section 5).
+"""Deterministic, secret-keyed integer noise for tree nodes (docs/privacy.md, "Noise").
 
 Every node of every DP tree gets its noise from a keyed pseudo-random function of its identity
-``(query, window, key, tree kind, round, node)``. Recomputing a tree after a restart, a
-rebalance, a replay, or inside release prediction (DP-SQLP Algorithm 4) therefore sees exactly
-the noise of the original run, and no released node's noise is ever drawn twice. State holds no
-noise at all.
+``(run label, query, window, key, tree kind, round, node)``. Recomputing a tree after a restart,
+a rebalance, or inside release prediction (DP-SQLP Algorithm 4) therefore sees exactly the noise
+of the original run, and no released node's noise is ever drawn twice. State holds no noise.
 
 Construction:
 
-* ``tree_id = BLAKE2b-96(key = K_id, encode(query, window, key, kind, round))`` once per tree;
-* one 128-bit uniform per node: ``AES-128_{K_aes}(tree_id || node_id)`` (AES as a PRF on
-  distinct inputs), computed for millions of nodes in one ECB call;
+* keys ``K_aes`` and ``K_id`` are derived from the secret *and the run label* with BLAKE2b: a
+  replay on a fresh state directory gets a fresh random label (so re-running on slightly
+  different data does not publish the exact difference of two runs under the same noise), the
+  worker's label names its application and budget epoch;
+* ``tree_id = BLAKE2b-128(key = K_id, encode(query, window, key, kind, round))`` once per tree:
+  128 bits, so two trees sharing all their noise would take ~2^64 trees;
+* one 128-bit uniform per node: ``AES_{K_aes}(AES_{K_aes}(tree_id) XOR node_block)``, the CBC-MAC
+  of the fixed-length two-block message (tree_id, node_block), a PRF on such messages; the first
+  block is encrypted once per tree, and millions of nodes go through one ECB call;
 * the uniform is mapped to an integer by a 128-bit cumulative distribution table (CDT) of the
   discrete Gaussian N_Z(0, sigma^2) (Canonne, Kamath, Steinke 2020), built once per sigma in
   exact high-precision arithmetic and looked up with integer comparisons only.
@@ -21,13 +26,18 @@ table's. The table covers ``|x| <= 12 sigma + 1`` (outside mass < 2^-103) and qu
 probability to 2^-128, so it is within ``SAMPLER_TV_BOUND`` (2^-100) of the exact discrete
 Gaussian; the accountant charges that to delta.
 
-``K_aes`` and ``K_id`` are derived from the secret with BLAKE2b. The secret comes from a file or
-the ``DPSTREAM_NOISE_KEY`` environment variable, never from code, config or logs.
+The secret comes from a file or the ``DPSTREAM_NOISE_KEY`` environment variable, never from code,
+config or logs, as hex or base64 text (or raw bytes) of at least 128 bits
+(:func:`load_noise_secret`). Nothing prints it; the public *fingerprint* that names a budget
+epoch is derived through scrypt, so it does not help anyone guess the secret.
 """
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import os
+import re
 from dataclasses import dataclass
 from decimal import Decimal, localcontext
 from functools import lru_cache
@@ -42,12 +52,18 @@ from accountant.plan import MAX_SAMPLER_SIGMA, SAMPLER_TV_BOUND
 SECRET_ENV = "DPSTREAM_NOISE_KEY"
 SECRET_FILE_ENV = "DPSTREAM_NOISE_KEY_FILE"
 MIN_SECRET_BYTES = 16
+#: Bytes of a tree id (a BLAKE2b-128 digest).
+TREE_ID_BYTES = 16
+TREE_ID_DTYPE = f"S{TREE_ID_BYTES}"
 #: Node ids are ``level << LEVEL_SHIFT | index``: up to 2^24 leaves per tree.
 LEVEL_SHIFT = 24
 TAIL_SIGMAS = 12.0
 GUIDE_BITS = 16
+#: scrypt cost of the public fingerprint (about 30 ms; 16 MiB of memory)
+FINGERPRINT_SCRYPT = {"n": 1 << 14, "r": 8, "p": 1}
 
-_NODE_BLOCK = np.dtype([("tree", "S12"), ("node", "<u4")])
+_HEX = re.compile(rb"[0-9A-Fa-f]+")
+_BASE64 = re.compile(rb"[A-Za-z0-9+/_-]+={0,2}")
 
 
 class NoiseSecretError(RuntimeError):
@@ -56,25 +72,74 @@ class NoiseSecretError(RuntimeError):
 
 def load_noise_secret(path: Optional[str] = None, environ: Mapping[str, str] = os.environ) -> bytes:
     """Read the noise secret: ``path`` if given, else ``$DPSTREAM_NOISE_KEY_FILE``, else
-    ``$DPSTREAM_NOISE_KEY``. At least 16 bytes (after stripping surrounding whitespace)."""
+    ``$DPSTREAM_NOISE_KEY``, and decode it (:func:`decode_secret`)."""
     source = path or environ.get(SECRET_FILE_ENV)
     if source:
         try:
-            secret = Path(source).read_bytes().strip()
+            raw = Path(source).read_bytes()
         except OSError as exc:
             raise NoiseSecretError(f"cannot read the noise secret file {source}: {exc.strerror}") from None
         where = f"file {source}"
     elif environ.get(SECRET_ENV):
-        secret = environ[SECRET_ENV].strip().encode("utf-8")
+        raw = environ[SECRET_ENV].encode("utf-8")
         where = f"${SECRET_ENV}"
     else:
         raise NoiseSecretError(
             f"no noise secret: set {SECRET_ENV} or {SECRET_FILE_ENV} (or pass --noise-key-file). "
-            "Releasing data needs it; `dpstream plan` does not."
+            "Releasing data needs it; `dpstream plan` does not. Make one with: "
+            "python3 -c 'import secrets; print(secrets.token_hex(32))'"
         )
-    if len(secret) < MIN_SECRET_BYTES:
-        raise NoiseSecretError(f"the noise secret in {where} is shorter than {MIN_SECRET_BYTES} bytes")
-    return secret
+    return decode_secret(raw, where)
+
+
+def decode_secret(raw: bytes, where: str = "the secret") -> bytes:
+    """Key material from the text of a secret file or variable.
+
+    Accepted: hex (e.g. ``secrets.token_hex(32)``), padded base64 (standard or URL-safe, e.g.
+    ``openssl rand -base64 32``), or raw binary bytes (e.g. ``head -c 32 /dev/urandom``), decoding to at least 16
+    bytes (128 bits). Refused: anything shorter, text that is neither hex nor base64 (a
+    passphrase is not key material), and keys of low variety (few distinct bytes, or bytes that
+    are all printable text, as when a password is hex-encoded). Messages name ``where`` and never
+    the content."""
+    text = raw.strip()
+    if text and all(32 <= b < 127 for b in text):
+        if _HEX.fullmatch(text) and len(text) % 2 == 0:
+            key, form = bytes.fromhex(text.decode()), "hex"
+        elif _BASE64.fullmatch(text) and len(text) % 4 == 0 and _mixed_case(text):
+            standard = text.replace(b"-", b"+").replace(b"_", b"/")
+            try:
+                key = base64.b64decode(standard, validate=True)
+            except (binascii.Error, ValueError):
+                raise NoiseSecretError(f"the noise secret in {where} is not valid base64") from None
+            if base64.b64encode(key) != standard:
+                raise NoiseSecretError(f"the noise secret in {where} is not canonical base64")
+            form = "base64"
+        else:
+            # padded base64 of random bytes has both cases (a 16-byte key misses one w.p. ~1e-5);
+            # words typed by a person usually do not, or are not a multiple of 4 long
+            raise NoiseSecretError(f"the noise secret in {where} is neither hex nor padded base64 of random bytes: a "
+                                   f"passphrase is not key material; make one with "
+                                   f"python3 -c 'import secrets; print(secrets.token_hex(32))'")
+    else:
+        key, form = raw, "raw bytes"
+    if len(key) < MIN_SECRET_BYTES:
+        raise NoiseSecretError(f"the noise secret in {where} ({form}) holds {len(key)} bytes; at least {MIN_SECRET_BYTES} "
+                               f"(128 bits) are required")
+    if len(set(key)) < min(len(key), 16) // 2 or (len(key) <= 32 and all(32 <= b < 127 for b in key)):
+        raise NoiseSecretError(f"the noise secret in {where} ({form}) has too little variety to be random key material")
+    return key
+
+
+def _mixed_case(text: bytes) -> bool:
+    return any(65 <= b <= 90 for b in text) and any(97 <= b <= 122 for b in text)
+
+
+@lru_cache(maxsize=8)
+def secret_fingerprint(secret: bytes) -> str:
+    """A public name for a secret (it names a budget epoch): scrypt, so that it is useless for
+    testing guesses of the secret, and 8 bytes long."""
+    return hashlib.scrypt(secret, salt=b"dpstream epoch fingerprint v2", dklen=8, maxmem=64 * 1024 * 1024,
+                          **FINGERPRINT_SCRYPT).hex()
 
 
 @dataclass(frozen=True)
@@ -209,9 +274,14 @@ class Pseudonymizer:
     """
 
     def __init__(self, secret: bytes):
+        if len(secret) < MIN_SECRET_BYTES:
+            raise NoiseSecretError(f"the noise secret is shorter than {MIN_SECRET_BYTES} bytes")
         self._user_key = derive_key(secret, b"user pseudonym v1")
         self._group_key = derive_key(secret, b"group key pseudonym v1")
         self._int_cipher = Cipher(algorithms.AES(derive_key(secret, b"integer user pseudonym v1", 16)), modes.ECB())
+
+    def __repr__(self) -> str:  # never print key material
+        return "Pseudonymizer()"
 
     def users(self, users: Iterable[str]) -> np.ndarray:
         key = self._user_key
@@ -235,49 +305,82 @@ class Pseudonymizer:
 
 
 class NodeNoise:
-    """Keyed PRF from (tree identity, node id) to integer noise; vectorized over nodes."""
+    """Keyed PRF from (tree identity, node id) to integer noise; vectorized over nodes.
 
-    def __init__(self, secret: bytes):
-        self._aes_key = derive_key(secret, b"node-noise aes-128 v1", 16)
-        self._id_key = derive_key(secret, b"tree identity v1")
-        #: A public, non-reversible fingerprint of the secret (names a budget epoch).
-        self.fingerprint = derive_key(secret, b"epoch fingerprint v1", 8).hex()
+    ``label`` names the run (docs/privacy.md): the same secret under two labels gives
+    independent noise."""
+
+    def __init__(self, secret: bytes, label: str = ""):
+        if len(secret) < MIN_SECRET_BYTES:
+            raise NoiseSecretError(f"the noise secret is shorter than {MIN_SECRET_BYTES} bytes")
+        tag = b"|label=" + label.encode()
+        self.label = label
+        self._aes_key = derive_key(secret, b"node-noise aes-128 v2" + tag, 16)
+        self._id_key = derive_key(secret, b"tree identity v2" + tag)
+        self._fingerprint_of = secret  # only for the lazily computed public fingerprint
         self._cipher = Cipher(algorithms.AES(self._aes_key), modes.ECB())
 
+    @property
+    def fingerprint(self) -> str:
+        """A public, non-reversible fingerprint of the secret (names a budget epoch)."""
+        return secret_fingerprint(self._fingerprint_of)
+
     def __repr__(self) -> str:  # never print key material
-        return f"NodeNoise(fingerprint={self.fingerprint})"
+        return f"NodeNoise(label={self.label!r})"
 
     def tree_id(self, identity: TreeIdentity) -> bytes:
-        return hashlib.blake2b(identity.encode(), key=self._id_key, digest_size=12).digest()
+        return hashlib.blake2b(identity.encode(), key=self._id_key, digest_size=TREE_ID_BYTES).digest()
 
     def tree_ids(self, identities: Iterable[TreeIdentity]) -> np.ndarray:
-        return np.array([self.tree_id(i) for i in identities], dtype="S12")
+        return np.array([self.tree_id(i) for i in identities], dtype=TREE_ID_DTYPE)
 
     def tree_ids_for(self, query: str, window_start: int, kind: str, keys: Sequence[str], rounds: Sequence[int]) -> np.ndarray:
         """``tree_ids`` of (query, window, kind, key_j, round_j) for many keys, hashing the shared
         prefix once (same ids as :meth:`tree_id`)."""
-        base = hashlib.blake2b(key=self._id_key, digest_size=12)
+        base = hashlib.blake2b(key=self._id_key, digest_size=TREE_ID_BYTES)
         base.update(_tree_prefix(query, window_start, kind))
-        out = np.empty(len(keys), dtype="S12")
+        out = np.empty(len(keys), dtype=TREE_ID_DTYPE)
         for j, (key, round_) in enumerate(zip(keys, rounds)):
             h = base.copy()
             h.update(_tree_suffix(key, round_))
             out[j] = h.digest()
         return out
 
+    def _encrypt(self, blocks: bytes) -> np.ndarray:
+        encryptor = self._cipher.encryptor()
+        raw = encryptor.update(blocks) + encryptor.finalize()
+        return np.frombuffer(raw, dtype="<u8").reshape(-1, 2)
+
+    def uniforms_indexed(self, trees: np.ndarray, tree_of: np.ndarray, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """128-bit PRF outputs for each (``trees[tree_of[i]]``, ``nodes[i]``), as (hi, lo) uint64
+        words: the CBC-MAC ``AES(AES(tree_id) XOR node_block)``, first block once per tree."""
+        trees = np.ascontiguousarray(np.asarray(trees, dtype=TREE_ID_DTYPE))
+        first = self._encrypt(trees.tobytes())
+        second = first[np.asarray(tree_of, dtype=np.int64)].copy()
+        second[:, 0] ^= np.asarray(nodes, dtype=np.uint32).astype(np.uint64)  # node id in the first 4 bytes
+        words = self._encrypt(second.tobytes())
+        return np.ascontiguousarray(words[:, 0]), np.ascontiguousarray(words[:, 1])
+
     def uniforms(self, trees: np.ndarray, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """128-bit PRF outputs for each (tree id, node id) pair, as (hi, lo) uint64 words."""
-        blocks = np.empty(len(nodes), dtype=_NODE_BLOCK)
-        blocks["tree"] = trees
-        blocks["node"] = nodes
-        encryptor = self._cipher.encryptor()
-        raw = encryptor.update(blocks.tobytes()) + encryptor.finalize()
-        words = np.frombuffer(raw, dtype="<u8").reshape(-1, 2)
-        return np.ascontiguousarray(words[:, 0]), np.ascontiguousarray(words[:, 1])
+        trees = np.asarray(trees)
+        if len(trees) == 0:
+            return np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.uint64)
+        if trees.dtype.itemsize != TREE_ID_BYTES:
+            raise ValueError(f"tree ids are {TREE_ID_BYTES} bytes")
+        distinct, tree_of = np.unique(trees, return_inverse=True)
+        return self.uniforms_indexed(distinct, tree_of.ravel(), nodes)
 
     def sample(self, sampler: DiscreteGaussian, trees: np.ndarray, nodes: np.ndarray) -> np.ndarray:
         """Integer noise for each (tree, node); identical on every call with the same secret."""
         if len(nodes) == 0:
             return np.zeros(0, dtype=np.int64)
         hi, lo = self.uniforms(trees, nodes)
+        return sampler.from_uniform(hi, lo)
+
+    def sample_indexed(self, sampler: DiscreteGaussian, trees: np.ndarray, tree_of: np.ndarray, nodes: np.ndarray) -> np.ndarray:
+        """:meth:`sample` for nodes of ``trees[tree_of[i]]`` (no de-duplication of tree ids)."""
+        if len(nodes) == 0:
+            return np.zeros(0, dtype=np.int64)
+        hi, lo = self.uniforms_indexed(trees, tree_of, nodes)
         return sampler.from_uniform(hi, lo)

@@ -3,7 +3,13 @@ import pytest
 
 from processor.noise import NodeNoise
 
-TEST_SECRET = b"dpstream-test-secret-not-for-production"
+#: a fixed 256-bit test key (tests only), and the hex text a secret file holds
+TEST_SECRET_HEX = "6f1d9c3a5e27b48c0a9f13d6e2b75c48d19a0e6f3b2c7d85a41e96f0c3d28b57"
+TEST_SECRET = bytes.fromhex(TEST_SECRET_HEX)
+#: the noise label of replays a test compares with each other or with a worker (a fresh state
+#: directory would otherwise draw a random one: docs/privacy.md, "Noise"): the label of a worker
+#: with the default app id and no budget section (processor.service.worker_noise_label)
+TEST_LABEL = "worker:dpstream:1"
 
 
 @pytest.fixture(scope="session")
@@ -16,7 +22,7 @@ def rng() -> np.random.Generator:
     return np.random.default_rng(20261121)
 
 
-# ---------------------------------------------------------------- the test broker (DESIGN.md 11)
+# ---------------------------------------------------------------- the test broker (docs/operations.md, "A test broker")
 import os
 import subprocess
 from pathlib import Path

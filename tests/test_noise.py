@@ -29,7 +29,7 @@ Z = 5.5
 
 
 def _ids(noise, identity, n):
-    return np.full(n, noise.tree_id(identity), dtype="S12")
+    return np.full(n, noise.tree_id(identity), dtype="S16")
 
 
 def _collision_probability(sampler):
@@ -218,7 +218,7 @@ def test_samples_are_bounded_integers(noise):
         s = noise.sample(sampler, _ids(noise, TreeIdentity("b", 0, str(sigma), "select"), n), np.arange(n, dtype=np.uint32))
         assert s.dtype == np.int64
         assert s.min() >= -sampler.bound and s.max() <= sampler.bound
-    assert noise.sample(discrete_gaussian(3.0), np.zeros(0, dtype="S12"), np.zeros(0, dtype=np.uint32)).dtype == np.int64
+    assert noise.sample(discrete_gaussian(3.0), np.zeros(0, dtype="S16"), np.zeros(0, dtype=np.uint32)).dtype == np.int64
 
 
 def test_from_uniform_resolves_ties_on_the_high_word():
@@ -247,25 +247,26 @@ def test_sampler_rejects_bad_sigma():
 
 # --------------------------------------------------------------------------- secret handling
 
-SECRET = "correct-horse-battery-staple-0123456789"
+SECRET = "a3f09c1d7e5b2846c0d9e1f7a2b4c6d8e0f1a3b5c7d9e2f4a6b8c0d2e4f6a8b1"  # 256 bits, hex
+KEY = bytes.fromhex(SECRET)
 
 
 def test_secret_from_explicit_file(tmp_path):
     f = tmp_path / "key"
     f.write_bytes(b"  " + SECRET.encode() + b"\n")
-    env = {SECRET_FILE_ENV: str(tmp_path / "other"), SECRET_ENV: "env-secret-that-is-long-enough"}
-    assert load_noise_secret(str(f), environ=env) == SECRET.encode()
+    env = {SECRET_FILE_ENV: str(tmp_path / "other"), SECRET_ENV: "00" * 32}
+    assert load_noise_secret(str(f), environ=env) == KEY
 
 
 def test_secret_from_file_env(tmp_path):
     f = tmp_path / "key"
     f.write_bytes(SECRET.encode())
-    env = {SECRET_FILE_ENV: str(f), SECRET_ENV: "env-secret-that-is-long-enough"}
-    assert load_noise_secret(environ=env) == SECRET.encode()
+    env = {SECRET_FILE_ENV: str(f), SECRET_ENV: "00" * 32}
+    assert load_noise_secret(environ=env) == KEY
 
 
 def test_secret_from_env():
-    assert load_noise_secret(environ={SECRET_ENV: f" {SECRET}\n"}) == SECRET.encode()
+    assert load_noise_secret(environ={SECRET_ENV: f" {SECRET}\n"}) == KEY
 
 
 def test_no_secret():
@@ -305,10 +306,9 @@ def test_unreadable_secret_file(tmp_path):
 
 
 def test_repr_does_not_contain_the_secret():
-    nn = NodeNoise(SECRET.encode())
+    nn = NodeNoise(KEY, label="run-7")
     text = repr(nn) + str(nn)
-    assert SECRET not in text
-    assert SECRET.encode().hex() not in text
+    assert SECRET not in text and KEY.hex() not in text
     for attr in ("_aes_key", "_id_key"):
         assert getattr(nn, attr).hex() not in text
-    assert nn.fingerprint in text
+    assert "run-7" in text
