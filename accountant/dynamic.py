@@ -1,5 +1,5 @@
 """Budgets and thresholds of the fully dynamic counter (Qiu & Yi, *Differential Privacy on Dynamic
-Data*, sections 3.2 and 4; DESIGN.md section 6). Every formula of the dynamic agent lives here.
+Data*, sections 3.2 and 4; docs/privacy.md, "Dynamic counts"). Every formula of the dynamic agent lives here.
 
 All mechanisms of the dynamic agent add (discrete) Laplace noise, so it is pure epsilon-DP; the
 declared delta is not spent (reported as 0). The budget is split between

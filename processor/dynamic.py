@@ -38,19 +38,20 @@ import numpy as np
 
 from accountant.dynamic import (DynamicPlan, counter_scales, discrete_laplace_tail, level_epsilon, round_beta, round_epsilon,
                                 svt_beta, svt_scales, svt_threshold)
+from processor import discrete_laplace
 from processor.noise import NodeNoise, TreeIdentity
 
 NOISE_CHUNK = 4096
+FIRST_CHUNK = 16
 
 
 class DynamicNoise:
-    """Discrete Laplace noise (P[x] ~ exp(-|x| / scale)) as a keyed PRF of (label, index).
-
-    Each draw is the difference of two geometric variables taken from the two 64-bit halves of
-    one AES-PRF block (:meth:`NodeNoise.uniforms`), by inverse transform on 53-bit uniforms. The
-    outputs are integers, so the low-order-bit attack on floating point Laplace does not apply;
-    the inverse transform itself is computed in double precision (not an exact sampler).
-    ``noise=None`` gives zeros (for structural tests)."""
+    """Discrete Laplace noise (P[x] ~ exp(-|x| / scale), every integer possible) as a keyed PRF of
+    (label, index), sampled exactly (:mod:`processor.discrete_laplace`: Canonne, Kamath and
+    Steinke 2020, Algorithms 1 and 2) from the words of :meth:`NodeNoise.uniforms`. Integer
+    arithmetic only, so the mechanisms are pure epsilon-DP as the accountant reports; the value
+    at an index does not depend on how draws are batched. ``noise=None`` gives zeros (for
+    structural tests)."""
 
     def __init__(self, noise: Optional[NodeNoise], query: str):
         self.noise = noise
@@ -59,16 +60,16 @@ class DynamicNoise:
     def laplace(self, scale: float, label: str, count: int, start: int = 0) -> np.ndarray:
         if self.noise is None or count == 0:
             return np.zeros(count, dtype=np.int64)
-        tree = self.noise.tree_id(TreeIdentity(self.query, 0, label, "dynamic"))
-        nodes = np.arange(start, start + count, dtype=np.uint32)
-        hi, lo = self.noise.uniforms(np.full(count, tree, dtype="S12"), nodes)
-        log_q = -1.0 / scale
+        trees: dict = {}
 
-        def geometric(words: np.ndarray) -> np.ndarray:
-            u = ((words >> np.uint64(11)).astype(np.float64) + 1.0) * 2.0 ** -53  # (0, 1]
-            return np.floor(np.log(u) / log_q).astype(np.int64)
+        def words(page: int, high: int, nodes: np.ndarray):
+            key = (page, high)
+            if key not in trees:
+                name = label if key == (0, 0) else f"{label}#page{page}#high{high}"
+                trees[key] = self.noise.tree_id(TreeIdentity(self.query, 0, name, "dynamic"))
+            return self.noise.uniforms_indexed(np.array([trees[key]]), np.zeros(len(nodes), dtype=np.int64), nodes)
 
-        return geometric(hi) - geometric(lo)
+        return discrete_laplace.sample(words, scale, np.arange(start, start + count, dtype=np.int64))
 
 
 # ---------------------------------------------------------------------- insertion-only counter
@@ -144,8 +145,13 @@ class PrivatePartitioner:
         n ticks of one update each). Returns the ticks at which segments closed."""
         counts = np.ones(counts, dtype=np.int64) if isinstance(counts, (int, np.integer)) else np.asarray(counts, dtype=np.int64)
         closes, pos, n = [], 0, len(counts)
+        chunk = FIRST_CHUNK
         while pos < n:
-            m = min(NOISE_CHUNK, n - pos)
+            # draw noise only as far as this instance can run: a short chunk first (instances
+            # often close soon), doubling while nothing fires, never past the forced close at the
+            # horizon. A value depends only on its position, so chunking changes nothing.
+            m = max(1, min(chunk, NOISE_CHUNK, n - pos, self.horizon - self.t))
+            chunk *= 2
             steps = np.arange(self.t + 1, self.t + m + 1, dtype=np.int64)
             running = self.count + np.cumsum(counts[pos:pos + m])  # updates since the segment opened
             noise = self.noise.laplace(self.query_scale, f"svt{self.j}:queries", m, start=int(self.t - self.start))
@@ -162,6 +168,7 @@ class PrivatePartitioner:
             closes.append(self.t)
             self.count = 0
             self._open_instance(horizon=self.t * self.t)
+            chunk = FIRST_CHUNK
         return closes
 
 
@@ -373,11 +380,13 @@ class DynamicCounter:
         if n <= 0:
             return []
         counts = np.zeros(n, dtype=np.int64)
-        if self._undecided:
+        consumed = self._undecided and self.tick <= tick - 1  # updates of a later tick stay undecided
+        if consumed:
             counts[self.tick - self.decided - 1] = self._undecided
         closes = self.partitioner.advance(counts)
         self.decided = tick - 1
-        self._undecided = 0
+        if consumed:
+            self._undecided = 0
         return [self._close(t) for t in closes]
 
     def update(self, item: str, op: str) -> Optional[DynamicRelease]:
