@@ -1,4 +1,4 @@
-"""The privacy budget ledger (DESIGN.md sections 7 and 12; Kenthapadi et al., LinkedIn Audience
+"""The privacy budget ledger (docs/privacy.md, "Windows and budget"; Kenthapadi et al., LinkedIn Audience
 Engagements API, sections 4.2 and 6).
 
 One entry per *principal* (a query, a tenant or an input stream - configurable): the maximum
@@ -48,6 +48,11 @@ class BudgetExceeded(RuntimeError):
 
 class LedgerEpochError(RuntimeError):
     pass
+
+
+class ChargePlanError(RuntimeError):
+    """A charge id was already charged under another plan: the window it names must finish on the
+    plan it was charged for (docs/privacy.md, "Windows and budget")."""
 
 
 @dataclass(frozen=True)
@@ -140,14 +145,20 @@ class BudgetLedger:
     def check(self, principal: str, epsilon: float, delta: float, now_ms: int) -> bool:
         return self.get(principal, now_ms).allows(epsilon, delta)
 
-    def charge(self, principal: str, epsilon: float, delta: float, charge_id: str, now_ms: int) -> ChargeResult:
+    def charge(self, principal: str, epsilon: float, delta: float, charge_id: str, now_ms: int,
+               plan: Optional[str] = None) -> ChargeResult:
         """Spend (epsilon, delta) for ``charge_id`` atomically; idempotent per id. Raises
-        :class:`BudgetExceeded` when it would overspend (shadow mode: records and allows)."""
+        :class:`BudgetExceeded` when it would overspend (shadow mode: records and allows), and
+        :class:`ChargePlanError` when the id was charged under another ``plan`` fingerprint."""
         with self._lock:
             entry, _ = self._load(principal, now_ms)
             charge_key = CHARGE + principal.encode() + b"\0" + charge_id.encode()
             previous = self.store.get(charge_key)
             if previous is not None:
+                earlier = json.loads(previous).get("plan")
+                if plan is not None and earlier is not None and earlier != plan:
+                    raise ChargePlanError(f"charge {charge_id} of {principal!r} was made under another plan: its window "
+                                          f"must finish on the plan it was charged for")
                 return ChargeResult(principal, False, True, False, entry)
             would_refuse = not entry.allows(epsilon, delta)
             batch = WriteBatch()
@@ -161,7 +172,9 @@ class BudgetLedger:
             entry.spent_delta += delta
             entry.charges += 1
             batch.put(ENTRY + principal.encode(), json.dumps(asdict(entry)).encode())
-            batch.put(charge_key, json.dumps({"epsilon": epsilon, "delta": delta, "at_ms": now_ms,
-                                              "period_start_ms": entry.last_reset_ms}).encode())
+            record = {"epsilon": epsilon, "delta": delta, "at_ms": now_ms, "period_start_ms": entry.last_reset_ms}
+            if plan is not None:
+                record["plan"] = plan
+            batch.put(charge_key, json.dumps(record).encode())
             self.store.write(batch)  # entry and charge record: one atomic write
             return ChargeResult(principal, True, False, would_refuse, entry)

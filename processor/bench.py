@@ -122,7 +122,7 @@ def run_scaling_bench(seen_small: int = 10_000, seen_large: int = 1_000_000, bat
         ts = np.full(len(users), (trigger - 1) * interval, dtype=np.int64)
         events = EventColumns(pseudo.integer_users(users), key_names, key_ids, np.ones(len(users)), ts)
         batch = WriteBatch()
-        pipe.accumulate(pipe.bound(events, np.full(len(users), -1, dtype=np.int64), batch), trigger, batch)
+        pipe.accumulate(pipe.bound(events, ts, batch), trigger, batch)  # each event arrives at its own time
         store.write(batch)
 
     results = {}

@@ -115,7 +115,7 @@ def run_dpsqlp_bench(users: int = 10_000_000, keys: int = 1_000_000, triggers: i
         kk = stream.keys[sl]
         events = EventColumns(user_ids[sl], key_text[kk], key_ids[kk], np.ones(len(kk)), stream.ts[sl])
         batch = WriteBatch()
-        records = stage1.bound(events, np.full(len(kk), -1, dtype=np.int64), batch)
+        records = stage1.bound(events, stream.ts[sl], batch)  # each event arrives at its own time
         stage1_store.write(batch)
         return records
 

@@ -1,4 +1,4 @@
-"""``dpstream bench hierarchy``: consistent hierarchical counts (DESIGN.md section 8) on a skewed
+"""``dpstream bench hierarchy``: consistent hierarchical counts (docs/privacy.md, "Post-processing: hierarchical consistency") on a skewed
 synthetic three-level hierarchy, through the real pipeline.
 
 Workload (``numpy.random.default_rng(seed)``): ``countries`` countries; country c has
@@ -111,7 +111,7 @@ def run_one(epsilon: float, leaves, user, leaf, ts, triggers: int, secret: bytes
             sl = slice(np.searchsorted(ts, START + (i - 1) * interval), np.searchsorted(ts, START + i * interval))
             batch = WriteBatch()
             ev = EventColumns(users[sl], texts[leaf[sl]], leaf_ids[leaf[sl]], np.ones(sl.stop - sl.start), ts[sl])
-            bounded = pipe.bound(ev, np.full(len(ev), START - 1, dtype=np.int64), batch)
+            bounded = pipe.bound(ev, ts[sl], batch)  # each event arrives at its own time
             pipe.accumulate(bounded, i, batch)
             pipe.store.write(batch)
             before = pipe.stats.consistency_seconds

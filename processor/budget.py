@@ -1,10 +1,13 @@
-"""The budget ledger wired to the queries: who is charged what, and when (DESIGN.md 7, 12).
+"""The budget ledger wired to the queries: who is charged what, and when (docs/privacy.md, "Windows and budget").
 
-* A DP-SQLP query is charged its plan's (epsilon, delta) when a window opens (the first
-  record of the window reaches stage 2), with charge id ``query:window_start`` - the guarantee
-  is per user and window, so each window is one spend. A refused window's records are dropped
-  (``dpstream_events_dropped_total{reason="budget"}``) and the error names requested vs
-  remaining.
+* A DP-SQLP query is charged its plan's (epsilon, delta) for each window as the clock reaches
+  the window's start, with or without data (:meth:`processor.pipeline.QueryPipeline.open_due`),
+  with charge id ``query:window_start`` and the time of the charge the window's start: the
+  guarantee is per user and window, so each window is one spend, and what is spent or refused
+  follows the public schedule only (docs/privacy.md). The charge records the plan's fingerprint;
+  a window is never charged under one plan and run under another. A refused window's records
+  are dropped (``dpstream_events_dropped_total{reason="budget"}``) and the error names requested
+  vs remaining.
 * A dynamic query runs over an unbounded stream under one guarantee: it is charged once, when
   it starts (charge id ``query:start``); refused, it does not run.
 
@@ -19,7 +22,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from accountant.ledger import BudgetExceeded, BudgetLedger
-from processor.config import DpstreamConfig, plan_for
+from accountant.plan import plan_fingerprint
+from processor.config import DpstreamConfig, level_plans_for, plan_for
 from state.store import RocksDBStore, Store
 
 log = logging.getLogger("dpstream.budget")
@@ -51,10 +55,12 @@ class BudgetGate:
 
     def window_gate(self, query) -> Callable[[int], bool]:
         plan = plan_for(query)
+        fingerprint = plan_fingerprint(level_plans_for(query)).hex()
         principal = self.config.budget.principal_of(query)
 
         def gate(window_start: int) -> bool:
-            return self._charge(principal, plan.epsilon_spent, plan.delta_spent, f"{query.name}:{window_start}")
+            return self._charge(principal, plan.epsilon_spent, plan.delta_spent, f"{query.name}:{window_start}",
+                                at_ms=int(window_start), plan=fingerprint)
 
         return gate
 
@@ -62,9 +68,10 @@ class BudgetGate:
         plan = query.plan()
         return self._charge(self.config.budget.principal_of(query), query.epsilon, plan.delta_spent, f"{query.name}:start")
 
-    def _charge(self, principal: str, epsilon: float, delta: float, charge_id: str) -> bool:
+    def _charge(self, principal: str, epsilon: float, delta: float, charge_id: str, at_ms: Optional[int] = None,
+                plan: Optional[str] = None) -> bool:
         try:
-            result = self.ledger.charge(principal, epsilon, delta, charge_id, self.clock())
+            result = self.ledger.charge(principal, epsilon, delta, charge_id, self.clock() if at_ms is None else at_ms, plan=plan)
         except BudgetExceeded as exc:
             log.error("%s (charge %s refused)", exc, charge_id)
             self.refused.add(charge_id)

@@ -46,6 +46,27 @@ def parse_duration_ms(text: str | int, allow_zero: bool = False) -> int:
     return value
 
 
+def parse_time_ms(value: str | int) -> int:
+    """A point in time: epoch milliseconds, or ISO-8601 (``2026-11-20``, ``2026-11-20T06:00:00Z``;
+    a time without a zone is UTC)."""
+    if isinstance(value, bool):
+        raise ValueError("must be epoch milliseconds or an ISO-8601 time")
+    if isinstance(value, int):
+        return value
+    text = str(value).strip()
+    if re.fullmatch(r"-?\d+", text):
+        return int(text)
+    from datetime import datetime, timezone
+
+    try:
+        moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise ValueError(f"must be epoch milliseconds or an ISO-8601 time like 2026-11-20T00:00:00Z, got {value!r}") from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return int(moment.timestamp() * 1000)
+
+
 class QueryConfig(BaseModel):
     """One continually released DP histogram (DP-SQLP section 3), all fields public."""
 
@@ -64,6 +85,9 @@ class QueryConfig(BaseModel):
     contribution_bound: int = Field(32, ge=1)
     window: str = "1d"
     allowed_lateness: str = "1m"
+    #: events dated more than this after the clock (the worker's: the record's Kafka timestamp;
+    #: replay's: its event-time clock) are dead-lettered as ``future`` and never move a clock
+    max_skew: str = "1h"
     triggers: int = Field(100, ge=1, le=1 << 24)
     key_threshold: float = Field(0.0, ge=0)
     epsilon: float
@@ -73,7 +97,7 @@ class QueryConfig(BaseModel):
     composition: Literal["zcdp", "basic"] = "zcdp"
     resolution: Optional[float] = None
     #: key_fields are a hierarchy, coarse to fine (country > state > city): one histogram per
-    #: level (key = prefix of key_fields), published consistent (DESIGN.md section 8)
+    #: level (key = prefix of key_fields), published consistent (docs/privacy.md, "Post-processing: hierarchical consistency")
     hierarchy: bool = False
     level_shares: Optional[list[float]] = None  # budget share per level (sum 1); null: equal
 
@@ -83,7 +107,7 @@ class QueryConfig(BaseModel):
         parse_duration_ms(value)
         return value
 
-    @field_validator("allowed_lateness")
+    @field_validator("allowed_lateness", "max_skew")
     @classmethod
     def _lateness(cls, value: str) -> str:
         parse_duration_ms(value, allow_zero=True)
@@ -143,7 +167,7 @@ class QueryConfig(BaseModel):
 
 
 class DynamicQueryConfig(BaseModel):
-    """Per-item counts of a multiset under inserts and deletes (Qiu & Yi; DESIGN.md section 6).
+    """Per-item counts of a multiset under inserts and deletes (Qiu & Yi; docs/privacy.md, "Dynamic counts").
 
     Input records ``{"item": ..., "op": "insert"|"delete", "ts": ...}``; ``ts`` falls in tick
     ``(ts - start) // tick + 1`` (the paper's timestamps; records must not go back to a decided
@@ -163,6 +187,11 @@ class DynamicQueryConfig(BaseModel):
     time_field: str = "ts"
     start: int = Field(ge=0)  # epoch ms of tick 1: public, fixed before the data
     tick: str = "1s"  # the paper's timestamp unit: updates in one tick share a timestamp
+    #: a tick is decided (with or without updates) once the clock passes its end plus this;
+    #: updates for a decided tick are late
+    allowed_lateness: str = "1s"
+    #: updates dated more than this after the clock they arrive at are dead-lettered as ``future``
+    max_skew: str = "1h"
     unit_field: Optional[str] = None
     contribution_bound: int = Field(1, ge=1)
     items: list[str] = Field(min_length=1, max_length=100_000)
@@ -185,9 +214,27 @@ class DynamicQueryConfig(BaseModel):
         parse_duration_ms(value)
         return value
 
+    @field_validator("allowed_lateness", "max_skew")
+    @classmethod
+    def _dyn_lateness(cls, value: str) -> str:
+        parse_duration_ms(value, allow_zero=True)
+        return value
+
     @property
     def tick_ms(self) -> int:
         return parse_duration_ms(self.tick)
+
+    @property
+    def lateness_ms(self) -> int:
+        return parse_duration_ms(self.allowed_lateness, allow_zero=True)
+
+    @property
+    def max_skew_ms(self) -> int:
+        return parse_duration_ms(self.max_skew, allow_zero=True)
+
+    def decided_through(self, clock_ms: int) -> int:
+        """The last tick whose end plus the allowed lateness the clock has passed (0: none)."""
+        return max(0, (clock_ms - self.lateness_ms - self.start) // self.tick_ms)
 
     @field_validator("items")
     @classmethod
@@ -229,15 +276,29 @@ class BudgetLimit(BaseModel):
 
 
 class BudgetConfig(BaseModel):
-    """The budget ledger (DESIGN.md section 7): who is charged, how much each may spend."""
+    """The budget ledger (docs/privacy.md, "Windows and budget"): who is charged, how much each may spend."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     principal: Literal["query", "tenant", "input_topic"] = "query"
     shadow: bool = False  # track and report, never refuse
     epoch: str = Field("1", min_length=1)  # a new epoch (lost state, new noise secret) is named here
+    #: the public start of the window schedule: the first window charged (epoch ms or ISO-8601
+    #: time). null: the worker's first start; a replay then needs --start
+    start: Optional[str | int] = None
     default: Optional[BudgetLimit] = None
     principals: dict[str, BudgetLimit] = Field(default_factory=dict)
+
+    @field_validator("start")
+    @classmethod
+    def _start(cls, value):
+        if value is not None:
+            parse_time_ms(value)
+        return value
+
+    @property
+    def start_ms(self) -> Optional[int]:
+        return None if self.start is None else parse_time_ms(self.start)
 
     def principal_of(self, query) -> str:
         if self.principal == "query":

@@ -2,20 +2,25 @@
 runner, the benchmarks and the Kafka worker's agents.
 
 Stage 1, by user (:meth:`QueryPipeline.bound`): event-time window and trigger of each event,
-late events dropped, contribution bounding (at most C records per user and window, each with a
-slot 1..C; values clamped and put on the grid), and for each admitted record the trigger of the
-same user's previous record for the same key.
+late and future events refused, contribution bounding (at most C records per user and window,
+each with a slot 1..C; values clamped and put on the grid), and for each admitted record its
+predecessor among the same user's records for the same key, plus the amendment it makes to a
+later micro-batch when it arrived out of event-time order (docs/privacy.md, "Distinct users per
+round").
 
 Stage 2, by key: bounded records are appended to the pending micro-batch of their (window,
-trigger) (:meth:`QueryPipeline.accumulate`); at the trigger, :meth:`QueryPipeline.fire`
+trigger) (:meth:`QueryPipeline.accumulate`), amendments to the micro-batch they amend; at the
+trigger, :meth:`QueryPipeline.fire`
 
 1. loads only the keys in the micro-batch plus the keys the prediction index names for this
    trigger (section 4.3) - never all keys;
-2. drops replayed stage-1 output (a (user, slot) pair seen twice in the micro-batch: DESIGN.md
-   section 12) and counts users new to each key's current round (their previous record for the
-   key came before the round started);
+2. drops replayed stage-1 output (a (user, slot) pair seen twice in the micro-batch:
+   docs/privacy.md, "Failures"), applies the amendments, and counts users new to each key's
+   current round (their record's predecessor came before the round started), once per
+   (key, user);
 3. merges the micro-batch into each key's data buffer and runs key selection (Algorithm 2);
-4. releases selected keys' buffers through their perturbation trees (Algorithm 3);
+4. releases selected keys' buffers through their perturbation trees (Algorithm 3), exactly
+   (docs/privacy.md, "The arithmetic of releases");
 5. re-plans when each key must next be looked at: a key that had data is visited again at the
    next trigger (cheap, and most active keys have data again); a key visited without data gets
    the full release prediction (Algorithm 4) and is indexed under its predicted trigger, if any;
@@ -23,10 +28,15 @@ trigger) (:meth:`QueryPipeline.accumulate`); at the trigger, :meth:`QueryPipelin
    write before anything is published; firing an already fired trigger returns the journal, so
    a (window, key, trigger) is never released twice with different values.
 
+Windows (docs/privacy.md, "Windows and budget"): with a budget ledger a window opens, and is
+charged, when the clock reaches its start, data or not (:meth:`QueryPipeline.open_due`); without
+one it opens with its first record. A window is pinned to the plan it was opened under.
+
 Micro-batch membership is by event time: an event with time t belongs to trigger
 ``i = floor((t - window_start) / (window / T)) + 1`` of its window; the trigger fires once the
-clock (the watermark in replay, wall time in the worker) passes ``window_start + i * window / T
-+ allowed_lateness``. Events for a trigger that has fired are late and dropped (counted).
+clock (replay's event-time clock, wall time in the worker: docs/privacy.md, "Time") passes
+``window_start + i * window / T + allowed_lateness``. Events for a trigger that has fired are
+late and dropped (counted).
 """
 from __future__ import annotations
 
@@ -38,19 +48,26 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from processor.bounding import ContributionBounder, last_contributions
+from accountant.plan import plan_fingerprint
+from processor.bounding import ContributionBounder, key_histories
 from processor.config import QueryConfig, level_plans_for, parse_duration_ms
 from processor.consistency import solve as solve_consistency
 from processor.key_selection import KeySelector, SelectionBatch
-from processor.noise import NodeNoise, Pseudonymizer
+from processor.noise import TREE_ID_DTYPE, NodeNoise, Pseudonymizer
 from processor.perturbation import HierarchicalPerturber, PerturbationBatch
+from processor.tree import ABSENT
 from state import keys as sk
 from state.store import Store, WriteBatch
 from topics.records import encode_json, key_for_output, key_text, release_record
 
 _USER_ENTRY = np.dtype([("key", "<u8"), ("trigger", "<u4")])
+#: a predecessor amendment (processor.bounding.key_histories): raise the predecessor trigger of
+#: ``user``'s records for ``key`` in the target micro-batch to ``trigger``
+_AMEND_ENTRY = np.dtype([("key", "<u8"), ("user", "<u8"), ("trigger", "<u4")])
+#: window status in the progress table
+WINDOW_OPEN, WINDOW_REFUSED = 1, 2
 #: a hierarchy's published view, per released key: what the consistency step starts from
-_VIEW_ENTRY = np.dtype([("level", "<u4"), ("released_at", "<u4"), ("count", "<f8"), ("stddev", "<f8"), ("consistent", "<i8"),
+_VIEW_ENTRY = np.dtype([("level", "<u4"), ("released_at", "<u4"), ("count", "<i8"), ("stddev", "<f8"), ("consistent", "<i8"),
                         ("other", "<i8")])
 #: initial half-width of a value's domain in the consistency program, in standard deviations of
 #: its noise (Fioretto et al. section 11.2 size domains from the noise; the solver widens them
@@ -65,7 +82,8 @@ def level_key_texts(text: str, depth: int) -> list[str]:
 
 
 def _parse_user_states(values: list) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Stage-1 user states: admitted count (u16) then (key, last trigger) entries, one per key."""
+    """Stage-1 user states: admitted count (u16) then (key, trigger) entries, one per distinct
+    (key, trigger) of the user's admitted records in the window."""
     lengths = np.fromiter((len(v) if v else 0 for v in values), dtype=np.int64, count=len(values))
     raw = np.frombuffer(b"".join(v for v in values if v), dtype=np.uint8)
     starts = np.cumsum(lengths) - lengths
@@ -82,31 +100,44 @@ def _parse_user_states(values: list) -> tuple[np.ndarray, np.ndarray, np.ndarray
     return before, group, entries["key"].astype(np.uint64), entries["trigger"].astype(np.int64)
 
 
-#: Version of the state layout (key rows, pending micro-batches, tables). 2: key rows carry the
-#: level and level-1 key of hierarchies, bounded records their levels and roots.
-STATE_FORMAT = b"2"
+#: Version of the state layout (key rows, pending micro-batches, tables). 3: 16-byte tree ids,
+#: exact integer frontier caches, user states per (key, trigger), predecessor amendments, the
+#: key-text registry, window status and plan fingerprint in the progress table.
+STATE_FORMAT = b"3"
+
+
+class PlanChangedError(RuntimeError):
+    """A window still open was opened under another plan (docs/privacy.md, "Windows and budget")."""
 
 
 def check_noise_epoch(store: Store, noise: NodeNoise) -> None:
-    """State written under another noise secret must never be mixed with this one: the secret
-    defines the budget epoch (DESIGN.md section 12). Nor may state of another layout version be
-    read as this one."""
-    key, format_key = sk.META + b"noise-epoch", sk.META + b"state-format"
+    """State written under another noise secret or run label must never be mixed with this one:
+    the secret defines the budget epoch, the label the run's noise (docs/privacy.md). Nor may state
+    of another layout version be read as this one."""
+    key, format_key, label_key = sk.META + b"noise-epoch", sk.META + b"state-format", sk.META + b"noise-label"
     stored = store.get(key)
     mine = noise.fingerprint.encode()
     if stored is None:
         batch = WriteBatch()
         batch.put(key, mine)
         batch.put(format_key, STATE_FORMAT)
+        batch.put(label_key, noise.label.encode())
         store.write(batch)
         return
     if stored != mine:
         raise RuntimeError("the state directory was written with a different noise secret (another budget epoch); "
                            "use a new state directory")
+    if (store.get(label_key) or b"").decode() != noise.label:
+        raise RuntimeError(f"the state directory was written under another noise label than {noise.label!r}: its trees "
+                           f"carry other noise; use the label it was written with, or a new state directory")
     fmt = store.get(format_key) or b"1"
     if fmt != STATE_FORMAT:
         raise RuntimeError(f"the state directory was written by dpstream state format {fmt.decode()}, this is format "
                            f"{STATE_FORMAT.decode()}: use a new state directory (a new epoch)")
+
+
+def _iso(ms: int) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ms / 1000))
 
 
 def _ordered(releases: list[dict]) -> list[dict]:
@@ -139,7 +170,8 @@ class BoundedRecords:
     users: np.ndarray  # uint64
     slots: np.ndarray  # int64, 1..C
     units: np.ndarray  # int64, value on the grid
-    previous: np.ndarray  # int64, trigger of the user's previous record for this key (0: none)
+    previous: np.ndarray  # int64, predecessor trigger: the user's latest earlier record for this key (0: none)
+    amend: np.ndarray  # int64, micro-batch whose predecessor this record becomes (0: none; processor.bounding)
     levels: np.ndarray  # int64, level of the key (1 = coarsest; always 1 for a flat query)
     roots: np.ndarray  # uint64, id of the key's level-1 prefix (the key itself for a flat query): routes stage 2
 
@@ -150,7 +182,7 @@ class BoundedRecords:
         return BoundedRecords(*(getattr(self, f)[index] for f in self.__dataclass_fields__))
 
     _COLUMNS = (("window", "<i8"), ("trigger", "<u4"), ("key_ids", "<u8"), ("users", "<u8"), ("slots", "<u2"), ("units", "<i8"),
-                ("previous", "<u4"), ("levels", "<u1"), ("roots", "<u8"))
+                ("previous", "<u4"), ("amend", "<u4"), ("levels", "<u1"), ("roots", "<u8"))
 
     def encode(self) -> bytes:
         """Wire form of stage-1 output (the repartition topic's message value): fixed-width
@@ -179,7 +211,8 @@ class BoundedRecords:
         keys = np.array([texts[k] for k in cols["key_ids"].tolist()], dtype=object)
         return cls(cols["window"].astype(np.int64), cols["trigger"].astype(np.int64), cols["key_ids"].astype(np.uint64), keys,
                    cols["users"].astype(np.uint64), cols["slots"].astype(np.int64), cols["units"].astype(np.int64),
-                   cols["previous"].astype(np.int64), cols["levels"].astype(np.int64), cols["roots"].astype(np.uint64))
+                   cols["previous"].astype(np.int64), cols["amend"].astype(np.int64), cols["levels"].astype(np.int64),
+                   cols["roots"].astype(np.uint64))
 
 
 @dataclass
@@ -188,7 +221,7 @@ class MicroBatch:
 
     key_ids: np.ndarray
     users: np.ndarray
-    previous: np.ndarray
+    previous: np.ndarray  # predecessor trigger, amendments applied
     units: np.ndarray
     texts: dict
     levels: np.ndarray  # per record
@@ -217,8 +250,9 @@ class Schedule:
         self.triggers = query.triggers
         self.interval = self.window_ms // self.triggers
         self.lateness = parse_duration_ms(query.allowed_lateness, allow_zero=True)
+        self.max_skew = parse_duration_ms(query.max_skew, allow_zero=True)
 
-    def window_of(self, ts: np.ndarray) -> np.ndarray:
+    def window_of(self, ts):
         return ts - ts % self.window_ms
 
     def trigger_of(self, ts: np.ndarray, window: np.ndarray) -> np.ndarray:
@@ -230,13 +264,29 @@ class Schedule:
     def fire_time(self, window, trigger):
         return self.trigger_time(window, trigger) + self.lateness
 
+    def is_future(self, ts, clock):
+        """An event dated more than ``max_skew`` after the clock: dead-lettered as ``future``
+        and never allowed to move any clock (docs/privacy.md, "Time")."""
+        return ts > clock + self.max_skew
+
+
+def _colliding(texts: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Records whose key id was already taken, in this batch, by another key text (a 64-bit
+    pseudonym collision): the first text in arrival order keeps the id, later texts are refused."""
+    if not len(ids):
+        return np.zeros(0, dtype=bool)
+    _, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
+    owner = np.asarray(texts, dtype=object)[first][inverse.ravel()]
+    return np.asarray(owner != np.asarray(texts, dtype=object), dtype=bool)
+
 
 class QueryPipeline:
     def __init__(self, query: QueryConfig, noise: NodeNoise, store: Store, pseudonyms: Optional[Pseudonymizer] = None):
         self.query = query
-        #: one plan per level (DESIGN.md section 8); a flat query has one level
+        #: one plan per level (docs/privacy.md, "Post-processing: hierarchical consistency"); a flat query has one level
         self.plans = level_plans_for(query)
         self.plan = self.plans[0]  # shared terms: C, L, grid, mu, the query's (epsilon, delta)
+        self.fingerprint = plan_fingerprint(self.plans)
         self.depth = query.levels
         if self.depth > 1 and pseudonyms is None:
             raise ValueError(f"query {query.name}: a hierarchy needs the pseudonymizer for its level keys")
@@ -253,24 +303,103 @@ class QueryPipeline:
         self._row = np.dtype([
             ("round", "<u4"), ("start", "<u4"), ("done", "<u4"), ("predicted", "<u4"),
             ("count", "<i8"), ("participations", "<i8"), ("buffer", "<i8"), ("released", "<i8"),
-            ("pdone", "<u4"), ("level", "<u4"), ("noise_max", "<f8"), ("root", "<u8"), ("sel_tree", "S12"), ("pert_tree", "S12"),
-            ("sel_cache", "<f8", (L,)), ("pcache", "<f8", (L,)),
+            ("pdone", "<u4"), ("level", "<u4"), ("noise_max", "<f8"), ("root", "<u8"), ("sel_tree", TREE_ID_DTYPE),
+            ("pert_tree", TREE_ID_DTYPE), ("sel_cache", "<i8", (L,)), ("pcache", "<i8", (L,)),
         ])
-        #: Called with a window start before the window opens; False refuses it (the budget
-        #: ledger's check, DESIGN.md section 7). The pipeline never sees who is charged.
+        #: With a budget ledger, windows open on the public schedule (:meth:`set_schedule`,
+        #: :meth:`open_due`): the gate charges a window as the clock reaches it, data or not,
+        #: and False refuses it. The pipeline never sees who is charged. Without a ledger a
+        #: window opens when its first record arrives (nothing is charged, so nothing
+        #: observable depends on when).
         self.window_gate: Optional[Callable[[int], bool]] = None
+        self._first_window: Optional[int] = None
+        self._next_open: Optional[int] = None
+        #: event indices (into the last :meth:`bound` call's events) refused there, with reasons
+        self.last_rejected: list[tuple[int, str]] = []
+        self._names_unwritten: dict[tuple[int, int], str] = {}
         self._progress: dict[int, int] = {}
+        self._status: dict[int, int] = {}
         for key, value in store.scan_prefix(sk.PROGRESS + self.qid):
-            self._progress[int.from_bytes(key[5:13], "big")] = int.from_bytes(value, "little")
+            window = int.from_bytes(key[len(sk.PROGRESS + self.qid):][:8], "big")
+            fired, status, fingerprint = int.from_bytes(value[:4], "little"), value[4], bytes(value[5:21])
+            self._progress[window], self._status[window] = fired, status
+            if status == WINDOW_OPEN and fired < self.schedule.triggers and fingerprint != self.fingerprint:
+                raise PlanChangedError(
+                    f"query {query.name}: window {_iso(window)} ({window} ms) is still open and was opened under another plan "
+                    f"(epsilon, delta, C, L, T, grid or thresholds changed): a window never mixes two plans. Restore the "
+                    f"query's previous settings until the window's last trigger has fired, or start a new epoch")
+        raw = store.get(self._next_open_key)
+        if raw is not None:
+            self._first_window = int.from_bytes(raw[:8], "little", signed=True)
+            self._next_open = int.from_bytes(raw[8:16], "little", signed=True)
         self.stats.keys_tracked = sum(1 for w in self.open_windows() for _ in store.scan_prefix(sk.window_prefix(sk.KEYS, self.qid, w)))
 
     # ------------------------------------------------------------------ windows and progress
+    @property
+    def _next_open_key(self) -> bytes:
+        return sk.META + b"schedule" + self.qid
+
     def open_windows(self) -> list[int]:
-        """Windows with state whose last trigger has not fired, in time order."""
-        return sorted(w for w, p in self._progress.items() if p < self.schedule.triggers)
+        """Open windows whose last trigger has not fired, in time order."""
+        return sorted(w for w, p in self._progress.items() if p < self.schedule.triggers and self._status.get(w) == WINDOW_OPEN)
 
     def progress(self, window: int) -> int:
         return self._progress.get(int(window), 0)
+
+    def _progress_value(self, fired: int, status: int) -> bytes:
+        return int(fired).to_bytes(4, "little") + bytes([status]) + self.fingerprint
+
+    def set_schedule(self, gate: Callable[[int], bool], start_ms: int) -> None:
+        """Windows open on the public schedule from the window holding ``start_ms``, each charged
+        by ``gate`` as the clock reaches it (:meth:`open_due`). The first start is kept in state:
+        a restart continues the same schedule."""
+        self.window_gate = gate
+        if self._first_window is None:
+            self._first_window = self._next_open = int(self.schedule.window_of(int(start_ms)))
+            batch = WriteBatch()
+            batch.put(self._next_open_key, self._schedule_value())
+            self.store.write(batch)
+
+    def _schedule_value(self) -> bytes:
+        return int(self._first_window).to_bytes(8, "little", signed=True) + int(self._next_open).to_bytes(8, "little", signed=True)
+
+    @property
+    def first_window(self) -> Optional[int]:
+        return self._first_window
+
+    def open_due(self, clock_ms: int) -> list[int]:
+        """Open every window whose start the clock has reached, in order, with or without data:
+        each is charged (or refused) by the gate now, so what is spent and what is refused
+        follow the public schedule only (docs/privacy.md). A refused window's pending records are
+        dropped (``budget``). Returns the windows opened."""
+        if self.window_gate is None:
+            return []
+        opened = []
+        while self._next_open <= clock_ms:
+            window = self._next_open
+            allowed = self.window_gate(window)
+            batch = WriteBatch()
+            if window not in self._status:
+                status = WINDOW_OPEN if allowed else WINDOW_REFUSED
+                fired = 0 if allowed else self.schedule.triggers
+                batch.put(sk.window_prefix(sk.PROGRESS, self.qid, window), self._progress_value(fired, status))
+                self._progress[window], self._status[window] = fired, status
+                opened.append(window)
+            self._next_open = window + self.schedule.window_ms
+            batch.put(self._next_open_key, self._schedule_value())
+            self.store.write(batch)
+            if self._status[window] == WINDOW_REFUSED:
+                self.stats.dropped["budget"] += self._discard_pending(window)
+        return opened
+
+    def _discard_pending(self, window: int) -> int:
+        """Drop a refused window's pending records; returns how many there were."""
+        dropped = 0
+        for _, blob in self.store.scan_prefix(sk.window_prefix(sk.PENDING, self.qid, window)):
+            dropped += int(np.frombuffer(blob[:4], dtype="<u4")[0])
+        for table in sk.WINDOW_TABLES:
+            self.store.delete_prefix(sk.window_prefix(table, self.qid, window))
+        return dropped
 
     def next_fire(self) -> Optional[tuple[int, int, int]]:
         """(fire time, window, trigger) of the earliest trigger still to fire, or None."""
@@ -283,16 +412,31 @@ class QueryPipeline:
         return best
 
     # ------------------------------------------------------------------ stage 1
-    def bound(self, events: EventColumns, prior_watermark: np.ndarray, batch: WriteBatch) -> BoundedRecords:
-        """Contribution bounding (section 3.2). ``prior_watermark[e]`` is the clock when event e
-        arrived; events whose trigger has already fired by then are late and dropped."""
+    def bound(self, events: EventColumns, prior_clock: np.ndarray, batch: WriteBatch) -> BoundedRecords:
+        """Contribution bounding (section 3.2). ``prior_clock[e]`` is the clock when event e
+        arrived: events whose trigger has already fired by then are late and dropped; events
+        dated beyond it by more than ``max_skew`` are refused as ``future``; records whose key
+        id is taken by another key text are refused as a collision. Refused events are listed in
+        :attr:`last_rejected` for the caller to dead-letter."""
         n = len(events)
         self.stats.events_in += n
+        self.last_rejected = []
+        prior_clock = np.asarray(prior_clock, dtype=np.int64)
+        future = self.schedule.is_future(events.ts, prior_clock)
+        collided = _colliding(events.keys, events.key_ids)
+        if future.any() or collided.any():
+            for e in np.nonzero(future)[0].tolist():
+                self.last_rejected.append((e, f"future: field {self.query.time_field!r} is more than {self.query.max_skew} after "
+                                              f"the clock"))
+            for e in np.nonzero(collided & ~future)[0].tolist():
+                self.last_rejected.append((e, "key id collision: another key text holds this key's 64-bit id"))
+            self.stats.dropped["future"] += int(future.sum())
+            self.stats.dropped["key_collision"] += int((collided & ~future).sum())
         window = self.schedule.window_of(events.ts)
         trigger = self.schedule.trigger_of(events.ts, window)
-        on_time = self.schedule.fire_time(window, trigger) > prior_watermark
-        self.stats.dropped["late"] += int(n - on_time.sum())
-        idx = np.nonzero(on_time)[0]
+        on_time = self.schedule.fire_time(window, trigger) > prior_clock
+        self.stats.dropped["late"] += int((~on_time & ~future & ~collided).sum())
+        idx = np.nonzero(on_time & ~future & ~collided)[0]
         window, trigger = window[idx], trigger[idx]
         users = events.users[idx]
         units = self.bounder.units(events.values[idx])
@@ -321,16 +465,25 @@ class QueryPipeline:
             # de-duplicates per (user, slot, level)
             texts, ids = self._level_keys(rec_keys)
             d = self.depth
+            clash = _colliding(texts.ravel(), ids.ravel()).reshape(len(keep), d).any(axis=1)
+            if clash.any():  # a level's key text collides with another's id: refuse the whole record
+                for e in keep[clash].tolist():
+                    self.last_rejected.append((e, "key id collision: another key text holds this key's 64-bit id"))
+                self.stats.dropped["key_collision"] += int(clash.sum())
+                ok = ~clash
+                keep, texts, ids = keep[ok], texts[ok], ids[ok]
+                rec_group, rec_trigger, rec_window, rec_users, rec_slots, rec_units = (
+                    a[ok] for a in (rec_group, rec_trigger, rec_window, rec_users, rec_slots, rec_units))
             rec_keys, rec_ids = texts.ravel(), ids.ravel()
             rec_levels = np.tile(np.arange(1, d + 1, dtype=np.int64), len(keep))
             rec_roots = np.repeat(ids[:, 0], d)
             rec_group, rec_trigger, rec_window, rec_users, rec_slots, rec_units = (
                 np.repeat(a, d) for a in (rec_group, rec_trigger, rec_window, rec_users, rec_slots, rec_units))
-        last = last_contributions(rec_group, rec_ids, rec_trigger, st_group, st_key, st_trigger)
-        entries = np.empty(len(last.group), dtype=_USER_ENTRY)
-        entries["key"], entries["trigger"] = last.key, last.trigger
+        history = key_histories(rec_group, rec_ids, rec_trigger, st_group, st_key, st_trigger)
+        entries = np.empty(len(history.group), dtype=_USER_ENTRY)
+        entries["key"], entries["trigger"] = history.key, history.trigger
         raw = entries.tobytes()
-        bounds = np.searchsorted(last.group, np.arange(len(state_keys) + 1)).tolist()
+        bounds = np.searchsorted(history.group, np.arange(len(state_keys) + 1)).tolist()
         changed = (assigned.counts != before).tolist()
         full = (assigned.counts >= self.plan.contribution_bound).tolist()
         for g, (key, count) in enumerate(zip(state_keys, assigned.counts.tolist())):
@@ -338,8 +491,8 @@ class QueryPipeline:
                 # a user at the bound admits nothing more: the per-key entries are never needed again
                 entries_raw = b"" if full[g] else raw[bounds[g] * _USER_ENTRY.itemsize:bounds[g + 1] * _USER_ENTRY.itemsize]
                 batch.put(key, count.to_bytes(2, "little") + entries_raw)
-        return BoundedRecords(rec_window, rec_trigger, rec_ids, rec_keys, rec_users, rec_slots, rec_units, last.previous,
-                              rec_levels, rec_roots.astype(np.uint64))
+        return BoundedRecords(rec_window, rec_trigger, rec_ids, rec_keys, rec_users, rec_slots, rec_units, history.previous,
+                              history.amend, rec_levels, rec_roots.astype(np.uint64))
 
     def _level_keys(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(texts, ids), each (records, depth): the key of every level for each record's key."""
@@ -349,25 +502,43 @@ class QueryPipeline:
         return texts[inverse], ids[inverse]
 
     # ------------------------------------------------------------------ stage 2 input
-    def accumulate(self, records: BoundedRecords, seq: int, batch: WriteBatch) -> None:
-        """Append bounded records to their (window, trigger) pending micro-batch. ``seq`` must be
-        unique per call (e.g. the input offset) so the pending blob keys do not collide."""
+    def accumulate(self, records: BoundedRecords, seq: int, batch: WriteBatch) -> list[tuple[str, str]]:
+        """Append bounded records to their (window, trigger) pending micro-batch, and their
+        predecessor amendments to the micro-batches they amend. ``seq`` must be unique per call
+        (e.g. the input offset) so the blob keys do not collide. Returns (key text, reason) of
+        records refused because their key's id is held by another key text in the window, for
+        the caller to dead-letter."""
         if not len(records):
-            return
+            return []
         windows, inverse = np.unique(records.window, return_inverse=True)
-        if self.window_gate is not None:
-            refused = np.array([w not in self._progress and not self.window_gate(w) for w in windows.tolist()], dtype=bool)
-            if refused.any():
-                self.stats.dropped["budget"] += int(refused[inverse].sum())
-                records = records.take(np.nonzero(~refused[inverse])[0])
-                if not len(records):
-                    return
-                windows, inverse = np.unique(records.window, return_inverse=True)
-        fired = np.array([self.progress(w) for w in windows.tolist()], dtype=np.int64)[inverse]
-        on_time = records.trigger > fired
-        self.stats.dropped["late"] += int(len(records) - on_time.sum())
+        T = self.schedule.triggers
+        fired = np.zeros(len(windows), dtype=np.int64)
+        refused = np.zeros(len(windows), dtype=bool)
+        early = np.zeros(len(windows), dtype=bool)
+        for j, w in enumerate(windows.tolist()):
+            status = self._status.get(w)
+            if status == WINDOW_REFUSED:
+                refused[j] = True
+            elif status == WINDOW_OPEN:
+                fired[j] = self._progress[w]
+            elif self.window_gate is not None:
+                # not opened yet: before the schedule's start it never will be (late); after,
+                # it opens (and is charged) when the clock reaches it, data or not
+                early[j] = self._first_window is None or w < self._first_window
+            else:
+                # no ledger: nothing is charged, so a window may open with its first record
+                self._progress[w], self._status[w] = 0, WINDOW_OPEN
+                batch.put(sk.window_prefix(sk.PROGRESS, self.qid, w), self._progress_value(0, WINDOW_OPEN))
+        self.stats.dropped["budget"] += int(refused[inverse].sum())
+        on_time = (records.trigger > fired[inverse]) & ~refused[inverse] & ~early[inverse]
+        self.stats.dropped["late"] += int((~on_time & ~refused[inverse]).sum())
         records = records.take(np.nonzero(on_time)[0])
+        rejected = []
+        if len(records):
+            records, rejected = self._register_key_texts(records, batch)
         self.stats.accumulated += len(records)
+        if not len(records):
+            return rejected
         groups = np.lexsort((records.trigger, records.window))
         wt = np.stack([records.window[groups], records.trigger[groups]], axis=1)
         cut = np.nonzero(np.any(wt[1:] != wt[:-1], axis=1))[0] + 1
@@ -375,11 +546,54 @@ class QueryPipeline:
             if not len(part):
                 continue
             w, i = int(records.window[part[0]]), int(records.trigger[part[0]])
-            if w not in self._progress:
-                self._progress[w] = 0
-                batch.put(sk.window_prefix(sk.PROGRESS, self.qid, w), (0).to_bytes(4, "little"))
             key = sk.trigger_prefix(sk.PENDING, self.qid, w, i) + int(seq).to_bytes(8, "big")
             batch.put(key, records.take(part).encode())
+        # amendments: an out-of-order arrival becomes the predecessor of a later micro-batch's record
+        # (processor.bounding.key_histories); that micro-batch has not fired (triggers fire in order)
+        amending = np.nonzero(records.amend > 0)[0]
+        if len(amending):
+            entries = np.empty(len(amending), dtype=_AMEND_ENTRY)
+            entries["key"], entries["user"], entries["trigger"] = records.key_ids[amending], records.users[amending], records.trigger[amending]
+            aw, at = records.window[amending], records.amend[amending]
+            order = np.lexsort((at, aw))
+            cut = np.nonzero((aw[order][1:] != aw[order][:-1]) | (at[order][1:] != at[order][:-1]))[0] + 1
+            for part in np.split(order, cut):
+                if len(part):
+                    key = sk.trigger_prefix(sk.AMENDS, self.qid, int(aw[part[0]]), int(at[part[0]])) + int(seq).to_bytes(8, "big")
+                    batch.put(key, entries[part].tobytes())
+        return rejected
+
+    def _register_key_texts(self, records: BoundedRecords, batch: WriteBatch) -> tuple[BoundedRecords, list[tuple[str, str]]]:
+        """The first text seen in a window under a key id owns the id; records of another text
+        under the same id (a 64-bit pseudonym collision) are refused, never merged with it."""
+        pairs = np.empty(len(records), dtype=[("w", "<i8"), ("k", "<u8")])
+        pairs["w"], pairs["k"] = records.window, records.key_ids
+        distinct, first, inverse = np.unique(pairs, return_index=True, return_inverse=True)
+        texts = records.keys[first]
+        owners = np.empty(len(distinct), dtype=object)
+        todo, lookup = [], []
+        for j, (w, k) in enumerate(distinct.tolist()):
+            known = self._names_unwritten.get((w, k))
+            if known is None:
+                todo.append(j)
+                lookup.append(sk.window_prefix(sk.KEY_NAMES, self.qid, w) + int(k).to_bytes(8, "big"))
+            else:
+                owners[j] = known
+        for j, stored in zip(todo, self.store.get_many(lookup) if lookup else []):
+            w, k = distinct[j].tolist()
+            if stored is None:
+                batch.put(sk.window_prefix(sk.KEY_NAMES, self.qid, w) + int(k).to_bytes(8, "big"), texts[j].encode())
+                owners[j] = texts[j]
+            else:
+                owners[j] = stored.decode()
+            self._names_unwritten[(w, k)] = owners[j]
+        bad = np.asarray(owners[inverse.ravel()] != records.keys, dtype=bool)
+        if not bad.any():
+            return records, []
+        reason = "key id collision: another key text holds this key's 64-bit id in the window"
+        self.stats.dropped["key_collision"] += int(bad.sum())
+        rejected = [(t, reason) for t in records.keys[bad].tolist()]
+        return records.take(np.nonzero(~bad)[0]), rejected
 
     # ------------------------------------------------------------------ publication
     def _published_key(self, window: int) -> bytes:
@@ -391,9 +605,11 @@ class QueryPipeline:
 
     def unpublished(self) -> list[tuple[int, int, list[dict]]]:
         """(window, trigger, journaled releases) fired but not yet marked published, in order:
-        after a crash these are republished from the journal, never recomputed (DESIGN.md 12)."""
+        after a crash these are republished from the journal, never recomputed (docs/privacy.md, "Failures")."""
         out = []
         for window, fired in sorted(self._progress.items()):
+            if self._status.get(window) != WINDOW_OPEN:
+                continue
             raw = self.store.get(self._published_key(window))
             published = int.from_bytes(raw, "little") if raw else 0
             out += [(window, trigger, self.journaled(window, trigger)) for trigger in range(published + 1, fired + 1)]
@@ -407,11 +623,14 @@ class QueryPipeline:
     def fire(self, window: int, trigger: int) -> list[dict]:
         """Run trigger ``trigger`` of ``window``; returns its releases (journaled before return)."""
         window, trigger = int(window), int(trigger)
+        if self._status.get(window) != WINDOW_OPEN:
+            raise ValueError(f"window {window} of query {self.query.name} is not open")
         done = self.progress(window)
         if trigger <= done:
             return self.journaled(window, trigger)
         if trigger != done + 1:
             raise ValueError(f"trigger {trigger} of window {window} fired out of order (last fired: {done})")
+        self._names_unwritten.clear()  # every batch that registered key texts has been written
         batch = WriteBatch()
         micro = self._take_pending(window, trigger, batch)
         rec_key, rec_prev, rec_units, texts = micro.key_ids, micro.previous, micro.units, micro.texts
@@ -432,11 +651,17 @@ class QueryPipeline:
             level_of, root_of = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.uint64)
             level_of[kidx], root_of[kidx] = micro.levels, micro.roots
             rows["level"][fresh], rows["root"][fresh] = level_of[fresh], root_of[fresh]
-        # --- merge the micro-batch: users new to each key's round (their previous record for the
-        # key came before the round started), buffered aggregate
+        # --- merge the micro-batch: users new to each key's round (the record before theirs in
+        # (trigger, arrival) order came before the round started: processor.bounding), counted
+        # once per (key, user) however many records they have here; buffered aggregate
         delta_units = np.zeros(n, dtype=np.int64)
         np.add.at(delta_units, kidx, rec_units)
-        new_users = np.bincount(kidx[rec_prev < rows["start"][kidx]], minlength=n).astype(np.int64)
+        new = np.nonzero(rec_prev < rows["start"][kidx])[0]
+        order = np.lexsort((micro.users[new], kidx[new]))
+        k_new, u_new = kidx[new][order], micro.users[new][order]
+        once = np.ones(len(order), dtype=bool)
+        once[1:] = (k_new[1:] != k_new[:-1]) | (u_new[1:] != u_new[:-1])
+        new_users = np.bincount(k_new[once], minlength=n).astype(np.int64)
         rows["buffer"] += delta_units
         # --- key selection, perturbation and visit planning, each level with its own plan
         released: list[tuple[int, int, dict]] = []
@@ -464,7 +689,7 @@ class QueryPipeline:
         raw, width = rows.tobytes(), self._row.itemsize
         for j, key_id in enumerate(all_ids.tolist()):
             batch.put(prefix + key_id.to_bytes(8, "big"), raw[j * width:(j + 1) * width] + encoded[j])
-        batch.put(sk.window_prefix(sk.PROGRESS, self.qid, window), trigger.to_bytes(4, "little"))
+        batch.put(sk.window_prefix(sk.PROGRESS, self.qid, window), self._progress_value(trigger, WINDOW_OPEN))
         self.store.write(batch)
         self._progress[window] = trigger
         self.stats.triggers_fired += 1
@@ -495,9 +720,14 @@ class QueryPipeline:
 
         Stage 1 gives each admitted record a (user, slot), and a replayed copy carries the same
         pair and the same event time, hence lands in this same bucket: keeping the first record
-        per (user, slot) here is the de-duplication of DESIGN.md section 12.
+        per (user, slot) here is the de-duplication of docs/privacy.md ("Failures"). The
+        predecessor amendments addressed to this micro-batch are applied here (a maximum, so a
+        replayed amendment changes nothing).
         """
-        parts, texts = [], {}
+        parts, texts, amends = [], {}, []
+        for key, blob in self.store.scan_prefix(sk.trigger_prefix(sk.AMENDS, self.qid, window, trigger)):
+            amends.append(np.frombuffer(blob, dtype=_AMEND_ENTRY))
+            batch.delete(key)
         columns = ("key_ids", "users", "slots", "units", "previous", "levels", "roots")
         for key, blob in self.store.scan_prefix(sk.trigger_prefix(sk.PENDING, self.qid, window, trigger)):
             cols, key_texts = BoundedRecords.decode_columns(blob)
@@ -516,8 +746,19 @@ class QueryPipeline:
         first[1:] = (u[1:] != u[:-1]) | (sl[1:] != sl[:-1]) | (lv[1:] != lv[:-1])
         keep = np.sort(order[first])
         self.stats.dropped["duplicate"] += int(len(rec_user) - len(keep))
-        return MicroBatch(rec_key[keep].astype(np.uint64), rec_user[keep].astype(np.uint64), rec_prev[keep].astype(np.int64),
-                          rec_units[keep].astype(np.int64), texts, rec_level[keep].astype(np.int64), rec_root[keep].astype(np.uint64))
+        rec_key, rec_user, rec_prev = rec_key[keep].astype(np.uint64), rec_user[keep].astype(np.uint64), rec_prev[keep].astype(np.int64)
+        if amends:
+            amend = np.concatenate(amends)
+            pairs = np.empty(len(rec_key) + len(amend), dtype=[("k", "<u8"), ("u", "<u8")])
+            pairs["k"] = np.concatenate([rec_key, amend["key"]])
+            pairs["u"] = np.concatenate([rec_user, amend["user"]])
+            _, inverse = np.unique(pairs, return_inverse=True)
+            inverse = inverse.ravel()
+            raised = np.zeros(int(inverse.max()) + 1, dtype=np.int64)
+            np.maximum.at(raised, inverse[len(rec_key):], amend["trigger"].astype(np.int64))
+            rec_prev = np.maximum(rec_prev, raised[inverse[:len(rec_key)]])
+        return MicroBatch(rec_key, rec_user, rec_prev, rec_units[keep].astype(np.int64), texts, rec_level[keep].astype(np.int64),
+                          rec_root[keep].astype(np.uint64))
 
     def _release(self, plan, window, trigger, all_ids, rows, names, selected) -> list[tuple[int, int, dict]]:
         sidx = np.nonzero(selected)[0]
@@ -526,14 +767,14 @@ class QueryPipeline:
         pb = PerturbationBatch([names[j] for j in sidx], sub["released"].copy(), sub["pdone"].astype(np.int64), sub["pcache"].copy(),
                                self._tree_ids(window, sub, "pert_tree", [names[j] for j in sidx], perturber.kind))
         rows["pert_tree"][sidx] = sub["pert_tree"]
-        values = perturber.release(pb, trigger, rows["buffer"][sidx])
+        values = perturber.release(pb, trigger, rows["buffer"][sidx])  # exact: whole grid steps
         rows["released"][sidx] = pb.released_units
         rows["pdone"][sidx] = pb.done
         rows["pcache"][sidx] = pb.cache
         rows["buffer"][sidx] = 0
         stddev = perturber.stddev(trigger)
         releases = []
-        for j, value in zip(sidx.tolist(), values.tolist()):
+        for j, value in zip(sidx.tolist(), values):
             record = release_record(
                 query=self.query.name, window_start=window, window_end=window + self.schedule.window_ms, trigger=trigger,
                 trigger_time=self.schedule.trigger_time(window, trigger), key=key_for_output(names[j], self.query.key_fields),
@@ -548,7 +789,7 @@ class QueryPipeline:
 
     def _consistent(self, window: int, trigger: int, released: list, batch: WriteBatch) -> list[tuple[int, int, dict]]:
         """Consistent, non-negative integer counts for the published view of a hierarchy
-        (DESIGN.md section 8; Fioretto, Van Hentenryck and Zhu, sections 6-7).
+        (docs/privacy.md, "Post-processing: hierarchical consistency"; Fioretto, Van Hentenryck and Zhu, sections 6-7).
 
         The view is every key of the window released so far at its latest noisy count (a
         compacted output topic holds exactly that). Only subtrees (level-1 roots) with a release
@@ -575,7 +816,7 @@ class QueryPipeline:
             for key, value in self.store.scan_prefix(prefix):
                 row = np.frombuffer(value[:width], dtype=_VIEW_ENTRY)[0]
                 entries[int.from_bytes(key[len(prefix):], "big")] = {
-                    "root": root, "level": int(row["level"]), "released_at": int(row["released_at"]), "count": float(row["count"]),
+                    "root": root, "level": int(row["level"]), "released_at": int(row["released_at"]), "count": int(row["count"]),
                     "stddev": float(row["stddev"]), "consistent": int(row["consistent"]), "other": int(row["other"]),
                     "parts": json.loads(value[width:].decode())}
         now = {}
@@ -597,7 +838,7 @@ class QueryPipeline:
                     if up == len(e["parts"]) - 1:
                         direct[i] = j
                     break
-        noisy = np.array([e["count"] for e in nodes])
+        noisy = np.array([e["count"] for e in nodes], dtype=np.float64)
         stddev = np.array([e["stddev"] for e in nodes])
         solution = solve_consistency(parent, noisy, weight=1.0 / stddev ** 2, spread=CONSISTENCY_SPREAD * stddev,
                                      open=np.ones(len(nodes), dtype=bool))
@@ -648,8 +889,8 @@ class QueryPipeline:
         rows = np.zeros(len(ids), dtype=self._row)
         rows["start"] = 1
         rows["noise_max"] = np.nan
-        rows["sel_cache"] = np.nan
-        rows["pcache"] = np.nan
+        rows["sel_cache"] = ABSENT
+        rows["pcache"] = ABSENT
         present = [j for j, v in enumerate(values) if v is not None]
         self.stats.keys_tracked += len(ids) - len(present)
         if present:

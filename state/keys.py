@@ -7,12 +7,14 @@ are big-endian so scans come back in trigger order. Group-by keys and users appe
 
 | table | key suffix | value |
 | --- | --- | --- |
-| ``u`` user state (stage 1) | user | admitted records (u16), then per key: key (u64), last trigger (u32) |
+| ``u`` user state (stage 1) | user | admitted records (u16), then per distinct (key, trigger) of them: key (u64), trigger (u32) |
 | ``b`` pending micro-batch (stage 2 input) | trigger (4), seq (8) | packed bounded records |
+| ``a`` predecessor amendments (stage 2 input) | trigger (4), seq (8) | packed (key u64, user u64, trigger u32) |
+| ``t`` key texts seen in a window | key | key text (a different text under the same id is a collision) |
 | ``k`` key state | key | fixed row + key text |
 | ``p`` prediction / visit index | trigger (4), key | empty |
 | ``j`` release journal | trigger (4), key | release record JSON |
-| ``g`` window progress | (none) | last fired trigger (u32) |
+| ``g`` window progress | (none) | last fired trigger (u32), status (u8: 1 open, 2 refused), plan fingerprint (16) |
 | ``h`` published view of a hierarchy (consistency) | root (8), key | level, trigger of the noisy value, noisy value, stddev, published consistent value and remainder; then key text |
 | ``m`` runner metadata | name | bytes |
 | ``d`` dynamic query update log | sequence (8) | item index (u32), op (1: insert, 2: delete), tick (u64) |
@@ -28,6 +30,8 @@ import numpy as np
 
 USERS = b"u"
 PENDING = b"b"
+AMENDS = b"a"
+KEY_NAMES = b"t"
 KEYS = b"k"
 PREDICTIONS = b"p"
 JOURNAL = b"j"
@@ -37,7 +41,7 @@ META = b"m"
 DYNAMIC_LOG = b"d"
 DYNAMIC_UNITS = b"n"
 
-WINDOW_TABLES = (USERS, PENDING, KEYS, PREDICTIONS, HIERARCHY_VIEW)
+WINDOW_TABLES = (USERS, PENDING, AMENDS, KEY_NAMES, KEYS, PREDICTIONS, HIERARCHY_VIEW)
 
 
 def query_id(name: str) -> bytes:

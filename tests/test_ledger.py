@@ -123,9 +123,10 @@ def test_replay_charges_each_window_once_and_drops_refused_windows(tmp_path, sha
     state = tmp_path / "state"
     drops = []
     for _ in range(2):  # a second run over the same state charges nothing again
-        runner = ReplayRunner(load_config(cfg), TEST_SECRET, str(state), log=io.StringIO())
+        # a ledger charges windows on a public schedule: the replay's start and end are given
+        runner = ReplayRunner(load_config(cfg), TEST_SECRET, str(state), log=io.StringIO(), start_ms=0)
         try:
-            runner.run(str(events), io.StringIO())
+            runner.run(str(events), io.StringIO(), until_ms=4 * 3_600_000)
             drops.append(runner.pipelines[0].stats.dropped["budget"])
             entry = runner.ledger.get("acme", 0)
         finally:

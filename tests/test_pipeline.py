@@ -13,7 +13,7 @@ from processor.pipeline import EventColumns, QueryPipeline
 from processor.replay import ReplayRunner
 from state import keys as sk
 from state.store import MemoryStore, WriteBatch
-from tests.conftest import TEST_SECRET
+from tests.conftest import TEST_LABEL, TEST_SECRET, TEST_SECRET_HEX
 
 DAY = 86_400_000
 START = 1_795_132_800_000  # a UTC midnight
@@ -43,7 +43,7 @@ def write_jsonl(path, events, extra_lines=()):
 
 
 def replay(config, input_path, state_dir=None, stop_after=None, output=None):
-    runner = ReplayRunner(config, TEST_SECRET, state_dir, log=io.StringIO())
+    runner = ReplayRunner(config, TEST_SECRET, state_dir, log=io.StringIO(), noise_label=TEST_LABEL)
     out = output if output is not None else io.StringIO()
     try:
         summary = runner.run(str(input_path), out, stop_after_lines=stop_after)
@@ -77,9 +77,9 @@ def test_gzip_input_and_cli(tmp_path, rng, monkeypatch):
     # no secret: releasing fails clearly
     assert main(["replay", "--config", str(cfg), "--input", str(gz), "--output", str(tmp_path / "o.jsonl"), "--quiet"]) == 2
     key_file = tmp_path / "key"
-    key_file.write_bytes(TEST_SECRET)
+    key_file.write_text(TEST_SECRET_HEX)
     assert main(["replay", "--config", str(cfg), "--input", str(gz), "--output", str(tmp_path / "o.jsonl"), "--quiet",
-                 "--noise-key-file", str(key_file)]) == 0
+                 "--noise-key-file", str(key_file), "--noise-label", TEST_LABEL]) == 0
     plain = write_jsonl(tmp_path / "e.jsonl", events)
     expected, _, _ = replay(DpstreamConfig(queries=[small_query(allowed_lateness="1m")]), plain)
     assert (tmp_path / "o.jsonl").read_text() == expected
@@ -110,7 +110,7 @@ def test_no_user_exceeds_c_even_with_duplicated_lines_and_replayed_batches(rng):
     cols = EventColumns(pseudo.users([e["user_id"] for e in events]), np.array([e["key"] for e in events], dtype=object),
                         pseudo.group_keys([e["key"] for e in events]), np.ones(len(events)), np.array([e["ts"] for e in events]))
     batch = WriteBatch()
-    records = pipe.bound(cols, np.full(len(events), -1), batch)
+    records = pipe.bound(cols, cols.ts, batch)  # each event arrives at its own time
     pipe.accumulate(records, 1, batch)
     pipe.accumulate(records, 2, batch)  # stage 1's output delivered twice (at-least-once)
     store.write(batch)
@@ -153,7 +153,7 @@ def test_trigger_loads_only_batch_and_predicted_keys(rng):
     cols = EventColumns(pseudo.users([e["user_id"] for e in events]), np.array([e["key"] for e in events], dtype=object),
                         pseudo.group_keys([e["key"] for e in events]), np.ones(len(events)), np.array([e["ts"] for e in events]))
     batch = WriteBatch()
-    pipe.accumulate(pipe.bound(cols, np.full(len(events), -1), batch), 1, batch)
+    pipe.accumulate(pipe.bound(cols, cols.ts, batch), 1, batch)  # each event arrives at its own time
     store.write(batch)
     interval = DAY // 48
     for trigger in range(1, 49):
@@ -224,7 +224,7 @@ def test_round_counts_are_exact_distinct_users(rng):
     cols = EventColumns(pseudo.users([e["user_id"] for e in events]), np.array([e["key"] for e in events], dtype=object),
                         pseudo.group_keys([e["key"] for e in events]), np.ones(len(events)), np.array([e["ts"] for e in events]))
     batch = WriteBatch()
-    records = pipe.bound(cols, np.full(len(events), -1), batch)
+    records = pipe.bound(cols, cols.ts, batch)  # each event arrives at its own time
     pipe.accumulate(records, 1, batch)
     store.write(batch)
     key_ids = np.unique(records.key_ids)
