@@ -1,26 +1,35 @@
 """A dynamic query over a stream of update records, with its state in a store: shared by
-``dpstream replay`` and the Kafka worker's dynamic agent (DESIGN.md sections 3, 6 and 12).
+``dpstream replay`` and the Kafka worker's dynamic agent (docs/privacy.md, "Dynamic counts",
+"Time" and "Failures").
 
-Per record: validate (item in the declared domain, op, a delete only of a present item, a time
-not before an already decided tick - else the record is invalid: dead-lettered, never a negative
-count), bound the privacy unit's updates
-when the query has a ``unit_field``, append the update to the query's *update log* in the
-store, and feed it to :class:`processor.dynamic.DynamicCounter`, which returns a release when a
-segment closes.
+Per record (:meth:`DynamicQueryState.apply`): validate it (item in the declared domain, op, a
+time that is not before an already decided tick and not more than ``max_skew`` after the clock
+it arrives at), bound the privacy unit's updates when the query has a ``unit_field``, and append
+the update to the query's *update log* in the store. Nothing is decided yet.
 
-Recovery: the counter is a deterministic function of the update sequence and the secret (all
-noise is a keyed PRF of its position), so its state is not stored: on start the log is replayed
-through a fresh counter. Releases are published after the write that logged their updates;
-``published`` (in the same store) names the last segment that reached the output, and the
-releases the log replay recomputes past it are sent again - the same values, since the same
-updates meet the same noise.
+Ticks are decided on the clock, not on data (docs/privacy.md, "Time"):
+:meth:`DynamicQueryState.advance_clock` decides every tick whose end (plus ``allowed_lateness``)
+the clock has passed, with or without updates - the worker's timer calls it with the wall clock,
+replay with its event-time clock and, at the end, its public ``--until``. The logged updates of
+those ticks are fed to :class:`processor.dynamic.DynamicCounter` in (tick, arrival) order, so the
+order in which updates of undecided ticks arrived does not matter, and whether a segment's
+release exists never reveals whether later updates exist. A delete of an item that is not
+present at that point in tick order is refused then (dead-lettered, never a negative count).
+
+Recovery: the counter is a deterministic function of the logged updates, the ticks decided and
+the secret (all noise is a keyed PRF of its position), so its state is not stored: on start the
+updates of the decided ticks are fed again in (tick, arrival) order and the decided ticks are
+decided again; the others wait for the clock. Releases are published after the write that
+logged their updates; ``published`` (in the same store) names the last segment that reached the
+output, and the releases the recovery recomputes past it are sent again - the same values,
+since the same updates meet the same noise.
 """
 from __future__ import annotations
 
 import math
 from collections import Counter
+from dataclasses import dataclass
 from typing import Optional, Union
-
 
 from processor.config import DynamicQueryConfig
 from processor.dynamic import DynamicCounter, DynamicRelease
@@ -31,15 +40,25 @@ from topics.records import InvalidRecord, _text
 
 OPS = {"insert": 1, "delete": 2}
 OP_NAMES = {1: "insert", 2: "delete"}
+ABSENT_DELETE = "delete of an item that is not present"
+
+
+@dataclass(frozen=True)
+class LoggedUpdate:
+    seq: int  # position in the update log (arrival order)
+    item: int  # index into the query's items
+    op: str
+    tick: int
 
 
 def dynamic_release_record(query: DynamicQueryConfig, counter: DynamicCounter, release: DynamicRelease) -> dict:
     """One published update of a dynamic query: noisy counts of every declared item."""
     plan = counter.plan
-    counts = {item: float(v) for item, v in zip(counter.items, release.counts.tolist())}
+    # the counters add integer noise to integer counts (exactly, well below 2^53): integers
+    counts = {item: int(v) for item, v in zip(counter.items, release.counts.tolist())}
     return {"query": query.name, "segment": release.segment, "tick": release.position,
             "time": query.start + release.position * query.tick_ms, "counts": counts,
-            "total": float(sum(counts.values())), "mechanism": f"dynamic:{plan.mechanism}",
+            "total": int(sum(counts.values())), "mechanism": f"dynamic:{plan.mechanism}",
             "epsilon": query.epsilon, "delta": plan.delta_spent}
 
 
@@ -59,24 +78,43 @@ class DynamicQueryState:
             self._units[int.from_bytes(key[-8:], "big")] = int.from_bytes(value, "little")
         raw = store.get(self._published_key)
         self.published = int.from_bytes(raw, "little") if raw else 0
-        self.pending: list[DynamicRelease] = []  # recomputed by the log replay, not yet published
+        self.pending: list[DynamicRelease] = []  # recomputed by the recovery, not yet published
+        #: logged updates of ticks not decided yet
+        self.waiting: list[LoggedUpdate] = []
+        self._next_seq = 0
         for key, value in store.scan_prefix(sk.DYNAMIC_LOG + self.qid):
             item, op, tick = int.from_bytes(value[:4], "little"), OP_NAMES[value[4]], int.from_bytes(value[5:13], "little")
-            for release in self.counter.apply(query.items[item], op, tick):
-                if release.segment > self.published:
-                    self.pending.append(release)
+            seq = int.from_bytes(key[-8:], "big")
+            self.waiting.append(LoggedUpdate(seq, item, op, tick))
+            self._next_seq = seq + 1
+        raw = store.get(self._decided_key)
+        if raw is not None:
+            released, _ = self._decide(int.from_bytes(raw, "little"))
+            self.pending += [r for r in released if r.segment > self.published]
+
+    @property
+    def _decided_key(self) -> bytes:
+        return sk.META + b"dyn-decided" + self.qid
 
     @property
     def _published_key(self) -> bytes:
         return sk.META + b"dyn-published" + self.qid
 
-    def parse(self, obj: Union[dict, InvalidRecord]) -> Union[tuple[str, str, int, Optional[str]], InvalidRecord]:
+    @property
+    def decided(self) -> int:
+        """Every tick <= this has been decided."""
+        return self.counter.decided
+
+    def parse(self, obj: Union[dict, InvalidRecord]) -> Union[tuple[str, str, int, int, Optional[str]], InvalidRecord]:
+        """(item, op, tick, event time, unit) of a valid record."""
         if isinstance(obj, InvalidRecord):
             return obj
         q = self.query
         item = _text(obj.get(q.item_field), q.item_field)
         if isinstance(item, InvalidRecord):
             return item
+        if item not in self.counter.index:
+            return InvalidRecord(f"field {q.item_field!r} is not in the query's declared items")
         op = obj.get(q.op_field)
         if op not in OPS:
             return InvalidRecord(f"field {q.op_field!r} must be 'insert' or 'delete'")
@@ -90,44 +128,85 @@ class DynamicQueryState:
             unit = _text(obj.get(q.unit_field), q.unit_field)
             if isinstance(unit, InvalidRecord):
                 return unit
-        return item, op, (int(ts) - q.start) // q.tick_ms + 1, unit
+        return item, op, (int(ts) - q.start) // q.tick_ms + 1, int(ts), unit
 
-    def apply(self, obj: Union[dict, InvalidRecord], batch: WriteBatch) -> tuple[list[DynamicRelease], Optional[str]]:
-        """One record: (releases of the segments it closed, invalid reason if invalid). Updates
-        the log and unit counts in ``batch``; the caller writes it, then publishes."""
+    def apply(self, obj: Union[dict, InvalidRecord], batch: WriteBatch, clock_ms: Optional[int] = None) -> Optional[str]:
+        """One record: log it in ``batch`` for its tick to be decided later, or return why it is
+        refused (then it is dead-lettered): invalid, late (its tick is decided), or future (dated
+        more than ``max_skew`` after ``clock_ms``, the clock it arrived at). The caller writes the
+        batch."""
         self.updates_in += 1
         if self.refused:
             self.dropped["budget"] += 1
-            return [], None
+            return None
         parsed = self.parse(obj)
         if isinstance(parsed, InvalidRecord):
             self.dropped["malformed"] += 1
-            return [], parsed.reason
-        item, op, tick, unit = parsed
-        reason = self.counter.check(item, op, tick)
-        if reason is not None:
-            reason = reason.replace("'item'", repr(self.query.item_field))
-            self.dropped["late" if reason.startswith("late") else "malformed"] += 1
-            return [], reason
+            return parsed.reason
+        item, op, tick, ts, unit = parsed
+        if tick <= self.counter.decided:
+            self.dropped["late"] += 1
+            return "late: its time is in an already decided tick"
+        if clock_ms is not None and ts > clock_ms + self.query.max_skew_ms:
+            self.dropped["future"] += 1
+            return f"future: field {self.query.time_field!r} is more than {self.query.max_skew} after the clock"
         if unit is not None:
             uid = int(self.pseudonyms.users([unit])[0])
             used = self._units.get(uid, 0)
             if used >= self.query.contribution_bound:
                 self.dropped["contribution_bound"] += 1
-                return [], None
+                return None
             self._units[uid] = used + 1
             batch.put(sk.DYNAMIC_UNITS + self.qid + uid.to_bytes(8, "big"), (used + 1).to_bytes(4, "little"))
-        seq = self.counter.updates
-        batch.put(sk.DYNAMIC_LOG + self.qid + seq.to_bytes(8, "big"),
-                  self.counter.index[item].to_bytes(4, "little") + bytes([OPS[op]]) + tick.to_bytes(8, "little"))
-        releases = self.counter.apply(item, op, tick)
+        update = LoggedUpdate(self._next_seq, self.counter.index[item], op, tick)
+        self._next_seq += 1
+        batch.put(sk.DYNAMIC_LOG + self.qid + update.seq.to_bytes(8, "big"),
+                  update.item.to_bytes(4, "little") + bytes([OPS[op]]) + tick.to_bytes(8, "little"))
+        self.waiting.append(update)
+        return None
+
+    def _decide(self, last: int) -> tuple[list[DynamicRelease], list[LoggedUpdate]]:
+        """Feed the waiting updates of ticks <= ``last`` in (tick, arrival) order and decide every
+        tick up to ``last``. Returns the releases and the refused updates (absent deletes)."""
+        due = sorted((u for u in self.waiting if u.tick <= last), key=lambda u: (u.tick, u.seq))
+        self.waiting = [u for u in self.waiting if u.tick > last]
+        releases, refused = [], []
+        for u in due:
+            name = self.query.items[u.item]
+            if u.op == "delete" and self.counter.exact[u.item] <= 0:
+                refused.append(u)
+                continue
+            releases += self.counter.apply(name, u.op, u.tick)
+        releases += self.counter.advance_to(last + 1)
+        return releases, refused
+
+    def advance_clock(self, clock_ms: int, batch: WriteBatch, max_ticks: Optional[int] = None) -> list[tuple[LoggedUpdate, str]]:
+        """Decide every tick the clock has passed (:meth:`DynamicQueryConfig.decided_through`),
+        data or not - at most ``max_ticks`` of them per call (a query whose public start is long
+        past catches up over several calls). Releases of the segments that closed are kept as
+        pending; returns the updates refused now (deletes of absent items), to dead-letter."""
+        if self.refused:
+            return []
+        last = self.query.decided_through(clock_ms)
+        if max_ticks is not None:
+            last = min(last, self.counter.decided + max_ticks)
+        if last <= self.counter.decided:
+            return []
+        releases, refused = self._decide(last)
         self.pending += releases
-        return releases, None
+        self.dropped["malformed"] += len(refused)
+        batch.put(self._decided_key, int(last).to_bytes(8, "little"))
+        return [(u, ABSENT_DELETE) for u in refused]
+
+    def describe(self, update: LoggedUpdate) -> bytes:
+        """A refused update as a dead letter's body (the update's own fields, no unit)."""
+        q = self.query
+        ts = q.start + (update.tick - 1) * q.tick_ms
+        return f'{{"{q.item_field}":"{q.items[update.item]}","{q.op_field}":"{update.op}","{q.time_field}":{ts}}}'.encode()
 
     def take_pending(self) -> list[dict]:
         """Releases to publish now (logged, not yet marked published), as records."""
-        out = [dynamic_release_record(self.query, self.counter, r) for r in self.pending]
-        return out
+        return [dynamic_release_record(self.query, self.counter, r) for r in self.pending]
 
     def mark_published(self, batch: WriteBatch) -> None:
         if self.pending:

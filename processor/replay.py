@@ -1,23 +1,39 @@
 """Local replay: a JSONL(.gz) file of events through the same pipeline, with an embedded store.
 
-Clock: the replay's clock is the *watermark*, the largest valid event time read so far (per
-query). An event is late if its trigger fired before it was read; a trigger fires once the
-watermark passes its time plus the query's ``allowed_lateness``; at the end of the input every
-remaining trigger of every started window fires (time would have passed). Everything depends
-only on the input's line order, so re-running with the same input, config and secret gives
-byte-identical output, and a run stopped part-way (``stop_after_lines``) and resumed on the same
-state directory writes exactly what an uninterrupted run writes.
+Time (docs/privacy.md, "Time"). A file has no wall clock, so replay keeps one *event-time clock*
+per stream - each query's events, each dynamic query's updates - moved only by events it
+accepts, so that no single privacy unit can move it (:class:`ReplayClock` states the rules):
+events dated more than ``max_skew`` after the clock are held back and never move it, the clock is
+the second-latest of the units' latest accepted event times, and two units crossing a gap in the
+data make it jump. Events still held at the end are dead-lettered as ``future``; an accepted
+event whose trigger has fired is late and dropped; a trigger fires, and a dynamic tick is
+decided, once the clock passes its end plus ``allowed_lateness``.
+
+End of input: with ``until_ms`` (``--until``) the clock moves to that public time: windows up to
+it are opened (and charged), triggers due by then fire, and dynamic queries decide every tick up
+to it. Without it, every trigger of every opened window fires and dynamic queries stop at their
+last update's tick; both then depend on the data's time span, which is why a budget ledger
+requires ``--start`` and ``--until``: windows are charged on that public schedule, data or not.
+
+Everything depends only on the input's line order, the config, the secret and the run's noise
+label, so re-running with the same input, config, secret and label gives byte-identical output,
+and a run stopped part-way (``stop_after_lines``) and resumed on the same state directory writes
+exactly what an uninterrupted run writes. A fresh state directory gets a random noise label
+unless one is given (``--noise-label``): two runs over slightly different data with the same
+noise would publish their exact difference.
 
 Durability: each chunk of lines is bounded and appended to the pending micro-batches in one
-atomic write together with the number of lines consumed and the watermark; each trigger is one
-atomic write with its journal; output is written after the journal, and a per-window
-"published" marker lets a restarted run republish journaled releases it had not written.
-Invalid lines are reported (line number and reason, never content), counted, dead-lettered when
-asked, and skipped.
+atomic write together with the number of lines consumed, the clocks and the held-back events;
+each trigger is one atomic write with its journal; output is written after the journal, and a
+per-window "published" marker lets a restarted run republish journaled releases it had not
+written. Invalid lines are reported (line number and reason, never content), counted,
+dead-lettered when asked, and skipped.
 """
 from __future__ import annotations
 
 import gzip
+import json
+import os
 import sys
 import tempfile
 import time
@@ -28,8 +44,8 @@ from typing import Callable, Iterator, Optional, TextIO
 
 import numpy as np
 
-from processor.config import DpstreamConfig
 from processor.budget import LEDGER_STORE, BudgetGate, open_ledger
+from processor.config import ConfigError, DpstreamConfig
 from processor.dynamic_stream import DynamicQueryState
 from processor.noise import NodeNoise, Pseudonymizer
 from processor.pipeline import EventColumns, QueryPipeline, check_noise_epoch
@@ -40,6 +56,10 @@ from topics.records import EventParser, InvalidRecord, dead_letter, encode_json,
 CHUNK_LINES = 50_000
 MAX_REPORTED_INVALID = 100
 PROGRESS_SECONDS = 5.0
+#: held-back events kept per privacy unit and stream; beyond it, further ones are dead-lettered at once
+MAX_HELD_PER_UNIT = 1_000
+#: the clock follows the TOP_UNITS-th latest privacy unit: one unit alone never moves it
+TOP_UNITS = 2
 
 
 @dataclass
@@ -52,14 +72,158 @@ class ReplaySummary:
     seconds: float = 0.0
 
 
+@dataclass
+class _Held:
+    """A valid line of one stream (a query's events or a dynamic query's updates)."""
+
+    line_no: int
+    raw: bytes
+    ts: int  # event time
+    unit: int  # the privacy unit (a user pseudonym; for updates without a unit, the line itself)
+    payload: object  # the parsed event or update record
+
+
+class ReplayClock:
+    """The event-time clock of one stream of a replay, with its held events (docs/privacy.md, "Time").
+
+    A *privacy unit* is a user for a DP-SQLP query, and for a dynamic query a ``unit_field`` value,
+    or else one update (the neighbour relation of each). Rules, chosen so that no single unit can
+    move the clock:
+
+    * an event is accepted when it is dated at most ``max_skew`` after the clock; otherwise it is
+      held, and never moves the clock;
+    * the clock is the **second-latest** of the units' latest accepted event times: one unit's
+      records, however many and however dated, cannot move it past every other unit's;
+    * held events are accepted, in arrival order, once the clock comes within ``max_skew`` of
+      them; when two units have held events within ``max_skew`` of each other (a gap in the data
+      that two units cross, not one record), the clock jumps to the earlier of the first such pair;
+    * a unit holds at most ``MAX_HELD_PER_UNIT`` events (beyond, they are refused as future at
+      once), so one unit's flood cannot crowd out the others;
+    * the clock starts at ``start_ms`` if given, else at the second-earliest of the units'
+      earliest event times in the first chunk (the earliest if there is one unit).
+    """
+
+    def __init__(self, name: bytes, skew_ms: int, store, start_ms: Optional[int], parse: Callable[[bytes, int], Optional[_Held]]):
+        self.skew = skew_ms
+        self._clock_key = sk.META + b"watermark" + name
+        self._held_prefix = sk.META + b"held" + name
+        raw = store.get(self._clock_key)
+        self.clock: Optional[int] = start_ms
+        #: the two units with the latest accepted events: unit -> its latest accepted time
+        self.top: dict[int, int] = {}
+        if raw:
+            state = json.loads(raw)
+            self.clock = state["clock"]
+            self.top = {int(u): int(t) for u, t in state["top"]}
+        self.held: list[_Held] = []
+        for key, line in store.scan_prefix(self._held_prefix):
+            held = parse(line, int.from_bytes(key[-8:], "big"))
+            if held is not None:
+                self.held.append(held)
+
+    def save(self, batch: WriteBatch) -> None:
+        if self.clock is not None:
+            batch.put(self._clock_key, json.dumps({"clock": self.clock, "top": sorted(self.top.items())}).encode())
+
+    def _note(self, unit: int, ts: int) -> None:
+        """An accepted event: keep the two latest units, and the clock at the second of them."""
+        top = self.top
+        if unit in top:
+            top[unit] = max(top[unit], ts)
+        elif len(top) < TOP_UNITS or ts > min(top.values()):
+            top[unit] = ts
+            if len(top) > TOP_UNITS:
+                del top[min(top, key=top.get)]
+        if len(top) == TOP_UNITS:
+            self.clock = max(self.clock, min(top.values()))
+
+    def accept(self, fresh: list[_Held], batch: WriteBatch) -> tuple[list[_Held], list[int]]:
+        """Held events, then ``fresh`` ones in arrival order, through the rules above. Returns the
+        accepted events in acceptance order and the clock when each was accepted."""
+        skew, held = self.skew, self.held
+        if self.clock is None:
+            if not fresh:
+                return [], []
+            firsts: dict[int, int] = {}
+            for h in fresh:
+                firsts[h.unit] = min(firsts.get(h.unit, h.ts), h.ts)
+            times = sorted(firsts.values())
+            self.clock = times[1] if len(times) > 1 else times[0]
+        accepted: list[_Held] = []
+        prior: list[int] = []
+        per_unit: Counter = Counter(h.unit for h in held)
+
+        def take(h: _Held) -> None:
+            accepted.append(h)
+            prior.append(self.clock)
+            self._note(h.unit, h.ts)
+
+        def release_held() -> None:
+            while held:
+                ready = [h for h in held if h.ts <= self.clock + skew]
+                if not ready:
+                    jump = self._jump_target()
+                    if jump is None or jump <= self.clock:
+                        return
+                    self.clock = jump
+                    continue
+                for h in ready:  # in arrival order
+                    held.remove(h)
+                    per_unit[h.unit] -= 1
+                    batch.delete(self._held_prefix + h.line_no.to_bytes(8, "big"))
+                    take(h)
+
+        release_held()
+        for h in fresh:
+            if h.ts <= self.clock + skew:
+                before = self.clock
+                take(h)
+                if held and self.clock > before:
+                    release_held()
+            elif per_unit[h.unit] >= MAX_HELD_PER_UNIT:
+                accepted.append(h)  # refused downstream as future: one unit's flood of far-future events
+                prior.append(self.clock)
+            else:
+                held.append(h)
+                per_unit[h.unit] += 1
+                batch.put(self._held_prefix + h.line_no.to_bytes(8, "big"), h.raw)
+                if per_unit[h.unit] == 1:  # a new unit among the held: maybe a gap two units cross
+                    release_held()
+        return accepted, prior
+
+    def _jump_target(self) -> Optional[int]:
+        """The earlier time of the first two units whose earliest held events are within max_skew
+        of each other, or None."""
+        earliest: dict[int, int] = {}
+        for h in self.held:
+            earliest[h.unit] = min(earliest.get(h.unit, h.ts), h.ts)
+        times = sorted(earliest.values())
+        for a, b in zip(times, times[1:]):
+            if b - a <= self.skew:
+                return a
+        return None
+
+    def drain(self, batch: WriteBatch) -> list[_Held]:
+        """End of input: the events still held (dead-lettered as future by the caller)."""
+        out, self.held = self.held, []
+        for h in out:
+            batch.delete(self._held_prefix + h.line_no.to_bytes(8, "big"))
+        return out
+
+
 def _open_lines(path: Path) -> Iterator[bytes]:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rb") as fh:
         yield from fh
 
 
+class ReplayError(ConfigError):
+    """A replay cannot run as asked; the message names the option."""
+
+
 class ReplayRunner:
-    def __init__(self, config: DpstreamConfig, secret: bytes, state_dir: Optional[str], log: TextIO = sys.stderr):
+    def __init__(self, config: DpstreamConfig, secret: bytes, state_dir: Optional[str], log: TextIO = sys.stderr,
+                 noise_label: Optional[str] = None, start_ms: Optional[int] = None):
         self.config = config
         self.log = log
         self._tmp = None
@@ -68,19 +232,48 @@ class ReplayRunner:
             state_dir = self._tmp.name
         self.stores = PartitionStores(state_dir)
         self.store = self.stores.store(0)
-        self.noise = NodeNoise(secret)
+        self.noise = NodeNoise(secret, self._noise_label(noise_label))
         self.pseudonyms = Pseudonymizer(secret)
+        self._check_epoch()
         self.pipelines = [QueryPipeline(q, self.noise, self.store, self.pseudonyms) for q in config.queries]
         self.parsers = [EventParser.for_query(q) for q in config.queries]
-        self._check_epoch()
         self.dynamic = [DynamicQueryState(q, self.noise, self.pseudonyms, self.store) for q in config.dynamic]
+        self.start_ms = start_ms
         self.ledger = open_ledger(config, self.stores.store(LEDGER_STORE))
         if self.ledger is not None:
+            start = start_ms if start_ms is not None else config.budget.start_ms
+            if start is None:
+                self.close()
+                raise ReplayError("--start: the config has a budget ledger, which charges every window on a public schedule, "
+                                  "data or not: give the replay's start (--start TIME, or budget.start in the config) and its "
+                                  "end (--until TIME)")
             gate = BudgetGate(config, self.ledger)
             for pipe in self.pipelines:
-                pipe.window_gate = gate.window_gate(pipe.query)
+                pipe.set_schedule(gate.window_gate(pipe.query), start)
             for dyn in self.dynamic:
                 dyn.refused = not gate.start_dynamic(dyn.query)
+        # one event-time clock per stream: each DP-SQLP query's events, each dynamic query's updates
+        self.clocks = [ReplayClock(p.qid, p.schedule.max_skew, self.store, start_ms, self._event_parser(q))
+                       for q, p in enumerate(self.pipelines)]
+        self.dynamic_clocks = [ReplayClock(b"dyn" + d.qid, d.query.max_skew_ms, self.store,
+                                           start_ms if start_ms is not None else d.query.start, self._update_parser(d))
+                               for d in self.dynamic]
+
+    def _noise_label(self, given: Optional[str]) -> str:
+        """The run's noise label: the one this state directory was written with, else ``given``,
+        else a fresh random one (stored with the state by the epoch check)."""
+        stored = self.store.get(sk.META + b"noise-label")
+        if stored is not None:
+            if given is not None and given != stored.decode():
+                self.close()
+                raise ReplayError(f"--noise-label: this state directory was written under another noise label; resume it "
+                                  f"without --noise-label (or with its own), or use a new state directory")
+            return stored.decode()
+        return given if given is not None else os.urandom(16).hex()
+
+    @property
+    def noise_label(self) -> str:
+        return self.noise.label
 
     def _check_epoch(self) -> None:
         check_noise_epoch(self.store, self.noise)
@@ -89,6 +282,30 @@ class ReplayRunner:
         self.stores.close()
         if self._tmp is not None:
             self._tmp.cleanup()
+            self._tmp = None
+
+    # -------------------------------------------------------------- parsing into stream events
+    def _event_parser(self, q: int) -> Callable[[bytes, int], Optional[_Held]]:
+        parser = self.parsers[q]
+
+        def parse(raw: bytes, line_no: int, obj=None) -> Optional[_Held]:
+            event = parser.from_mapping(obj) if obj is not None else parser.parse(raw)
+            if isinstance(event, InvalidRecord):
+                return None
+            return _Held(line_no, raw, event.ts, int(self.pseudonyms.users([event.user])[0]), event)
+        return parse
+
+    def _update_parser(self, dyn: DynamicQueryState) -> Callable[[bytes, int], Optional[_Held]]:
+        def parse(raw: bytes, line_no: int, obj=None) -> Optional[_Held]:
+            obj = json_object(raw) if obj is None else obj
+            parsed = dyn.parse(obj)
+            if isinstance(parsed, InvalidRecord):
+                return None
+            _, _, _, ts, unit = parsed
+            # the privacy unit: the unit field's value, or else the update itself (one line)
+            who = int(self.pseudonyms.users([unit])[0]) if unit is not None else -line_no
+            return _Held(line_no, raw, ts, who, obj)
+        return parse
 
     # -------------------------------------------------------------- meta
     def _meta_int(self, name: bytes, default: int = 0) -> int:
@@ -101,30 +318,36 @@ class ReplayRunner:
 
     # -------------------------------------------------------------- run
     def run(self, input_path: str, output: TextIO, dead_letters: Optional[TextIO] = None,
-            stop_after_lines: Optional[int] = None, on_progress: Optional[Callable[[str], None]] = None) -> ReplaySummary:
+            stop_after_lines: Optional[int] = None, on_progress: Optional[Callable[[str], None]] = None,
+            until_ms: Optional[int] = None) -> ReplaySummary:
+        if self.ledger is not None and until_ms is None:
+            raise ReplayError("--until: the config has a budget ledger; give the replay's public end (--until TIME) so that "
+                              "the windows charged do not depend on the data's time span")
         summary = ReplaySummary()
         started = time.perf_counter()
         self._republish(output, summary)
         consumed = self._meta_int(b"lines")
-        watermarks = [self._meta_int(b"watermark" + p.qid, -1) for p in self.pipelines]
-        reported = 0
+        self._reported = 0
         last_progress = time.perf_counter()
         line_no = 0
         chunk: list[tuple[int, bytes]] = []
 
         def flush():
-            nonlocal reported
             if not chunk:
                 return
-            batch, reported = self._process_chunk(chunk, watermarks, summary, dead_letters, reported)
-            # bounded records, user slots, lines consumed and watermarks: one atomic write
+            batch = self._process_chunk(chunk, summary, dead_letters, until_ms)
+            # bounded records, user slots, logged updates, lines consumed, clocks and held
+            # events: one atomic write
             self._put_int(batch, b"lines", chunk[-1][0])
-            for pipe, wm in zip(self.pipelines, watermarks):
-                self._put_int(batch, b"watermark" + pipe.qid, wm)
+            for clock in self.clocks + self.dynamic_clocks:
+                clock.save(batch)
             self.store.write(batch)
             chunk.clear()
-            self._publish_dynamic(output, summary)
-            self._fire_due(watermarks, output, summary)
+            self._advance_dynamic([c.clock for c in self.dynamic_clocks], output, summary, dead_letters)
+            for pipe, clock in zip(self.pipelines, self.clocks):
+                if clock.clock is not None:
+                    pipe.open_due(clock.clock)
+            self._fire_due([c.clock for c in self.clocks], output, summary)
 
         for raw in _open_lines(Path(input_path)):
             line_no += 1
@@ -142,57 +365,112 @@ class ReplayRunner:
         flush()
         summary.lines = max(line_no, consumed) if not summary.stopped_early else stop_after_lines
         if not summary.stopped_early:
-            self._fire_all(output, summary)
+            self._finish(output, summary, dead_letters, until_ms)
         summary.seconds = time.perf_counter() - started
         return summary
+
+    def _finish(self, output, summary, dead_letters, until_ms) -> None:
+        """End of input: held events are future; the clocks move to ``until_ms`` if given."""
+        batch = WriteBatch()
+        streams = [(pipe.query, pipe.stats, clock) for pipe, clock in zip(self.pipelines, self.clocks)]
+        streams += [(dyn.query, dyn, clock) for dyn, clock in zip(self.dynamic, self.dynamic_clocks)]
+        for query, stats, clock in streams:
+            for held in clock.drain(batch):
+                self._invalid(query.name, f"future: field {query.time_field!r} is more than {query.max_skew} after the "
+                              f"replay's clock", held.line_no, held.raw, summary, dead_letters)
+                stats.dropped["future"] += 1
+                if isinstance(stats, DynamicQueryState):
+                    stats.updates_in += 1
+                else:
+                    stats.events_in += 1
+        if until_ms is not None:
+            for clock in self.clocks + self.dynamic_clocks:
+                clock.clock = until_ms if clock.clock is None else max(clock.clock, until_ms)
+                clock.save(batch)
+        self.store.write(batch)
+        if until_ms is not None:
+            for pipe in self.pipelines:
+                pipe.open_due(until_ms - 1)  # windows that start before the end
+            self._fire_due([until_ms] * len(self.pipelines), output, summary)
+            self._advance_dynamic([until_ms] * len(self.dynamic), output, summary, dead_letters)
+        else:
+            self._fire_all(output, summary)
+            # dynamic queries stop at their last update: data-derived, documented (--until is public)
+            ends = []
+            for dyn in self.dynamic:
+                last = max((u.tick for u in dyn.waiting), default=dyn.decided)
+                ends.append(dyn.query.start + last * dyn.query.tick_ms + dyn.query.lateness_ms)
+            self._advance_dynamic(ends, output, summary, dead_letters)
 
     def _progress_line(self, line_no: int, summary: ReplaySummary) -> str:
         return (f"replay: {line_no:,} lines read, {sum(summary.invalid.values()):,} invalid, "
                 f"{summary.triggers_fired:,} triggers fired, {summary.releases:,} releases")
 
-    def _process_chunk(self, chunk, watermarks, summary, dead_letters, reported) -> tuple[WriteBatch, int]:
+    def _process_chunk(self, chunk, summary, dead_letters, until_ms) -> WriteBatch:
         parsed = [json_object(raw) for _, raw in chunk]
         seq = chunk[0][0]
         batch = WriteBatch()
-        for q, (pipe, parser) in enumerate(zip(self.pipelines, self.parsers)):
-            users, keys, values, ts = [], [], [], []
+        for q, (pipe, parser, clock) in enumerate(zip(self.pipelines, self.parsers, self.clocks)):
+            fresh: list[_Held] = []
             for (line_no, raw), obj in zip(chunk, parsed):
                 event = obj if isinstance(obj, InvalidRecord) else parser.from_mapping(obj)
                 if isinstance(event, InvalidRecord):
-                    reported = self._invalid(pipe.query.name, event.reason, line_no, raw, summary, dead_letters, reported)
+                    self._invalid(pipe.query.name, event.reason, line_no, raw, summary, dead_letters)
                     continue
-                users.append(event.user)
-                keys.append(event.key)
-                values.append(event.value)
-                ts.append(event.ts)
-            if not ts:
+                if until_ms is not None and event.ts > until_ms:
+                    pipe.stats.events_in += 1
+                    pipe.stats.dropped["future"] += 1
+                    self._invalid(pipe.query.name, f"future: field {pipe.query.time_field!r} is after the replay's end "
+                                  f"(--until)", line_no, raw, summary, dead_letters)
+                    continue
+                fresh.append(_Held(line_no, raw.rstrip(b"\n"), event.ts, 0, event))
+            if fresh:
+                users = self.pseudonyms.users([h.payload.user for h in fresh])
+                for h, u in zip(fresh, users.tolist()):
+                    h.unit = u
+            accepted, prior = clock.accept(fresh, batch)
+            if not accepted:
                 continue
-            ts_arr = np.array(ts, dtype=np.int64)
-            key_arr = np.array(keys, dtype=object)
-            events = EventColumns(self.pseudonyms.users(users), key_arr, self.pseudonyms.group_keys(keys), np.array(values, dtype=np.float64), ts_arr)
-            running = np.maximum.accumulate(ts_arr)
-            prior = np.empty_like(ts_arr)
-            prior[0] = watermarks[q]
-            prior[1:] = np.maximum(running[:-1], watermarks[q])
-            watermarks[q] = max(watermarks[q], int(running[-1]))
-            records = pipe.bound(events, prior, batch)
-            pipe.accumulate(records, seq, batch)
-        for dyn in self.dynamic:
+            events = [h.payload for h in accepted]
+            keys = [e.key for e in events]
+            columns = EventColumns(np.array([h.unit for h in accepted], dtype=np.uint64), np.array(keys, dtype=object),
+                                   self.pseudonyms.group_keys(keys), np.array([e.value for e in events], dtype=np.float64),
+                                   np.array([e.ts for e in events], dtype=np.int64))
+            records = pipe.bound(columns, np.array(prior, dtype=np.int64), batch)
+            for e, reason in pipe.last_rejected:
+                self._invalid(pipe.query.name, reason, accepted[e].line_no, accepted[e].raw, summary, dead_letters)
+            for text, reason in pipe.accumulate(records, seq, batch):
+                self._invalid(pipe.query.name, reason, seq, text.encode(), summary, dead_letters)
+        for dyn, clock in zip(self.dynamic, self.dynamic_clocks):
+            fresh = []
             for (line_no, raw), obj in zip(chunk, parsed):
-                _, reason = dyn.apply(obj, batch)
+                held = self._update_parser(dyn)(raw.rstrip(b"\n"), line_no, obj) if not isinstance(obj, InvalidRecord) else None
+                if held is None or (until_ms is not None and held.ts > until_ms):
+                    reason = dyn.apply(obj, batch) if held is None else None
+                    if held is not None:  # after the public end
+                        dyn.updates_in += 1
+                        dyn.dropped["future"] += 1
+                        reason = f"future: field {dyn.query.time_field!r} is after the replay's end (--until)"
+                    if reason is not None:
+                        self._invalid(dyn.query.name, reason, line_no, raw, summary, dead_letters)
+                    continue
+                fresh.append(held)
+            accepted, prior = clock.accept(fresh, batch)
+            for h, at in zip(accepted, prior):
+                reason = dyn.apply(h.payload, batch, clock_ms=at)
                 if reason is not None:
-                    reported = self._invalid(dyn.query.name, reason, line_no, raw, summary, dead_letters, reported)
-        return batch, reported
+                    self._invalid(dyn.query.name, reason, h.line_no, h.raw, summary, dead_letters)
+        return batch
 
-    def _invalid(self, query: str, reason: str, line_no: int, raw: bytes, summary, dead_letters, reported: int) -> int:
+    def _invalid(self, query: str, reason: str, line_no: int, raw: bytes, summary, dead_letters) -> None:
         summary.invalid[f"{query}: {reason}"] += 1
-        if reported < MAX_REPORTED_INVALID:
+        if self._reported < MAX_REPORTED_INVALID:
             self.log.write(f"line {line_no}: query {query}: {reason}\n")
-        elif reported == MAX_REPORTED_INVALID:
+        elif self._reported == MAX_REPORTED_INVALID:
             self.log.write("(further invalid lines are counted, not shown)\n")
+        self._reported += 1
         if dead_letters is not None:
             dead_letters.write(encode_json({"query": query, **dead_letter(reason, raw.rstrip(b"\n"), f"line {line_no}")}).decode() + "\n")
-        return reported + 1
 
     def _publish_dynamic(self, output: TextIO, summary: ReplaySummary) -> None:
         batch = WriteBatch()
@@ -205,6 +483,18 @@ class ReplayRunner:
         if len(batch):
             output.flush()
             self.store.write(batch)
+
+    def _advance_dynamic(self, clocks: list, output: TextIO, summary: ReplaySummary, dead_letters) -> None:
+        """Decide every dynamic tick its clock has passed, updates or not; publish."""
+        batch = WriteBatch()
+        for dyn, clock in zip(self.dynamic, clocks):
+            if clock is None:
+                continue
+            for update, reason in dyn.advance_clock(clock, batch):
+                self._invalid(dyn.query.name, reason, 0, dyn.describe(update), summary, dead_letters)
+        if len(batch):
+            self.store.write(batch)
+        self._publish_dynamic(output, summary)
 
     def _publish(self, pipe: QueryPipeline, window: int, trigger: int, releases, output: TextIO, summary: ReplaySummary) -> None:
         for record in releases:
@@ -220,9 +510,10 @@ class ReplayRunner:
         summary.triggers_fired += 1
         self._publish(pipe, window, trigger, releases, output, summary)
 
-    def _fire_due(self, watermarks, output, summary) -> None:
+    def _fire_due(self, clocks, output, summary) -> None:
         while True:
-            due = [(nf, q) for q, pipe in enumerate(self.pipelines) if (nf := pipe.next_fire()) is not None and nf[0] <= watermarks[q]]
+            due = [(nf, q) for q, pipe in enumerate(self.pipelines)
+                   if clocks[q] is not None and (nf := pipe.next_fire()) is not None and nf[0] <= clocks[q]]
             if not due:
                 return
             (_, window, trigger), q = min(due)

@@ -1,5 +1,6 @@
 """The dynamic query over a store (shared by replay and the worker): validation, unit bounding,
-and recovery by replaying the update log (identical releases, republished not lost)."""
+ticks decided on the clock in (tick, arrival) order, and recovery from the update log
+(identical releases, republished not lost)."""
 import json
 
 import numpy as np
@@ -31,11 +32,14 @@ def stream(n: int, seed: int = 2, units: int = 0) -> list[dict]:
 
 
 def run(state: DynamicQueryState, records, store, chunk: int = 500, publish: bool = True) -> list[dict]:
+    """Log each chunk, then move the clock to the chunk's last record time (ticks up to it minus
+    the allowed lateness are decided), then publish."""
     released = []
     for i in range(0, len(records), chunk):
         batch = WriteBatch()
         for rec in records[i:i + chunk]:
             state.apply(rec, batch)
+        state.advance_clock(records[i:i + chunk][-1]["ts"], batch)
         store.write(batch)
         if publish:
             released += state.take_pending()
@@ -63,6 +67,7 @@ def test_restart_replays_the_log_and_republishes_unpublished_releases(tmp_path):
     batch = WriteBatch()
     for rec in records[10_000:12_000]:
         first.apply(rec, batch)
+    first.advance_clock(records[11_999]["ts"], batch)
     store.write(batch)
     store.close()
     store = RocksDBStore(tmp_path / "s")
@@ -81,19 +86,23 @@ def test_invalid_updates_and_unit_bound():
     store = MemoryStore()
     st = make(store, unit_field="user", contribution_bound=2)
     batch = WriteBatch()
-    assert st.apply({"item": "a", "op": "delete", "ts": 1, "user": "x"}, batch)[1] == "delete of an item that is not present"
-    assert "'op'" in st.apply({"item": "a", "op": "upsert", "ts": 1, "user": "x"}, batch)[1]
-    assert "declared items" in st.apply({"item": "zz", "op": "insert", "ts": 1, "user": "x"}, batch)[1]
-    assert st.apply(InvalidRecord("not valid JSON"), batch)[1] == "not valid JSON"
-    assert "'ts'" in st.apply({"item": "a", "op": "insert", "ts": "soon", "user": "x"}, batch)[1]
-    assert "'user'" in st.apply({"item": "a", "op": "insert", "ts": 1}, batch)[1]
+    assert "'op'" in st.apply({"item": "a", "op": "upsert", "ts": 1, "user": "x"}, batch)
+    assert "declared items" in st.apply({"item": "zz", "op": "insert", "ts": 1, "user": "x"}, batch)
+    assert st.apply(InvalidRecord("not valid JSON"), batch) == "not valid JSON"
+    assert "'ts'" in st.apply({"item": "a", "op": "insert", "ts": "soon", "user": "x"}, batch)
+    assert "'user'" in st.apply({"item": "a", "op": "insert", "ts": 1}, batch)
+    # a delete of an absent item is refused when its tick is decided, in tick order: here the
+    # delete's tick (1) comes before the inserts' (2), whatever the arrival order
+    assert st.apply({"item": "a", "op": "delete", "ts": 1, "user": "w"}, batch) is None
     for _ in range(3):  # the unit's third update is dropped, not counted
-        assert st.apply({"item": "a", "op": "insert", "ts": 1, "user": "x"}, batch)[1] is None
+        assert st.apply({"item": "a", "op": "insert", "ts": 6, "user": "x"}, batch) is None
+    refused = st.advance_clock(1_000 + 20, batch)  # ticks of 5 ms, 1 s allowed lateness
+    assert [reason for _, reason in refused] == ["delete of an item that is not present"]
     assert st.counter.exact.tolist() == [2, 0, 0, 0]
     assert st.dropped["contribution_bound"] == 1 and st.dropped["malformed"] == 6
-    # time never goes back to a decided tick
-    st.apply({"item": "a", "op": "insert", "ts": 100, "user": "y"}, batch)
-    assert st.apply({"item": "a", "op": "insert", "ts": 3, "user": "z"}, batch)[1].startswith("late")
+    # time never goes back to a decided tick; an update far ahead of its arrival clock is future
+    assert st.apply({"item": "a", "op": "insert", "ts": 3, "user": "z"}, batch).startswith("late")
     assert st.dropped["late"] == 1
+    assert st.apply({"item": "a", "op": "insert", "ts": 10_000_000, "user": "v"}, batch, clock_ms=5_000).startswith("future")
     # mechanisms run at epsilon / C (group privacy)
     assert st.counter.plan.epsilon == 0.5
