@@ -18,13 +18,31 @@ expected error, before anything runs. Needs no noise secret and no broker."""
 REPLAY_HELP = """Replay events through the DP pipeline with an embedded RocksDB store.
 
 Micro-batches follow event time: an event belongs to trigger i of its window when its time is
-in [window_start + (i-1) * window/T, window_start + i * window/T). The replay clock is the largest
-event time read so far; a trigger fires when that clock passes its end plus allowed_lateness,
-events for an already fired trigger are dropped as late, and at the end of the input every
-remaining trigger of every started window fires. Same input, config and secret: byte-identical
-output. Invalid lines are reported by line number and reason, counted and skipped. Releases of a
-hierarchical query also carry level, released_at, consistent_count and consistent_other (see
-the README's "Hierarchies")."""
+in [window_start + (i-1) * window/T, window_start + i * window/T).
+
+Time (docs/privacy.md, "Time"): each query has an event-time clock that only accepted events
+move, so that no single user moves it. An event dated more than the query's max_skew (default
+1h) after the clock is held back and never moves it; the clock is the second-latest of the users'
+latest accepted event times; when two users have held events within max_skew of each other (a
+gap in the data) it jumps to the earlier; events still held at the end are dead-lettered as
+"future". It starts at --start, else at the second-earliest user's first event time in the first
+50,000 lines. A trigger fires when the clock passes its end plus allowed_lateness; events for a
+fired trigger are dropped as late.
+
+End: with --until the clock ends at that public time (triggers due by then fire, dynamic queries
+decide every tick up to it, events after it are "future"). Without it, every trigger of every
+opened window fires and dynamic queries stop at their last update: both then follow the data's
+time span. A config with a budget ledger charges every window from --start (or budget.start) to
+--until as the clock reaches it, data or not, and needs both.
+
+Noise: a fresh state directory gets a random noise label, so two replays of slightly different
+data never share noise (their difference would be the exact change). --noise-label reproduces a
+run on purpose; the worker's label is "worker:<app id>:<budget epoch>". Same input, config,
+secret and label: byte-identical output.
+
+Invalid lines are reported by line number and reason (never content), counted and skipped.
+Releases of a hierarchical query also carry level, released_at, consistent_count and
+consistent_other (see the README's "Hierarchies")."""
 
 
 CONSISTENCY_NOTE = ("post-processing of released noisy counts and public parameters only: epsilon 0, delta 0 "
@@ -116,20 +134,33 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _time_arg(option: str, value):
+    from processor.config import parse_time_ms
+
+    if value is None:
+        return None
+    try:
+        return parse_time_ms(value)
+    except ValueError as exc:
+        raise ConfigError(f"{option}: {exc}") from None
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
     from processor.noise import load_noise_secret
     from processor.replay import ReplayRunner
 
     config = load_config(args.config)
     secret = load_noise_secret(args.noise_key_file)
-    runner = ReplayRunner(config, secret, args.state_dir)
+    start, until = _time_arg("--start", args.start), _time_arg("--until", args.until)
+    runner = ReplayRunner(config, secret, args.state_dir, noise_label=args.noise_label, start_ms=start)
     resuming = runner._meta_int(b"lines") > 0
     log = (lambda line: print(line, file=sys.stderr)) if not args.quiet else None
     try:
         with open(args.output, "a" if resuming else "w") as out:
             dead = open(args.dead_letter, "a" if resuming else "w") if args.dead_letter else None
             try:
-                summary = runner.run(args.input, out, dead_letters=dead, stop_after_lines=args.stop_after_lines, on_progress=log)
+                summary = runner.run(args.input, out, dead_letters=dead, stop_after_lines=args.stop_after_lines, on_progress=log,
+                                     until_ms=until)
             finally:
                 if dead:
                     dead.close()
@@ -192,8 +223,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise ConfigError(f"--worker-index: {exc}") from None
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from topics.partitioner import PARTITIONERS
+
+    if args.partitioner not in PARTITIONERS:
+        raise ConfigError(f"--partitioner: must be one of {', '.join(PARTITIONERS)}, got {args.partitioner!r}")
     settings = WorkerSettings(config=config, secret=secret, broker=args.broker, state_dir=args.state_dir, ownership=ownership,
-                              partitions=args.partitions, web_port=args.web_port, web_host=args.web_host, app_id=args.app_id)
+                              partitions=args.partitions, web_port=args.web_port, web_host=args.web_host, app_id=args.app_id,
+                              partitioner=args.partitioner)
     return run_worker(settings, loglevel=args.log_level)
 
 
@@ -337,6 +373,12 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--noise-key-file", help="file holding the noise secret (default: $DPSTREAM_NOISE_KEY_FILE or $DPSTREAM_NOISE_KEY)")
     replay.add_argument("--dead-letter", help="write invalid lines here with their reason (JSONL; holds raw input)")
     replay.add_argument("--stop-after-lines", type=int, help="stop after this many input lines, keeping state (for partial runs)")
+    replay.add_argument("--start", help="the clock's public start, epoch ms or ISO-8601 (default: taken from the first 50,000 lines); "
+                                        "with a budget ledger, the first window charged")
+    replay.add_argument("--until", help="the clock's public end, epoch ms or ISO-8601: triggers and dynamic ticks due by then are decided "
+                                        "(default: the end of the data); required with a budget ledger")
+    replay.add_argument("--noise-label", help="reuse a run's noise on purpose (default: a random label per new state directory; the "
+                                              "worker's is worker:<app id>:<budget epoch>)")
     replay.add_argument("--quiet", action="store_true", help="no progress lines")
     replay.set_defaults(func=cmd_replay)
 
@@ -356,7 +398,12 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--web-port", type=int, default=_env_int("DPSTREAM_WEB_PORT", 9400),
                         help="port of /healthz, /readyz and /metrics (default $DPSTREAM_WEB_PORT or 9400)")
     worker.add_argument("--web-host", default="0.0.0.0", help="address the web server binds (default 0.0.0.0)")
-    worker.add_argument("--app-id", default=os.environ.get("DPSTREAM_APP_ID", "dpstream"), help="Faust app id (default dpstream)")
+    worker.add_argument("--app-id", default=os.environ.get("DPSTREAM_APP_ID", "dpstream"),
+                        help="Faust app id (default dpstream); with the budget epoch it names the worker's noise label")
+    worker.add_argument("--partitioner", default=os.environ.get("DPSTREAM_PARTITIONER", "murmur2"),
+                        help="how producers map a user key to an input partition: murmur2 (Java clients' default; dpstream "
+                             "produce), consistent (librdkafka's default crc32) or fnv1a; a record on another partition is "
+                             "dead-lettered as wrong_partition (default $DPSTREAM_PARTITIONER or murmur2)")
     worker.add_argument("--log-level", default="info", choices=["debug", "info", "warn", "error"])
     worker.set_defaults(func=cmd_worker)
 

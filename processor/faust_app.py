@@ -16,7 +16,7 @@ import asyncio
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import faust
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -33,9 +33,9 @@ log = logging.getLogger("dpstream.worker")
 @dataclass
 class WorkerSettings:
     config: DpstreamConfig
-    secret: bytes
-    broker: str  # host:port[,host:port]
-    state_dir: str
+    secret: bytes = field(repr=False)  # never printed
+    broker: str = field(default="127.0.0.1:19092")  # host:port[,host:port]
+    state_dir: str = "./dpstream-state"
     ownership: Ownership = Ownership()
     partitions: int = 8  # partitions of the topics the worker creates
     web_port: int = 9400
@@ -44,6 +44,7 @@ class WorkerSettings:
     fetch_records: int = 20_000
     session_timeout: float = 6.0
     heartbeat_interval: float = 1.0
+    partitioner: str = "murmur2"  # how producers map a user key to an input partition (checked per record)
 
 
 def broker_address(url: str) -> str:
@@ -116,7 +117,11 @@ def build_app(s: WorkerSettings) -> faust.App:
         """Stage 2, by key: append bounded records to the pending micro-batches."""
         async for topic, partition, records in batches:
             try:
-                status["worker"].process_repartitioned(topic, partition, records)
+                result = status["worker"].process_repartitioned(topic, partition, records)
+                if result is None:
+                    continue
+                await send(result.messages)  # dead letters first, then the state they cover
+                result.commit()
             except Exception as exc:  # noqa: BLE001
                 await crash(exc)
                 return
@@ -126,9 +131,7 @@ def build_app(s: WorkerSettings) -> faust.App:
         """Dynamic queries: insert/delete updates -> per-item counts at each closed segment."""
         async for topic, partition, records in batches:
             try:
-                worker = status["worker"]
-                await send(worker.process_dynamic(topic, partition, records))  # state already committed
-                worker.mark_dynamic_published((topic, partition))
+                await send(status["worker"].process_dynamic(topic, partition, records))  # dead letters; state committed
             except Exception as exc:  # noqa: BLE001
                 await crash(exc)
                 return
@@ -140,7 +143,14 @@ def build_app(s: WorkerSettings) -> faust.App:
         if worker is None or not status["ready"]:
             return
         try:
-            await publish(worker.fire_due(int(time.time() * 1000)))
+            now = int(time.time() * 1000)
+            await publish(worker.fire_due(now))
+            # dynamic queries: every tick the clock has passed is decided, updates or not
+            due, letters = worker.advance_dynamic(now)
+            await send(letters)
+            for key in due:
+                await send(worker.dynamic_releases(key))
+                worker.mark_dynamic_published(key)
         except Exception as exc:  # noqa: BLE001
             await crash(exc)
 
@@ -181,7 +191,8 @@ def build_app(s: WorkerSettings) -> faust.App:
             previous = (await loop.run_in_executor(None, lambda: read_epoch_marks(broker))).get(mark_key)
             worker = await loop.run_in_executor(None, lambda: DpstreamWorker(
                 s.config, s.secret, s.state_dir, s.ownership, {t: counts[t] for t in inputs},
-                repartitions.pop() if repartitions else s.partitions, metrics, previous_mark=previous))
+                repartitions.pop() if repartitions else s.partitions, metrics, previous_mark=previous, app_id=s.app_id,
+                partitioner=s.partitioner))
             status["worker"] = worker
             if previous is None or {k: previous.get(k) for k in worker.epoch_mark} != worker.epoch_mark:
                 mark = {**worker.epoch_mark, "since_ms": int(time.time() * 1000)}

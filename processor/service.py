@@ -5,7 +5,7 @@ the messages this returns, waits for the broker to acknowledge them, and only th
 state write this prepared. Everything DP happens in :class:`processor.pipeline.QueryPipeline`,
 the same code ``dpstream replay`` and the benchmarks run.
 
-Partitions and state (DESIGN.md sections 9 and 12). Worker ``i`` of ``N`` owns partition ``p``
+Partitions and state (docs/operations.md, "Partitions and state"; docs/privacy.md, "Failures"). Worker ``i`` of ``N`` owns partition ``p``
 of every topic it reads when ``p % N == i``: the input topic's partitions for stage 1 (by user)
 and the repartition topics' partitions for stage 2 (by key). Ownership is static, like the pods
 of the StatefulSet whose volumes hold the RocksDB state, so a partition's state never has to
@@ -28,6 +28,11 @@ Failure rules:
   position only, so it is identical after a restart.
 * A store written under another noise secret, or by another worker layout, is refused: that is
   a new budget epoch, never a silent reset.
+
+Time (docs/privacy.md, "Time"): triggers fire, windows are charged and dynamic ticks are decided
+on the wall clock, data or not. Stage 1 judges each record by its own Kafka timestamp: late if
+its trigger had fired by then, ``future`` (dead-lettered) if its event time is more than
+``max_skew`` after it. Nothing one record claims moves any clock.
 """
 from __future__ import annotations
 
@@ -52,6 +57,9 @@ from topics.kafka import DEAD_LETTER_TOPIC, repartition_topic
 from topics.records import EventParser, InvalidRecord, dead_letter, encode_json, json_object, release_key
 
 LAYOUT_FILE = "worker-layout.json"
+#: dynamic ticks decided per timer call at most: a query whose start is long past catches up
+#: over several calls instead of stalling the event loop
+DYNAMIC_TICKS_PER_STEP = 200_000
 
 
 class RecordLike(Protocol):
@@ -77,7 +85,14 @@ class StateLayoutError(RuntimeError):
 
 class LostStateError(StateLayoutError):
     """The state directory is empty, but this worker already ran under this budget epoch and
-    noise secret: its volume was lost (DESIGN.md section 12)."""
+    noise secret: its volume was lost (docs/privacy.md, "Failures")."""
+
+
+def worker_noise_label(app_id: str, config: DpstreamConfig) -> str:
+    """The worker's noise label (docs/privacy.md, "Noise"): its application and budget epoch, so a
+    new epoch never reuses the noise of released values. ``dpstream replay --noise-label`` with
+    this label reproduces the worker's releases."""
+    return f"worker:{app_id}:{config.budget.epoch if config.budget is not None else '1'}"
 
 
 def epoch_mark(config: DpstreamConfig, noise: NodeNoise) -> dict:
@@ -139,6 +154,20 @@ class StageOneResult:
 
 
 @dataclass
+class StageTwoResult:
+    """What one stage-2 batch produced: dead letters to send, then :meth:`commit`."""
+
+    source: SourcePartition
+    batch: WriteBatch
+    last_offset: int
+    messages: list[Message] = field(default_factory=list)
+    applied: int = 0
+
+    def commit(self) -> None:
+        self.source.commit(self.batch, self.last_offset)
+
+
+@dataclass
 class FiredTrigger:
     source: SourcePartition
     pipeline: QueryPipeline
@@ -150,12 +179,15 @@ class FiredTrigger:
 class DpstreamWorker:
     def __init__(self, config: DpstreamConfig, secret: bytes, state_dir: str | Path, ownership: Ownership,
                  input_partitions: dict[str, int], repartitions: int, metrics: Optional[PipelineMetrics] = None,
-                 block_cache_mb: int = 64, write_buffer_mb: int = 32, previous_mark: Optional[dict] = None):
+                 block_cache_mb: int = 64, write_buffer_mb: int = 32, previous_mark: Optional[dict] = None,
+                 app_id: str = "dpstream", partitioner: str = "murmur2", now_ms: Optional[int] = None):
         self.config = config
         self.ownership = ownership
         self.repartitions = repartitions
+        self.input_partitions = dict(input_partitions)
+        self.partitioner = partitioner
         self.metrics = metrics or PipelineMetrics()
-        self.noise = NodeNoise(secret)
+        self.noise = NodeNoise(secret, worker_noise_label(app_id, config))
         self.pseudonyms = Pseudonymizer(secret)
         self.state_dir = Path(state_dir)
         #: the epoch mark this worker's state belongs to; ``previous_mark``: what it recorded
@@ -179,13 +211,25 @@ class DpstreamWorker:
             for p in ownership.partitions(repartitions):
                 store = self._open(f"{topic}-{p}")
                 self.stage2[(topic, p)] = SourcePartition(topic, p, store, [QueryPipeline(q, self.noise, store, self.pseudonyms)])
-        # the budget ledger: windows are charged when they open at stage 2 (processor.budget)
-        self.ledger = open_ledger(config, self._open(LEDGER_STORE))
+        # the budget ledger: each window is charged as the wall clock reaches it, from the
+        # schedule's public start (budget.start, else this worker's first start, kept in state)
+        ledger_store = self._open(LEDGER_STORE)
+        self.ledger = open_ledger(config, ledger_store)
         self.gate = BudgetGate(config, self.ledger) if self.ledger is not None else None
         if self.gate is not None:
+            start = config.budget.start_ms
+            if start is None:
+                raw = ledger_store.get(sk.META + b"schedule-start")
+                if raw is None:
+                    start = int(now_ms if now_ms is not None else time.time() * 1000)
+                    batch = WriteBatch()
+                    batch.put(sk.META + b"schedule-start", start.to_bytes(8, "little", signed=True))
+                    ledger_store.write(batch)
+                else:
+                    start = int.from_bytes(raw, "little", signed=True)
             for source in self.stage2.values():
                 for pipe in source.pipelines:
-                    pipe.window_gate = self.gate.window_gate(pipe.query)
+                    pipe.set_schedule(self.gate.window_gate(pipe.query), start)
         # dynamic queries: one-partition topics, owned by the worker that owns partition 0
         self.dynamic: dict[tuple[str, int], SourcePartition] = {}
         self.dynamic_states: dict[tuple[str, int], list[DynamicQueryState]] = defaultdict(list)
@@ -255,64 +299,96 @@ class DpstreamWorker:
             return None
         result = StageOneResult(source, WriteBatch(), records[-1].offset)
         parsed = [json_object(r.value) for r in records]
+        misplaced = self._misplaced(topic, partition, records)
         for pipe in source.pipelines:
             q = pipe.query
             parser = self.parsers[q.name]
-            users, keys, values, ts, clock = [], [], [], [], []
-            for r, obj in zip(records, parsed):
+            users, keys, values, ts, clock, origin = [], [], [], [], [], []
+            malformed = wrong = 0
+
+            def reject(r, reason: str) -> None:
+                result.invalid[(q.name, reason)] += 1
+                body = {"query": q.name, **dead_letter(reason, r.value or b"", f"{topic}/{partition}@{r.offset}")}
+                result.messages.append(Message(DEAD_LETTER_TOPIC, encode_json(body)))
+
+            for i, (r, obj) in enumerate(zip(records, parsed)):
                 event = obj if isinstance(obj, InvalidRecord) else parser.from_mapping(obj)
                 if not isinstance(event, InvalidRecord) and r.key != event.user.encode():
                     # stage 1 counts a user's contributions in one partition's state: a record
                     # not keyed by its user could be counted in another partition too
                     event = InvalidRecord(f"message key must be the {q.user_field!r} field (input is partitioned by user)")
                 if isinstance(event, InvalidRecord):
-                    result.invalid[(q.name, event.reason)] += 1
-                    body = {"query": q.name, **dead_letter(event.reason, r.value or b"", f"{topic}/{partition}@{r.offset}")}
-                    result.messages.append(Message(DEAD_LETTER_TOPIC, encode_json(body)))
+                    reject(r, event.reason)
+                    malformed += 1
+                    continue
+                if i in misplaced:
+                    reject(r, misplaced[i])
+                    wrong += 1
                     continue
                 users.append(event.user)
                 keys.append(event.key)
                 values.append(event.value)
                 ts.append(event.ts)
                 clock.append(r.timestamp)
-            invalid = sum(v for (name, _), v in result.invalid.items() if name == q.name)
-            pipe.stats.events_in += invalid
-            pipe.stats.dropped["malformed"] += invalid
+                origin.append(r)
+            pipe.stats.events_in += malformed + wrong
+            pipe.stats.dropped["malformed"] += malformed
+            pipe.stats.dropped["wrong_partition"] += wrong
             if not ts:
                 continue
             events = EventColumns(self.pseudonyms.users(users), np.array(keys, dtype=object), self.pseudonyms.group_keys(keys),
                                   np.array(values, dtype=np.float64), np.array(ts, dtype=np.int64))
             bounded = pipe.bound(events, np.array(clock, dtype=np.int64), result.batch)
+            for e, reason in pipe.last_rejected:  # future events and key id collisions (counted by bound)
+                result.invalid[(q.name, reason)] += 1
+                body = {"query": q.name, **dead_letter(reason, origin[e].value or b"", f"{topic}/{partition}@{origin[e].offset}")}
+                result.messages.append(Message(DEAD_LETTER_TOPIC, encode_json(body)))
             if not len(bounded):
                 continue
             # by key; a hierarchy by its level-1 key, so a whole subtree is on one partition and
-            # its consistency step sees every level (DESIGN.md section 8)
+            # its consistency step sees every level (docs/privacy.md, "Post-processing: hierarchical consistency")
             target = (bounded.roots % np.uint64(self.repartitions)).astype(np.int64)
             out_topic = repartition_topic(q.name)
             for p in np.unique(target).tolist():
                 result.messages.append(Message(out_topic, bounded.take(np.nonzero(target == p)[0]).encode(), None, p))
         return result
 
+    def _misplaced(self, topic: str, partition: int, records: Sequence[RecordLike]) -> dict[int, str]:
+        """Records keyed by a user whose key hashes to another partition (by the configured
+        partitioner): counted here, the user could also be counted on that partition, up to C
+        more contributions. Returns {record index: reason}."""
+        from topics.partitioner import partition_for
+
+        keyed = [i for i, r in enumerate(records) if r.key is not None]
+        if not keyed:
+            return {}
+        expected = partition_for([records[i].key for i in keyed], self.input_partitions[topic], self.partitioner)
+        return {i: f"wrong_partition: the message key hashes ({self.partitioner}) to partition {int(p)}, not {partition}"
+                for i, p in zip(keyed, expected.tolist()) if p != partition}
+
     # ------------------------------------------------------------------ stage 2
-    def process_repartitioned(self, topic: str, partition: int, records: Sequence[RecordLike]) -> int:
-        """Append bounded records to the pending micro-batches; returns records applied."""
+    def process_repartitioned(self, topic: str, partition: int, records: Sequence[RecordLike]) -> Optional[StageTwoResult]:
+        """Append bounded records to the pending micro-batches; nothing is written yet. Returns the
+        dead letters (key id collisions) to send before :meth:`StageTwoResult.commit`."""
         source = self.stage2[(topic, partition)]
         records = [r for r in records if r.offset > source.last_offset]
         if not records:
-            return 0
+            return None
         pipe = source.pipelines[0]
-        batch = WriteBatch()
+        result = StageTwoResult(source, WriteBatch(), records[-1].offset, applied=len(records))
         for r in records:
             # the offset is unique within the partition: pending blobs never collide, and a
             # redelivered message (offset <= last applied) was skipped above
-            pipe.accumulate(BoundedRecords.decode(r.value), r.offset, batch)
-        source.commit(batch, records[-1].offset)
-        return len(records)
+            for text, reason in pipe.accumulate(BoundedRecords.decode(r.value), r.offset, result.batch):
+                body = {"query": pipe.query.name, **dead_letter(reason, text.encode(), f"{topic}/{partition}@{r.offset}")}
+                result.messages.append(Message(DEAD_LETTER_TOPIC, encode_json(body)))
+        return result
 
     # ------------------------------------------------------------------ dynamic queries
     def process_dynamic(self, topic: str, partition: int, records: Sequence[RecordLike]) -> list[Message]:
-        """Apply update records: the update log, unit counts and offset in one write; returns the
-        dead letters and the releases to send, after which :meth:`mark_dynamic_published`."""
+        """Log update records (judged late or future by each record's own Kafka timestamp): the
+        update log, unit counts and offset in one write; returns the dead letters to send. Ticks
+        are decided by the timer (:meth:`advance_dynamic`), never by the arrival of updates."""
         key = (topic, partition)
         source = self.dynamic[key]
         records = [r for r in records if r.offset > source.last_offset]
@@ -322,12 +398,29 @@ class DpstreamWorker:
         for r in records:
             obj = json_object(r.value)
             for st in self.dynamic_states[key]:
-                _, reason = st.apply(obj, batch)
+                reason = st.apply(obj, batch, clock_ms=r.timestamp)
                 if reason is not None:
                     body = {"query": st.query.name, **dead_letter(reason, r.value or b"", f"{topic}/{partition}@{r.offset}")}
                     messages.append(Message(DEAD_LETTER_TOPIC, encode_json(body)))
         source.commit(batch, records[-1].offset)
-        return messages + self.dynamic_releases(key)
+        return messages
+
+    def advance_dynamic(self, now_ms: int) -> tuple[list[tuple[str, int]], list[Message]]:
+        """Decide every dynamic tick the wall clock has passed, updates or not (the timer's job).
+        Returns the sources with releases to send (then :meth:`mark_dynamic_published`) and the
+        dead letters of updates refused now (deletes of items absent in tick order)."""
+        due, letters = [], []
+        for key, states in self.dynamic_states.items():
+            batch = WriteBatch()
+            for st in states:
+                for update, reason in st.advance_clock(now_ms, batch, max_ticks=DYNAMIC_TICKS_PER_STEP):
+                    body = {"query": st.query.name, **dead_letter(reason, st.describe(update), f"{key[0]}/{key[1]} log@{update.seq}")}
+                    letters.append(Message(DEAD_LETTER_TOPIC, encode_json(body)))
+            if len(batch):
+                self.dynamic[key].store.write(batch)
+            if any(st.pending for st in states):
+                due.append(key)
+        return due, letters
 
     def dynamic_releases(self, key: tuple[str, int]) -> list[Message]:
         return [Message(st.query.output_topic, encode_json(rec), st.query.name.encode())
@@ -341,11 +434,13 @@ class DpstreamWorker:
             self.dynamic[key].store.write(batch)
 
     def fire_due(self, now_ms: int) -> list[FiredTrigger]:
-        """Fire every owned trigger whose time (plus allowed lateness) has passed on the wall
-        clock: the schedule, never the data, decides. Releases are journaled on return."""
+        """Open (charge) the windows the wall clock has reached and fire every owned trigger whose
+        time (plus allowed lateness) has passed: the schedule, never the data, decides. Releases
+        are journaled on return."""
         fired = []
         for source in self.stage2.values():
             pipe = source.pipelines[0]
+            pipe.open_due(now_ms)
             while (nxt := pipe.next_fire()) is not None and nxt[0] <= now_ms:
                 _, window, trigger = nxt
                 started = time.perf_counter()

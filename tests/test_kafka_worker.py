@@ -27,7 +27,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from processor.config import load_config
 from processor.kafka_tools import produce, tail
 from processor.replay import ReplayRunner
-from tests.conftest import ROOT, TEST_SECRET
+from processor.service import worker_noise_label
+from tests.conftest import ROOT, TEST_SECRET, TEST_SECRET_HEX
 from topics.kafka import DEAD_LETTER_TOPIC
 
 WINDOW_S, TRIGGERS, LATENESS_S = 12, 4, 1
@@ -51,7 +52,7 @@ class Scenario:
             f"    window: {WINDOW_S}s\n    triggers: {TRIGGERS}\n    allowed_lateness: {LATENESS_S}s\n"
             f"    contribution_bound: {contribution_bound}\n    epsilon: 6\n    delta: 1.0e-9\n")
         self.key_file = tmp_path / "noise.key"
-        self.key_file.write_bytes(TEST_SECRET)
+        self.key_file.write_text(TEST_SECRET_HEX)
         self.events = tmp_path / "events.jsonl"
         self.window_start = None
 
@@ -85,7 +86,8 @@ class Scenario:
         return [json.loads(line) for line in out.getvalue().splitlines()]
 
     def replay(self) -> list[dict]:
-        runner = ReplayRunner(load_config(self.config), TEST_SECRET, None)
+        config = load_config(self.config)
+        runner = ReplayRunner(config, TEST_SECRET, None, noise_label=worker_noise_label(self.app_id, config))
         out = io.StringIO()
         try:
             runner.run(str(self.events), out)
@@ -260,22 +262,29 @@ def test_sigkill_mid_stream_and_restart_changes_nothing(scenario):
 
 
 def test_dynamic_agent_publishes_what_replay_publishes_and_dead_letters_absent_deletes(tmp_path, broker):
+    """The worker decides dynamic ticks on its wall clock (docs/privacy.md, "Time"): the releases it
+    has published for ticks up to H equal replay's with the public end --until at tick H, and a
+    delete of an absent item (in tick order) is dead-lettered when its tick is decided."""
     tag = uuid.uuid4().hex[:8]
     sc = Scenario(tmp_path, broker)
     name, topic, out = f"dyn{tag}", f"it-updates-{tag}", f"it-counts-{tag}"
+    tick_ms, lateness_ms = 20, 1000
+    start = (int(time.time() * 1000) // 1000 + 8) * 1000  # tick 1 begins a few seconds from now
     sc.config.write_text(f"dynamic:\n  - name: {name}\n    input_topic: {topic}\n    output_topic: {out}\n"
-                         f"    items: [a, b, c]\n    start: 0\n    tick: 2ms\n    epsilon: 2.0\n")
+                         f"    items: [a, b, c]\n    start: {start}\n    tick: {tick_ms}ms\n    allowed_lateness: {lateness_ms}ms\n"
+                         f"    epsilon: 2.0\n")
     rng = np.random.default_rng(5)
-    live, lines = [], [b'{"item":"b","op":"delete","ts":1}']  # nothing present yet: invalid
-    for i in range(6_000):
+    live, lines = [], [f'{{"item":"b","op":"delete","ts":{start}}}'.encode()]  # nothing present yet: invalid
+    for i in range(3_000):  # 3 s of updates: ticks 1..150
         if live and rng.random() < 0.4:
             item = live.pop(int(rng.integers(len(live))))
-            lines.append(f'{{"item":"{item}","op":"delete","ts":{i}}}'.encode())
+            lines.append(f'{{"item":"{item}","op":"delete","ts":{start + i}}}'.encode())
         else:
             item = "abc"[int(rng.integers(3))]
             live.append(item)
-            lines.append(f'{{"item":"{item}","op":"insert","ts":{i}}}'.encode())
+            lines.append(f'{{"item":"{item}","op":"insert","ts":{start + i + 1}}}'.encode())
     sc.events.write_bytes(b"\n".join(lines) + b"\n")
+    horizon = 200  # compare ticks 1..H (the worker keeps deciding empty ticks as time passes)
     w = sc.worker("dyn").start()
     try:
         w.wait_ready()
@@ -285,11 +294,17 @@ def test_dynamic_agent_publishes_what_replay_publishes_and_dead_letters_absent_d
         for line in lines:
             p.produce(topic, line)
         assert p.flush(30) == 0
-        deadline = time.time() + 60
-        while time.time() < deadline and w.metric("dpstream_events_in_total", query=name) < len(lines):
-            time.sleep(0.2)
-        released = sc.read(out)
-        expected = sc.replay()
+        assert time.time() * 1000 < start, "the updates must reach the worker before their ticks are decided"
+        time.sleep(max(0.0, (start + horizon * tick_ms + lateness_ms) / 1000 + 3 - time.time()))
+        released = [r for r in sc.read(out) if r["tick"] <= horizon]
+        config = load_config(sc.config)
+        runner = ReplayRunner(config, TEST_SECRET, None, noise_label=worker_noise_label(sc.app_id, config))
+        buf = io.StringIO()
+        try:
+            runner.run(str(sc.events), buf, until_ms=start + horizon * tick_ms + lateness_ms)
+        finally:
+            runner.close()
+        expected = [json.loads(line) for line in buf.getvalue().splitlines()]
         assert len(expected) >= 5
         assert canonical(released) == canonical(expected)
         letters = [d for d in sc.read(DEAD_LETTER_TOPIC) if d.get("query") == name]

@@ -1,4 +1,4 @@
-"""The worker's processing without a broker: the failure rules of DESIGN.md section 12 under
+"""The worker's processing without a broker: the failure rules of docs/privacy.md, "Failures" under
 at-least-once delivery, exercised deterministically (the Kafka tests do it with a real broker)."""
 from dataclasses import dataclass
 from typing import Optional
@@ -38,7 +38,8 @@ def events(n: int, seed: int = 3) -> list[Record]:
         user = f"u{rng.integers(0, n // 8)}"
         key = f"k{min(int(rng.pareto(1.0)), 30)}"
         ts = START + i * WINDOW_MS // n
-        out.append(Record(i, user.encode(), f'{{"user_id":"{user}","key":"{key}","ts":{ts}}}'.encode(), START - 1000))
+        # produced at its event time (the record's Kafka timestamp): on time, not in the future
+        out.append(Record(i, user.encode(), f'{{"user_id":"{user}","key":"{key}","ts":{ts}}}'.encode(), ts))
     return out
 
 
@@ -54,7 +55,9 @@ def stage_two(worker: DpstreamWorker, messages, first_offset: int = 0) -> None:
             continue
         offset = offsets.get(m.partition, first_offset)
         offsets[m.partition] = offset + 1
-        worker.process_repartitioned(m.topic, m.partition, [Record(offset, None, m.value, 0)])
+        result = worker.process_repartitioned(m.topic, m.partition, [Record(offset, None, m.value, 0)])
+        if result is not None:
+            result.commit()
 
 
 def all_releases(worker: DpstreamWorker) -> dict:
@@ -116,7 +119,7 @@ def test_redelivered_records_at_or_below_the_committed_offset_are_skipped(tmp_pa
     assert bounded <= 200
     assert w.process_input("in", 0, records[:600]) is None
     topic = repartition_topic("clicks")
-    assert w.process_repartitioned(topic, 0, []) == 0
+    assert w.process_repartitioned(topic, 0, []) is None
     w.close()
 
 
@@ -171,7 +174,7 @@ def test_two_workers_own_disjoint_partitions():
 
 
 def test_an_empty_state_directory_under_an_epoch_already_run_is_a_lost_volume(tmp_path):
-    """DESIGN.md section 12: volume loss is a new, explicitly configured epoch, never a silent
+    """docs/privacy.md, "Failures": volume loss is a new, explicitly configured epoch, never a silent
     reset of the ledger or of what was released."""
     from processor.service import LostStateError
 
