@@ -1,4 +1,4 @@
-"""The Helm chart (helm/dpstream), checked without a cluster or a helm binary (DESIGN.md section 13).
+"""The Helm chart (helm/dpstream), checked without a cluster or a helm binary (docs/operations.md, "Checking the Helm chart").
 
 The chart is rendered with helm-python-sdk (the Helm SDK in-process; output identical to
 `helm template`), each manifest is validated against the bundled Kubernetes schemas with
