@@ -1,4 +1,4 @@
-"""Prometheus metrics of the pipeline (DESIGN.md section 9), named by Prometheus conventions.
+"""Prometheus metrics of the pipeline (docs/operations.md, "Metrics"), named by Prometheus conventions.
 
 The pipeline keeps plain counters (:class:`processor.pipeline.PipelineStats`); this module turns
 them into a registry the worker serves over HTTP, so the pipeline itself never imports

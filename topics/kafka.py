@@ -1,4 +1,4 @@
-"""Declarations of every Kafka topic the service uses (DESIGN.md sections 3 and 9).
+"""Declarations of every Kafka topic the service uses (docs/operations.md, "Topics and records").
 
 Per query: the input events topic (partitioned by user by the producer or repartitioned by stage
 1), the stage-1 -> stage-2 repartition topic keyed by the group-by key, the output releases topic
@@ -15,7 +15,7 @@ from typing import Iterable
 DEAD_LETTER_TOPIC = "dpstream-dead-letters"
 DYNAMIC_UPDATES_TOPIC = "dpstream-dynamic-updates"
 #: Which budget epoch and noise secret each worker's state belongs to, kept outside the worker's
-#: volume so that a lost volume is noticed (DESIGN.md section 12): compacted, keyed by
+#: volume so that a lost volume is noticed (docs/privacy.md, "Failures"): compacted, keyed by
 #: ``<app id>/<worker index>``, value ``{"budget_epoch", "noise", "since_ms"}``.
 EPOCH_TOPIC = "dpstream-epochs"
 
@@ -125,7 +125,7 @@ class DeliveryError(RuntimeError):
 class KafkaPublisher:
     """A confluent-kafka producer that reports whether everything sent was acknowledged.
 
-    ``acks=all`` and no idempotence: the worker tolerates duplicates by design (DESIGN.md 12),
+    ``acks=all`` and no idempotence: the worker tolerates duplicates by design (docs/privacy.md, "Failures"),
     and it commits state only after :meth:`flush` returns without error.
     """
 

@@ -1,4 +1,4 @@
-"""Record contracts (DESIGN.md section 3): input events, release records, dead letters.
+"""Record contracts (docs/operations.md, "Topics and records"): input events, release records, dead letters.
 
 Parsing never raises on bad input: it returns an :class:`InvalidRecord` whose ``reason`` names
 the field and the problem but never quotes the record's content (reasons end up in logs and
