@@ -152,7 +152,7 @@ def plan_fingerprint(plans) -> bytes:
     """16 bytes naming a query's calibration (every level's plan: budget, C, L, T, grid, noise
     scales, thresholds). A window is pinned to the plan it was opened and charged under: a tree
     must never mix two noise scales, and a changed budget must never go uncharged."""
-    text = json.dumps([p.to_dict() for p in plans], sort_keys=True, separators=(",", ":"))
+    text = json.dumps([p if isinstance(p, dict) else p.to_dict() for p in plans], sort_keys=True, separators=(",", ":"))
     return hashlib.blake2b(text.encode(), digest_size=16, person=b"dpstream-plan").digest()
 
 

@@ -66,7 +66,8 @@ class BudgetGate:
 
     def start_dynamic(self, query) -> bool:
         plan = query.plan()
-        return self._charge(self.config.budget.principal_of(query), query.epsilon, plan.delta_spent, f"{query.name}:start")
+        return self._charge(self.config.budget.principal_of(query), query.epsilon, plan.delta_spent, f"{query.name}:start",
+                            plan=query.fingerprint())
 
     def _charge(self, principal: str, epsilon: float, delta: float, charge_id: str, at_ms: Optional[int] = None,
                 plan: Optional[str] = None) -> bool:

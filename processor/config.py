@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from accountant import BudgetError, PrivacyPlan, QueryBudget, plan_levels, plan_query
 from accountant.dynamic import DynamicPlan
+from accountant.plan import plan_fingerprint
 from accountant.ledger import BudgetPolicy
 
 _DURATION = re.compile(r"^\s*(\d+)\s*(ms|s|m|h|d)\s*$")
@@ -44,6 +45,15 @@ def parse_duration_ms(text: str | int, allow_zero: bool = False) -> int:
     if value < 0 or (value == 0 and not allow_zero):
         raise ValueError("must be positive")
     return value
+
+
+def _check_max_skew(value: str | int) -> None:
+    """A clock moved only by accepted events needs room ahead of it: with max_skew 0 an in-order
+    stream's next event is never within reach, so replay would hold almost everything
+    (docs/privacy.md, "Time")."""
+    if parse_duration_ms(value, allow_zero=True) == 0:
+        raise ValueError("must be positive (the event-time clock accepts events dated up to max_skew after it; 0 would "
+                         "hold back every event after the clock)")
 
 
 def parse_time_ms(value: str | int) -> int:
@@ -107,10 +117,16 @@ class QueryConfig(BaseModel):
         parse_duration_ms(value)
         return value
 
-    @field_validator("allowed_lateness", "max_skew")
+    @field_validator("allowed_lateness")
     @classmethod
     def _lateness(cls, value: str) -> str:
         parse_duration_ms(value, allow_zero=True)
+        return value
+
+    @field_validator("max_skew")
+    @classmethod
+    def _max_skew(cls, value: str) -> str:
+        _check_max_skew(value)
         return value
 
     @field_validator("epsilon", "delta", "clamp")
@@ -214,10 +230,16 @@ class DynamicQueryConfig(BaseModel):
         parse_duration_ms(value)
         return value
 
-    @field_validator("allowed_lateness", "max_skew")
+    @field_validator("allowed_lateness")
     @classmethod
     def _dyn_lateness(cls, value: str) -> str:
         parse_duration_ms(value, allow_zero=True)
+        return value
+
+    @field_validator("max_skew")
+    @classmethod
+    def _dyn_max_skew(cls, value: str) -> str:
+        _check_max_skew(value)
         return value
 
     @property
@@ -230,7 +252,16 @@ class DynamicQueryConfig(BaseModel):
 
     @property
     def max_skew_ms(self) -> int:
-        return parse_duration_ms(self.max_skew, allow_zero=True)
+        return parse_duration_ms(self.max_skew)
+
+    def fingerprint(self) -> str:
+        """Hex fingerprint of what the query's counters were built and charged under: the
+        mechanism plan, the item domain and the tick schedule. A dynamic query runs its whole life
+        on one plan (docs/privacy.md, "Windows and budget"): a node's noise recomputed under
+        another scale would release two noisy values of one node."""
+        schedule = {"items": list(self.items), "start": self.start, "tick": self.tick_ms, "lateness": self.lateness_ms,
+                    "unit_field": self.unit_field, "contribution_bound": self.contribution_bound}
+        return plan_fingerprint([self.plan(), schedule]).hex()
 
     def decided_through(self, clock_ms: int) -> int:
         """The last tick whose end plus the allowed lateness the clock has passed (0: none)."""

@@ -34,6 +34,7 @@ from typing import Optional, Union
 from processor.config import DynamicQueryConfig
 from processor.dynamic import DynamicCounter, DynamicRelease
 from processor.noise import NodeNoise, Pseudonymizer
+from processor.pipeline import PlanChangedError
 from state import keys as sk
 from state.store import Store, WriteBatch
 from topics.records import InvalidRecord, _text
@@ -68,6 +69,7 @@ class DynamicQueryState:
         self.store = store
         self.pseudonyms = pseudonyms
         self.qid = sk.query_id(query.name)
+        self._pin_plan()
         self.counter = DynamicCounter(query.plan(), query.items, noise, query.name)
         self.dropped: Counter = Counter()
         self.refused = False  # the budget ledger refused this query: it does not run
@@ -91,6 +93,21 @@ class DynamicQueryState:
         if raw is not None:
             released, _ = self._decide(int.from_bytes(raw, "little"))
             self.pending += [r for r in released if r.segment > self.published]
+
+    def _pin_plan(self) -> None:
+        """The state holds counters built under one plan (budget, items, ticks); resuming them
+        under another would recompute released nodes under another noise scale from the same
+        uniforms (docs/privacy.md, "Windows and budget"): refused."""
+        key, mine = sk.META + b"dyn-plan" + self.qid, self.query.fingerprint().encode()
+        stored = self.store.get(key)
+        if stored is None:
+            batch = WriteBatch()
+            batch.put(key, mine)
+            self.store.write(batch)
+        elif stored != mine:
+            raise PlanChangedError(f"dynamic query {self.query.name!r} was started under another plan (epsilon, items, tick "
+                                   f"or start changed): it must finish on the plan it was started with; use a new name or "
+                                   f"a new state directory for the new plan")
 
     @property
     def _decided_key(self) -> bytes:

@@ -106,7 +106,12 @@ def _parse_user_states(values: list) -> tuple[np.ndarray, np.ndarray, np.ndarray
 STATE_FORMAT = b"3"
 
 
-class PlanChangedError(RuntimeError):
+class StateMismatchError(RuntimeError):
+    """The state directory was written under another secret, noise label, layout or plan than
+    this run's: it is refused, never mixed (docs/privacy.md, "Failures")."""
+
+
+class PlanChangedError(StateMismatchError):
     """A window still open was opened under another plan (docs/privacy.md, "Windows and budget")."""
 
 
@@ -125,15 +130,15 @@ def check_noise_epoch(store: Store, noise: NodeNoise) -> None:
         store.write(batch)
         return
     if stored != mine:
-        raise RuntimeError("the state directory was written with a different noise secret (another budget epoch); "
-                           "use a new state directory")
+        raise StateMismatchError("the state directory was written with a different noise secret (another budget epoch); "
+                                 "use a new state directory")
     if (store.get(label_key) or b"").decode() != noise.label:
-        raise RuntimeError(f"the state directory was written under another noise label than {noise.label!r}: its trees "
-                           f"carry other noise; use the label it was written with, or a new state directory")
+        raise StateMismatchError(f"the state directory was written under another noise label than {noise.label!r}: its "
+                                 f"trees carry other noise; use the label it was written with, or a new state directory")
     fmt = store.get(format_key) or b"1"
     if fmt != STATE_FORMAT:
-        raise RuntimeError(f"the state directory was written by dpstream state format {fmt.decode()}, this is format "
-                           f"{STATE_FORMAT.decode()}: use a new state directory (a new epoch)")
+        raise StateMismatchError(f"the state directory was written by dpstream state format {fmt.decode()}, this is "
+                                 f"format {STATE_FORMAT.decode()}: use a new state directory (a new epoch)")
 
 
 def _iso(ms: int) -> str:
@@ -250,7 +255,7 @@ class Schedule:
         self.triggers = query.triggers
         self.interval = self.window_ms // self.triggers
         self.lateness = parse_duration_ms(query.allowed_lateness, allow_zero=True)
-        self.max_skew = parse_duration_ms(query.max_skew, allow_zero=True)
+        self.max_skew = parse_duration_ms(query.max_skew)
 
     def window_of(self, ts):
         return ts - ts % self.window_ms

@@ -9,9 +9,9 @@ data make it jump. Events still held at the end are dead-lettered as ``future``;
 event whose trigger has fired is late and dropped; a trigger fires, and a dynamic tick is
 decided, once the clock passes its end plus ``allowed_lateness``.
 
-End of input: with ``until_ms`` (``--until``) the clock moves to that public time: windows up to
-it are opened (and charged), triggers due by then fire, and dynamic queries decide every tick up
-to it. Without it, every trigger of every opened window fires and dynamic queries stop at their
+End of input: with ``until_ms`` (``--until``) the clock moves to that public time: events still
+held and dated up to it are accepted in time order, windows up to it are opened (and charged),
+triggers due by then fire, and dynamic queries decide every tick up to it. Without it, every trigger of every opened window fires and dynamic queries stop at their
 last update's tick; both then depend on the data's time span, which is why a budget ledger
 requires ``--start`` and ``--until``: windows are charged on that public schedule, data or not.
 
@@ -60,6 +60,8 @@ PROGRESS_SECONDS = 5.0
 MAX_HELD_PER_UNIT = 1_000
 #: the clock follows the TOP_UNITS-th latest privacy unit: one unit alone never moves it
 TOP_UNITS = 2
+#: micro-batch sequence numbers of the end-of-input step (above any line number)
+SETTLE_SEQ = 1 << 56
 
 
 @dataclass
@@ -99,6 +101,11 @@ class ReplayClock:
       that two units cross, not one record), the clock jumps to the earlier of the first such pair;
     * a unit holds at most ``MAX_HELD_PER_UNIT`` events (beyond, they are refused as future at
       once), so one unit's flood cannot crowd out the others;
+    * these rules are re-applied after every accepted or held event, so the outcome depends on
+      the input's line order only, not on chunking or on where a run stopped and resumed;
+    * at the end of input with a public end (``--until``), the clock walks to it and every held
+      event dated up to it is accepted in time order (:meth:`settle`): nothing is lost to a
+      sparse stream, and no event's fate depends on another unit's;
     * the clock starts at ``start_ms`` if given, else at the second-earliest of the units'
       earliest event times in the first chunk (the earliest if there is one unit).
     """
@@ -120,6 +127,14 @@ class ReplayClock:
             held = parse(line, int.from_bytes(key[-8:], "big"))
             if held is not None:
                 self.held.append(held)
+        #: each unit's earliest held event time (what the jump rule looks at)
+        self._earliest: dict[int, int] = {}
+        self._recount()
+
+    def _recount(self) -> None:
+        self._earliest = {}
+        for h in self.held:
+            self._earliest[h.unit] = min(self._earliest.get(h.unit, h.ts), h.ts)
 
     def save(self, batch: WriteBatch) -> None:
         if self.clock is not None:
@@ -172,7 +187,11 @@ class ReplayClock:
                     per_unit[h.unit] -= 1
                     batch.delete(self._held_prefix + h.line_no.to_bytes(8, "big"))
                     take(h)
+                self._recount()
 
+        # Invariant between events: no held event is within max_skew of the clock and no jump is
+        # due. It is restored after every change, so the outcome never depends on where chunks
+        # end or where a run was stopped and resumed.
         release_held()
         for h in fresh:
             if h.ts <= self.clock + skew:
@@ -187,25 +206,49 @@ class ReplayClock:
                 held.append(h)
                 per_unit[h.unit] += 1
                 batch.put(self._held_prefix + h.line_no.to_bytes(8, "big"), h.raw)
-                if per_unit[h.unit] == 1:  # a new unit among the held: maybe a gap two units cross
+                earliest = self._earliest.get(h.unit)
+                if earliest is None or h.ts < earliest:
+                    # the unit's earliest held time moved: maybe two units now cross a gap
+                    self._earliest[h.unit] = h.ts
                     release_held()
         return accepted, prior
 
     def _jump_target(self) -> Optional[int]:
         """The earlier time of the first two units whose earliest held events are within max_skew
         of each other, or None."""
-        earliest: dict[int, int] = {}
-        for h in self.held:
-            earliest[h.unit] = min(earliest.get(h.unit, h.ts), h.ts)
-        times = sorted(earliest.values())
+        times = sorted(self._earliest.values())
         for a, b in zip(times, times[1:]):
             if b - a <= self.skew:
                 return a
         return None
 
+    def settle(self, until_ms: int, batch: WriteBatch) -> tuple[list[_Held], list[int]]:
+        """End of input with a public end (``--until``): the clock walks to ``until_ms``. Held
+        events dated up to it are accepted in event-time order, each with the clock at
+        ``max(clock, ts - max_skew)``, so none is late and each one's clock depends on its own
+        time only, not on any other unit's events. Returns them and those clocks; events dated
+        after ``until_ms`` stay held (the caller drains them as future)."""
+        if self.clock is None:
+            self.clock = until_ms
+        accepted, prior, later = [], [], []
+        clock = self.clock
+        for h in sorted(self.held, key=lambda h: (h.ts, h.line_no)):
+            if h.ts > until_ms:
+                later.append(h)
+                continue
+            clock = max(clock, h.ts - self.skew)
+            accepted.append(h)
+            prior.append(clock)
+            batch.delete(self._held_prefix + h.line_no.to_bytes(8, "big"))
+        self.held = sorted(later, key=lambda h: h.line_no)
+        self._recount()
+        self.clock = max(clock, until_ms)
+        return accepted, prior
+
     def drain(self, batch: WriteBatch) -> list[_Held]:
         """End of input: the events still held (dead-lettered as future by the caller)."""
         out, self.held = self.held, []
+        self._earliest = {}
         for h in out:
             batch.delete(self._held_prefix + h.line_no.to_bytes(8, "big"))
         return out
@@ -231,6 +274,13 @@ class ReplayRunner:
             self._tmp = tempfile.TemporaryDirectory(prefix="dpstream-state-")
             state_dir = self._tmp.name
         self.stores = PartitionStores(state_dir)
+        try:
+            self._open(config, secret, noise_label, start_ms)
+        except BaseException:
+            self.close()  # a refusal (another plan, label, secret) leaves the state directory usable
+            raise
+
+    def _open(self, config: DpstreamConfig, secret: bytes, noise_label: Optional[str], start_ms: Optional[int]) -> None:
         self.store = self.stores.store(0)
         self.noise = NodeNoise(secret, self._noise_label(noise_label))
         self.pseudonyms = Pseudonymizer(secret)
@@ -243,7 +293,6 @@ class ReplayRunner:
         if self.ledger is not None:
             start = start_ms if start_ms is not None else config.budget.start_ms
             if start is None:
-                self.close()
                 raise ReplayError("--start: the config has a budget ledger, which charges every window on a public schedule, "
                                   "data or not: give the replay's start (--start TIME, or budget.start in the config) and its "
                                   "end (--until TIME)")
@@ -265,7 +314,6 @@ class ReplayRunner:
         stored = self.store.get(sk.META + b"noise-label")
         if stored is not None:
             if given is not None and given != stored.decode():
-                self.close()
                 raise ReplayError(f"--noise-label: this state directory was written under another noise label; resume it "
                                   f"without --noise-label (or with its own), or use a new state directory")
             return stored.decode()
@@ -370,8 +418,20 @@ class ReplayRunner:
         return summary
 
     def _finish(self, output, summary, dead_letters, until_ms) -> None:
-        """End of input: held events are future; the clocks move to ``until_ms`` if given."""
+        """End of input. With ``until_ms`` the clocks walk to it, accepting the held events dated up
+        to it; without, every held event is future."""
         batch = WriteBatch()
+        if until_ms is not None:
+            # the clocks walk to the public end: held events dated up to it are accepted
+            # (ReplayClock.settle); micro-batch blobs of this step get a sequence number no input
+            # line can have, so a later run on this state never overwrites them
+            seq = SETTLE_SEQ + self._meta_int(b"lines")
+            for pipe, clock in zip(self.pipelines, self.clocks):
+                accepted, prior = clock.settle(until_ms, batch)
+                self._feed_events(pipe, accepted, prior, seq, batch, summary, dead_letters)
+            for dyn, clock in zip(self.dynamic, self.dynamic_clocks):
+                accepted, prior = clock.settle(until_ms, batch)
+                self._feed_updates(dyn, accepted, prior, batch, summary, dead_letters)
         streams = [(pipe.query, pipe.stats, clock) for pipe, clock in zip(self.pipelines, self.clocks)]
         streams += [(dyn.query, dyn, clock) for dyn, clock in zip(self.dynamic, self.dynamic_clocks)]
         for query, stats, clock in streams:
@@ -429,18 +489,7 @@ class ReplayRunner:
                 for h, u in zip(fresh, users.tolist()):
                     h.unit = u
             accepted, prior = clock.accept(fresh, batch)
-            if not accepted:
-                continue
-            events = [h.payload for h in accepted]
-            keys = [e.key for e in events]
-            columns = EventColumns(np.array([h.unit for h in accepted], dtype=np.uint64), np.array(keys, dtype=object),
-                                   self.pseudonyms.group_keys(keys), np.array([e.value for e in events], dtype=np.float64),
-                                   np.array([e.ts for e in events], dtype=np.int64))
-            records = pipe.bound(columns, np.array(prior, dtype=np.int64), batch)
-            for e, reason in pipe.last_rejected:
-                self._invalid(pipe.query.name, reason, accepted[e].line_no, accepted[e].raw, summary, dead_letters)
-            for text, reason in pipe.accumulate(records, seq, batch):
-                self._invalid(pipe.query.name, reason, seq, text.encode(), summary, dead_letters)
+            self._feed_events(pipe, accepted, prior, seq, batch, summary, dead_letters)
         for dyn, clock in zip(self.dynamic, self.dynamic_clocks):
             fresh = []
             for (line_no, raw), obj in zip(chunk, parsed):
@@ -456,11 +505,32 @@ class ReplayRunner:
                     continue
                 fresh.append(held)
             accepted, prior = clock.accept(fresh, batch)
-            for h, at in zip(accepted, prior):
-                reason = dyn.apply(h.payload, batch, clock_ms=at)
-                if reason is not None:
-                    self._invalid(dyn.query.name, reason, h.line_no, h.raw, summary, dead_letters)
+            self._feed_updates(dyn, accepted, prior, batch, summary, dead_letters)
         return batch
+
+    def _feed_events(self, pipe: QueryPipeline, accepted: list[_Held], prior: list[int], seq: int, batch: WriteBatch,
+                     summary, dead_letters) -> None:
+        """Events a clock accepted (with the clock at each one's acceptance): bounded and appended
+        to their micro-batches; refusals dead-lettered."""
+        if not accepted:
+            return
+        events = [h.payload for h in accepted]
+        keys = [e.key for e in events]
+        columns = EventColumns(np.array([h.unit for h in accepted], dtype=np.uint64), np.array(keys, dtype=object),
+                               self.pseudonyms.group_keys(keys), np.array([e.value for e in events], dtype=np.float64),
+                               np.array([e.ts for e in events], dtype=np.int64))
+        records = pipe.bound(columns, np.array(prior, dtype=np.int64), batch)
+        for e, reason in pipe.last_rejected:
+            self._invalid(pipe.query.name, reason, accepted[e].line_no, accepted[e].raw, summary, dead_letters)
+        for text, reason in pipe.accumulate(records, seq, batch):
+            self._invalid(pipe.query.name, reason, seq, text.encode(), summary, dead_letters)
+
+    def _feed_updates(self, dyn: DynamicQueryState, accepted: list[_Held], prior: list[int], batch: WriteBatch,
+                      summary, dead_letters) -> None:
+        for h, at in zip(accepted, prior):
+            reason = dyn.apply(h.payload, batch, clock_ms=at)
+            if reason is not None:
+                self._invalid(dyn.query.name, reason, h.line_no, h.raw, summary, dead_letters)
 
     def _invalid(self, query: str, reason: str, line_no: int, raw: bytes, summary, dead_letters) -> None:
         summary.invalid[f"{query}: {reason}"] += 1

@@ -1,0 +1,193 @@
+"""Fix 8 (hardening): a user's records on a partition their key does not hash to are dead-lettered.
+
+Stage 1 bounds a user's contributions in the state of one input partition. A producer that puts
+one user's records on two partitions made the old worker count that user up to 2C (shown on
+/work/baseline below). The worker now recomputes the partition of every keyed record with its
+partitioner (default murmur2, Kafka's) and dead-letters misplaced ones as ``wrong_partition``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from processor.config import DpstreamConfig
+from processor.pipeline import BoundedRecords
+from processor.service import DpstreamWorker, Ownership
+from tests.conftest import TEST_SECRET
+from tests.privacy._helpers import BASELINE, START, baseline_available, query
+from topics import partitioner
+from topics.kafka import DEAD_LETTER_TOPIC
+
+C = 3
+
+
+@dataclass
+class Record:
+    offset: int
+    key: Optional[bytes]
+    value: Optional[bytes]
+    timestamp: int
+
+
+def murmur2(data: bytes) -> int:
+    """Kafka's Utils.murmur2, written here from the Java source independently of the product."""
+    m, r = 0x5BD1E995, 24
+    length = len(data)
+    h = (0x9747B28C ^ length) & 0xFFFFFFFF
+    for i in range(0, length - length % 4, 4):
+        k = int.from_bytes(data[i:i + 4], "little")
+        k = (k * m) & 0xFFFFFFFF
+        k ^= k >> r
+        k = (k * m) & 0xFFFFFFFF
+        h = ((h * m) & 0xFFFFFFFF) ^ k
+    tail = data[length - length % 4:]
+    if len(tail) >= 3:
+        h ^= tail[2] << 16
+    if len(tail) >= 2:
+        h ^= tail[1] << 8
+    if len(tail) >= 1:
+        h ^= tail[0]
+        h = (h * m) & 0xFFFFFFFF
+    h ^= h >> 13
+    h = (h * m) & 0xFFFFFFFF
+    h ^= h >> 15
+    return h - (1 << 32) if h & 0x80000000 else h
+
+
+def kafka_partition(key: bytes, partitions: int) -> int:
+    return (murmur2(key) & 0x7FFFFFFF) % partitions
+
+
+def test_reference_murmur2_matches_kafkas_own_test_vectors():
+    # org.apache.kafka.common.utils.UtilsTest#testMurmur2
+    vectors = {b"21": -973932308, b"foobar": -790332482, b"a-little-bit-long-string": -985981536,
+               b"a-little-bit-longer-string": -1486304829, b"lkjh234lh9fiuh90y23oiuhsafujhadof229phr9h19h89h8": -58897971,
+               b"abc": 479470107}
+    for key, expected in vectors.items():
+        assert murmur2(key) == expected
+
+
+@settings(deadline=None, derandomize=True, max_examples=60)
+@given(keys=st.lists(st.binary(max_size=40), min_size=1, max_size=50), partitions=st.integers(1, 64))
+def test_worker_partitioner_agrees_with_kafka_murmur2(keys, partitions):
+    got = partitioner.partition_for(keys, partitions, "murmur2").tolist()
+    assert got == [kafka_partition(k, partitions) for k in keys]
+
+
+def config() -> DpstreamConfig:
+    return DpstreamConfig(queries=[query(input_topic="in", output_topic="out", window="40s", triggers=4, allowed_lateness="1s",
+                                         contribution_bound=C)])
+
+
+def user_records(user: str, n: int, first_offset: int, key: str = "k0") -> list[Record]:
+    out = []
+    for i in range(n):
+        ts = START + 1000 + i
+        body = json.dumps({"user_id": user, "key": key, "ts": ts}).encode()
+        out.append(Record(first_offset + i, user.encode(), body, ts))
+    return out
+
+
+def admitted_per_user(messages) -> dict:
+    per_user: dict = {}
+    for m in messages:
+        if m.topic != DEAD_LETTER_TOPIC:
+            b = BoundedRecords.decode(m.value)
+            for u in b.users.tolist():
+                per_user[u] = per_user.get(u, 0) + 1
+    return per_user
+
+
+@pytest.mark.parametrize("partitions", [2, 3, 8])
+def test_a_user_split_over_two_partitions_is_admitted_at_most_c_times(tmp_path, partitions):
+    w = DpstreamWorker(config(), TEST_SECRET, tmp_path / "w", Ownership(), {"in": partitions}, 2)
+    try:
+        users = [f"user-{i}" for i in range(6)]
+        total: dict = {}
+        dead = []
+        for user in users:
+            right = kafka_partition(user.encode(), partitions)
+            wrong = (right + 1) % partitions
+            for p in (wrong, right, wrong):  # the misplaced copies before and after the right ones
+                result = w.process_input("in", p, user_records(user, 2 * C, w.stage1[("in", p)].last_offset + 1))
+                if result is None:
+                    continue
+                result.commit()
+                for u, n in admitted_per_user(result.messages).items():
+                    total[u] = total.get(u, 0) + n
+                dead += [json.loads(m.value) for m in result.messages if m.topic == DEAD_LETTER_TOPIC]
+        assert len(total) == len(users)
+        assert max(total.values()) <= C, "a user spread over two partitions must not be counted more than C times"
+        assert all(v == C for v in total.values())
+        assert len(dead) == len(users) * 4 * C
+        assert all(d["reason"].startswith("wrong_partition") for d in dead)
+        dropped = sum(p.stats.dropped["wrong_partition"] for p in w.pipelines())
+        assert dropped == len(users) * 4 * C
+    finally:
+        w.close()
+
+
+def test_records_on_the_right_partition_are_untouched(tmp_path):
+    w = DpstreamWorker(config(), TEST_SECRET, tmp_path / "w", Ownership(), {"in": 4}, 2)
+    try:
+        for i in range(40):
+            user = f"u{i}"
+            p = kafka_partition(user.encode(), 4)
+            result = w.process_input("in", p, user_records(user, 1, w.stage1[("in", p)].last_offset + 1))
+            assert not [m for m in result.messages if m.topic == DEAD_LETTER_TOPIC]
+        assert sum(p.stats.dropped["wrong_partition"] for p in w.pipelines()) == 0
+    finally:
+        w.close()
+
+
+BASELINE_SCRIPT = r"""
+import json, sys
+from dataclasses import dataclass
+from typing import Optional
+from processor.config import DpstreamConfig
+from processor.pipeline import BoundedRecords
+from processor.service import DpstreamWorker, Ownership
+from topics.kafka import DEAD_LETTER_TOPIC
+
+@dataclass
+class Record:
+    offset: int
+    key: Optional[bytes]
+    value: Optional[bytes]
+    timestamp: int
+
+secret = bytes.fromhex(sys.argv[2])
+start = int(sys.argv[3])
+cfg = DpstreamConfig(queries=[dict(name="clicks", input_topic="in", output_topic="out", window="40s", triggers=4,
+                                   allowed_lateness="1s", contribution_bound=3, epsilon=6, delta=1e-9)])
+w = DpstreamWorker(cfg, secret, sys.argv[1], Ownership(), {"in": 2}, 2)
+total = 0
+for p in (0, 1):
+    recs = [Record(i, b"u", json.dumps({"user_id": "u", "key": "k0", "ts": start + 1000 + i}).encode(), start + 1000 + i)
+            for i in range(6)]
+    res = w.process_input("in", p, recs)
+    res.commit()
+    total += sum(len(BoundedRecords.decode(m.value)) for m in res.messages if m.topic != DEAD_LETTER_TOPIC)
+w.close()
+print(total)
+"""
+
+
+@pytest.mark.skipif(not baseline_available(), reason="the old code is not checked out at /work/baseline")
+def test_baseline_counted_a_user_split_over_two_partitions_twice(tmp_path):
+    from tests.conftest import TEST_SECRET_HEX
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DPSTREAM_")}
+    env["PYTHONPATH"] = str(BASELINE)
+    proc = subprocess.run([sys.executable, "-c", BASELINE_SCRIPT, str(tmp_path / "w"), TEST_SECRET_HEX, str(START)],
+                          cwd=str(BASELINE), env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert int(proc.stdout.strip()) == 2 * C, "the old worker admitted 2C records of one user"
