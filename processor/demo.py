@@ -88,7 +88,7 @@ def run_demo(users: int = 50_000, keys: int = 5_000, triggers: int = 24, seed: i
         top = rel[np.argsort(-truth[rel])][:5]
         p("  largest pages, true vs published count:")
         for k in top.tolist():
-            p(f"    page-{k:<8} true {int(truth[k]):>8,}   published {released[k]:>12,.1f}")
+            p(f"    page-{k:<8} true {int(truth[k]):>8,}   published {int(released[k]):>8,}")
         p(f"  median |error| on released pages: {result['median_abs_error_released']:.1f} (noise stddev at the last trigger {plan.expected_stddev:.1f})")
     p(f"  error over all {keys:,} pages (unreleased count as 0): l_inf {errors['linf']:,.0f}, l_1 {errors['l1']:,.0f}, l_2 {errors['l2']:,.0f}")
     p(f"  privacy spent: ({plan.epsilon_spent:.3f}, {plan.delta_spent:.3g})-DP per user for the day (declared ({epsilon:g}, {delta:g}))")
