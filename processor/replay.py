@@ -314,8 +314,8 @@ class ReplayRunner:
         stored = self.store.get(sk.META + b"noise-label")
         if stored is not None:
             if given is not None and given != stored.decode():
-                raise ReplayError(f"--noise-label: this state directory was written under another noise label; resume it "
-                                  f"without --noise-label (or with its own), or use a new state directory")
+                raise ReplayError("--noise-label: this state directory was written under another noise label; resume it "
+                                  "without --noise-label (or with its own), or use a new state directory")
             return stored.decode()
         return given if given is not None else os.urandom(16).hex()
 

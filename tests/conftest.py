@@ -1,3 +1,6 @@
+from dataclasses import dataclass
+from typing import Optional
+
 import numpy as np
 import pytest
 
@@ -10,6 +13,16 @@ TEST_SECRET = bytes.fromhex(TEST_SECRET_HEX)
 #: directory would otherwise draw a random one: docs/privacy.md, "Noise"): the label of a worker
 #: with the default app id and no budget section (processor.service.worker_noise_label)
 TEST_LABEL = "worker:dpstream:1"
+
+
+@dataclass
+class Record:
+    """A consumed Kafka record as the worker core sees it (processor.service)."""
+
+    offset: int
+    key: Optional[bytes]
+    value: Optional[bytes]
+    timestamp: int
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,5 @@
 """The worker's processing without a broker: the failure rules of docs/privacy.md, "Failures" under
 at-least-once delivery, exercised deterministically (the Kafka tests do it with a real broker)."""
-from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 import pytest
@@ -9,19 +7,11 @@ import pytest
 from processor.config import DpstreamConfig
 from processor.pipeline import BoundedRecords
 from processor.service import DpstreamWorker, Ownership, StateLayoutError
-from tests.conftest import TEST_SECRET
+from tests.conftest import TEST_SECRET, Record
 from topics.kafka import DEAD_LETTER_TOPIC, repartition_topic
 
 WINDOW_MS = 40_000
 START = 1_800_000_000_000 - 1_800_000_000_000 % WINDOW_MS
-
-
-@dataclass
-class Record:
-    offset: int
-    key: Optional[bytes]
-    value: Optional[bytes]
-    timestamp: int
 
 
 def config(**overrides) -> DpstreamConfig:

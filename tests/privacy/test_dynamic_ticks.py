@@ -13,7 +13,6 @@ releases at ticks <= t, and their values (the same updates meet the same PRF noi
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -26,7 +25,7 @@ from processor.dynamic_stream import DynamicQueryState
 from processor.noise import NodeNoise, Pseudonymizer
 from processor.service import DpstreamWorker, Ownership, worker_noise_label
 from state.store import RocksDBStore, WriteBatch
-from tests.conftest import TEST_LABEL, TEST_SECRET
+from tests.conftest import TEST_LABEL, TEST_SECRET, Record
 from tests.privacy._helpers import (BASELINE, START, baseline_available, replay,
                                     run_cli, write_jsonl)
 
@@ -137,14 +136,6 @@ def test_property_releases_up_to_t_do_not_depend_on_updates_after_t(tmp_path_fac
 
 
 # ---------------------------------------------------------------------------------------------
-@dataclass
-class Record:
-    offset: int
-    key: Optional[bytes]
-    value: Optional[bytes]
-    timestamp: int
-
-
 def worker_config() -> DpstreamConfig:
     return DpstreamConfig(dynamic=[dyn_query(input_topic="upd")])
 

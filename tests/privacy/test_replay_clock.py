@@ -22,7 +22,6 @@ parallel; the tests keep them fixed.
 """
 from __future__ import annotations
 
-import io
 import json
 
 import numpy as np
@@ -31,7 +30,6 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from processor.config import DpstreamConfig
-from tests.conftest import TEST_LABEL, TEST_SECRET
 from tests.privacy._helpers import (BASELINE, DAY, HOUR, START, YEAR, baseline_available, events, query, replay, run_cli,
                                     write_jsonl)
 

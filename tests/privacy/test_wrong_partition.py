@@ -11,30 +11,20 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
-from typing import Optional
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from processor.config import DpstreamConfig
 from processor.pipeline import BoundedRecords
 from processor.service import DpstreamWorker, Ownership
-from tests.conftest import TEST_SECRET
+from tests.conftest import TEST_SECRET, Record
 from tests.privacy._helpers import BASELINE, START, baseline_available, query
 from topics import partitioner
 from topics.kafka import DEAD_LETTER_TOPIC
 
 C = 3
-
-
-@dataclass
-class Record:
-    offset: int
-    key: Optional[bytes]
-    value: Optional[bytes]
-    timestamp: int
 
 
 def murmur2(data: bytes) -> int:
