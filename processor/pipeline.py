@@ -106,6 +106,10 @@ def _parse_user_states(values: list) -> tuple[np.ndarray, np.ndarray, np.ndarray
 STATE_FORMAT = b"3"
 
 
+#: key texts kept in memory per pipeline for the key-id collision check (about 100 bytes each)
+KEY_NAME_CACHE = 2_000_000
+
+
 class StateMismatchError(RuntimeError):
     """The state directory was written under another secret, noise label, layout or plan than
     this run's: it is refused, never mixed (docs/privacy.md, "Failures")."""
@@ -321,7 +325,11 @@ class QueryPipeline:
         self._next_open: Optional[int] = None
         #: event indices (into the last :meth:`bound` call's events) refused there, with reasons
         self.last_rejected: list[tuple[int, str]] = []
+        #: (window, key id) -> the key text owning the id: registered in a batch not yet known
+        #: to be written, and (bounded) known to be in the store, so a key seen in earlier
+        #: triggers needs no store read to check it
         self._names_unwritten: dict[tuple[int, int], str] = {}
+        self._names_written: dict[tuple[int, int], str] = {}
         self._progress: dict[int, int] = {}
         self._status: dict[int, int] = {}
         for key, value in store.scan_prefix(sk.PROGRESS + self.qid):
@@ -580,6 +588,8 @@ class QueryPipeline:
         for j, (w, k) in enumerate(distinct.tolist()):
             known = self._names_unwritten.get((w, k))
             if known is None:
+                known = self._names_written.get((w, k))
+            if known is None:
                 todo.append(j)
                 lookup.append(sk.window_prefix(sk.KEY_NAMES, self.qid, w) + int(k).to_bytes(8, "big"))
             else:
@@ -635,7 +645,12 @@ class QueryPipeline:
             return self.journaled(window, trigger)
         if trigger != done + 1:
             raise ValueError(f"trigger {trigger} of window {window} fired out of order (last fired: {done})")
-        self._names_unwritten.clear()  # every batch that registered key texts has been written
+        # every batch that registered key texts has been written by now (the drivers write each
+        # accumulate batch before firing)
+        if len(self._names_written) + len(self._names_unwritten) > KEY_NAME_CACHE:
+            self._names_written.clear()
+        self._names_written.update(self._names_unwritten)
+        self._names_unwritten.clear()
         batch = WriteBatch()
         micro = self._take_pending(window, trigger, batch)
         rec_key, rec_prev, rec_units, texts = micro.key_ids, micro.previous, micro.units, micro.texts
