@@ -24,16 +24,16 @@ Time (docs/privacy.md, "Time"): each query has an event-time clock that only acc
 move, so that no single user moves it. An event dated more than the query's max_skew (default
 1h) after the clock is held back and never moves it; the clock is the second-latest of the users'
 latest accepted event times; when two users have held events within max_skew of each other (a
-gap in the data) it jumps to the earlier. It starts at --start, else at the second-earliest user's first event time in the first
-50,000 lines. A trigger fires when the clock passes its end plus allowed_lateness; events for a
-fired trigger are dropped as late.
+gap in the data) it jumps to the earlier. It starts at --start, else at the second-earliest
+user's first event time in the first 50,000 lines. A trigger fires when the clock passes its end
+plus allowed_lateness; events for a fired trigger are dropped as late.
 
 End: with --until the clock walks to that public time (events still held and dated up to it are
 accepted in time order, triggers due by then fire, dynamic queries decide every tick up to it,
 events after it are "future"). Without it, events still held are "future", every trigger of
 every opened window fires and dynamic queries stop at their last update: all of that follows the
-data's time span. A config with a budget ledger charges every window from --start (or budget.start) to
---until as the clock reaches it, data or not, and needs both.
+data's time span. A config with a budget ledger charges every window from --start (or
+budget.start) to --until as the clock reaches it, data or not, and needs both.
 
 Noise: a fresh state directory gets a random noise label, so two replays of slightly different
 data never share noise (their difference would be the exact change). --noise-label reproduces a

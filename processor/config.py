@@ -20,8 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from accountant import BudgetError, PrivacyPlan, QueryBudget, plan_levels, plan_query
 from accountant.dynamic import DynamicPlan
-from accountant.plan import plan_fingerprint
 from accountant.ledger import BudgetPolicy
+from accountant.plan import plan_fingerprint
 
 _DURATION = re.compile(r"^\s*(\d+)\s*(ms|s|m|h|d)\s*$")
 _UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}

@@ -5,15 +5,16 @@ per stream - each query's events, each dynamic query's updates - moved only by e
 accepts, so that no single privacy unit can move it (:class:`ReplayClock` states the rules):
 events dated more than ``max_skew`` after the clock are held back and never move it, the clock is
 the second-latest of the units' latest accepted event times, and two units crossing a gap in the
-data make it jump. Events still held at the end are dead-lettered as ``future``; an accepted
-event whose trigger has fired is late and dropped; a trigger fires, and a dynamic tick is
-decided, once the clock passes its end plus ``allowed_lateness``.
+data make it jump. An accepted event whose trigger has fired is late and dropped; a trigger
+fires, and a dynamic tick is decided, once the clock passes its end plus ``allowed_lateness``.
 
 End of input: with ``until_ms`` (``--until``) the clock moves to that public time: events still
 held and dated up to it are accepted in time order, windows up to it are opened (and charged),
-triggers due by then fire, and dynamic queries decide every tick up to it. Without it, every trigger of every opened window fires and dynamic queries stop at their
-last update's tick; both then depend on the data's time span, which is why a budget ledger
-requires ``--start`` and ``--until``: windows are charged on that public schedule, data or not.
+triggers due by then fire, and dynamic queries decide every tick up to it. Without it, events
+still held are dead-lettered as ``future``, every trigger of every opened window fires and
+dynamic queries stop at their last update's tick; all of that depends on the data's time span,
+which is why a budget ledger requires ``--start`` and ``--until``: windows are charged on that
+public schedule, data or not.
 
 Everything depends only on the input's line order, the config, the secret and the run's noise
 label, so re-running with the same input, config, secret and label gives byte-identical output,
