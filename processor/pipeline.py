@@ -56,19 +56,11 @@ from processor.key_selection import KeySelector, SelectionBatch
 from processor.noise import TREE_ID_DTYPE, NodeNoise, Pseudonymizer
 from processor.perturbation import HierarchicalPerturber, PerturbationBatch
 from processor.tree import ABSENT
-from state import keys as sk
 from state.store import Store, WriteBatch
+from state.tables import (STATE_FORMAT, STORED_TREE_ID, WINDOW_OPEN, WINDOW_REFUSED, AMEND_ENTRY, EpochMarks, QueryTables,
+                          ViewEntry)
 from topics.records import encode_json, key_for_output, key_text, release_record
 
-_USER_ENTRY = np.dtype([("key", "<u8"), ("trigger", "<u4")])
-#: a predecessor amendment (processor.bounding.key_histories): raise the predecessor trigger of
-#: ``user``'s records for ``key`` in the target micro-batch to ``trigger``
-_AMEND_ENTRY = np.dtype([("key", "<u8"), ("user", "<u8"), ("trigger", "<u4")])
-#: window status in the progress table
-WINDOW_OPEN, WINDOW_REFUSED = 1, 2
-#: a hierarchy's published view, per released key: what the consistency step starts from
-_VIEW_ENTRY = np.dtype([("level", "<u4"), ("released_at", "<u4"), ("count", "<i8"), ("stddev", "<f8"), ("consistent", "<i8"),
-                        ("other", "<i8")])
 #: initial half-width of a value's domain in the consistency program, in standard deviations of
 #: its noise (Fioretto et al. section 11.2 size domains from the noise; the solver widens them
 #: whenever the optimum touches a bound, so this only affects speed, never the result)
@@ -79,35 +71,6 @@ def level_key_texts(text: str, depth: int) -> list[str]:
     """The key of each level 1..depth of a hierarchy for a full key (its prefixes, coarse first)."""
     parts = json.loads(text)
     return [key_text(parts[:level]) for level in range(1, depth)] + [text]
-
-
-def _parse_user_states(values: list) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Stage-1 user states: admitted count (u16) then (key, trigger) entries, one per distinct
-    (key, trigger) of the user's admitted records in the window."""
-    lengths = np.fromiter((len(v) if v else 0 for v in values), dtype=np.int64, count=len(values))
-    raw = np.frombuffer(b"".join(v for v in values if v), dtype=np.uint8)
-    starts = np.cumsum(lengths) - lengths
-    present = lengths > 0
-    before = np.zeros(len(values), dtype=np.int64)
-    before[present] = raw[starts[present]].astype(np.int64) + 256 * raw[starts[present] + 1].astype(np.int64)
-    per_user = np.maximum(lengths - 2, 0) // _USER_ENTRY.itemsize
-    group = np.repeat(np.arange(len(values), dtype=np.int64), per_user)
-    if not len(group):
-        return before, group, np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.int64)
-    first_entry = np.cumsum(per_user) - per_user
-    entry_start = starts[group] + 2 + (np.arange(len(group)) - first_entry[group]) * _USER_ENTRY.itemsize
-    entries = raw[entry_start[:, None] + np.arange(_USER_ENTRY.itemsize)].copy().view(_USER_ENTRY).ravel()
-    return before, group, entries["key"].astype(np.uint64), entries["trigger"].astype(np.int64)
-
-
-#: Version of the state layout (key rows, pending micro-batches, tables). 3: 16-byte tree ids,
-#: exact integer frontier caches, user states per (key, trigger), predecessor amendments, the
-#: key-text registry, window status and plan fingerprint in the progress table.
-STATE_FORMAT = b"3"
-
-
-#: key texts kept in memory per pipeline for the key-id collision check (about 100 bytes each)
-KEY_NAME_CACHE = 2_000_000
 
 
 class StateMismatchError(RuntimeError):
@@ -123,23 +86,18 @@ def check_noise_epoch(store: Store, noise: NodeNoise) -> None:
     """State written under another noise secret or run label must never be mixed with this one:
     the secret defines the budget epoch, the label the run's noise (docs/privacy.md). Nor may state
     of another layout version be read as this one."""
-    key, format_key, label_key = sk.META + b"noise-epoch", sk.META + b"state-format", sk.META + b"noise-label"
-    stored = store.get(key)
-    mine = noise.fingerprint.encode()
+    marks = EpochMarks(store)
+    stored = marks.get()
     if stored is None:
-        batch = WriteBatch()
-        batch.put(key, mine)
-        batch.put(format_key, STATE_FORMAT)
-        batch.put(label_key, noise.label.encode())
-        store.write(batch)
+        marks.put(noise.fingerprint, noise.label)
         return
-    if stored != mine:
+    fingerprint, fmt, label = stored
+    if fingerprint != noise.fingerprint:
         raise StateMismatchError("the state directory was written with a different noise secret (another budget epoch); "
                                  "use a new state directory")
-    if (store.get(label_key) or b"").decode() != noise.label:
+    if label != noise.label:
         raise StateMismatchError(f"the state directory was written under another noise label than {noise.label!r}: its "
                                  f"trees carry other noise; use the label it was written with, or a new state directory")
-    fmt = store.get(format_key) or b"1"
     if fmt != STATE_FORMAT:
         raise StateMismatchError(f"the state directory was written by dpstream state format {fmt.decode()}, this is "
                                  f"format {STATE_FORMAT.decode()}: use a new state directory (a new epoch)")
@@ -303,18 +261,15 @@ class QueryPipeline:
         self.noise = noise
         self.store = store
         self.schedule = Schedule(query)
-        self.qid = sk.query_id(query.name)
         self.stats = PipelineStats()
         plan = self.plan
         self.levels = KeySelector(plan, noise, query.name, 0).levels
         self.bounder = ContributionBounder(plan.contribution_bound, plan.clamp, plan.resolution)
-        L = self.levels
-        self._row = np.dtype([
-            ("round", "<u4"), ("start", "<u4"), ("done", "<u4"), ("predicted", "<u4"),
-            ("count", "<i8"), ("participations", "<i8"), ("buffer", "<i8"), ("released", "<i8"),
-            ("pdone", "<u4"), ("level", "<u4"), ("noise_max", "<f8"), ("root", "<u8"), ("sel_tree", TREE_ID_DTYPE),
-            ("pert_tree", TREE_ID_DTYPE), ("sel_cache", "<i8", (L,)), ("pcache", "<i8", (L,)),
-        ])
+        assert np.dtype(TREE_ID_DTYPE) == STORED_TREE_ID, "key rows store tree ids of processor.noise's width"
+        self.tables = QueryTables(store, query.name, self.levels)
+        blank = np.zeros(1, dtype=self.tables.keys.dtype)  # a key not seen yet in the window
+        blank["start"], blank["noise_max"], blank["sel_cache"], blank["pcache"] = 1, np.nan, ABSENT, ABSENT
+        self._blank_row = blank
         #: With a budget ledger, windows open on the public schedule (:meth:`set_schedule`,
         #: :meth:`open_due`): the gate charges a window as the clock reaches it, data or not,
         #: and False refuses it. The pipeline never sees who is charged. Without a ledger a
@@ -325,33 +280,21 @@ class QueryPipeline:
         self._next_open: Optional[int] = None
         #: event indices (into the last :meth:`bound` call's events) refused there, with reasons
         self.last_rejected: list[tuple[int, str]] = []
-        #: (window, key id) -> the key text owning the id: registered in a batch not yet known
-        #: to be written, and (bounded) known to be in the store, so a key seen in earlier
-        #: triggers needs no store read to check it
-        self._names_unwritten: dict[tuple[int, int], str] = {}
-        self._names_written: dict[tuple[int, int], str] = {}
         self._progress: dict[int, int] = {}
         self._status: dict[int, int] = {}
-        for key, value in store.scan_prefix(sk.PROGRESS + self.qid):
-            window = int.from_bytes(key[len(sk.PROGRESS + self.qid):][:8], "big")
-            fired, status, fingerprint = int.from_bytes(value[:4], "little"), value[4], bytes(value[5:21])
-            self._progress[window], self._status[window] = fired, status
-            if status == WINDOW_OPEN and fired < self.schedule.triggers and fingerprint != self.fingerprint:
+        for window, progress in self.tables.progress.scan().items():
+            self._progress[window], self._status[window] = progress.fired, progress.status
+            if progress.status == WINDOW_OPEN and progress.fired < self.schedule.triggers and progress.fingerprint != self.fingerprint:
                 raise PlanChangedError(
                     f"query {query.name}: window {_iso(window)} ({window} ms) is still open and was opened under another plan "
                     f"(epsilon, delta, C, L, T, grid or thresholds changed): a window never mixes two plans. Restore the "
                     f"query's previous settings until the window's last trigger has fired, or start a new epoch")
-        raw = store.get(self._next_open_key)
-        if raw is not None:
-            self._first_window = int.from_bytes(raw[:8], "little", signed=True)
-            self._next_open = int.from_bytes(raw[8:16], "little", signed=True)
-        self.stats.keys_tracked = sum(1 for w in self.open_windows() for _ in store.scan_prefix(sk.window_prefix(sk.KEYS, self.qid, w)))
+        marked = self.tables.schedule.get()
+        if marked is not None:
+            self._first_window, self._next_open = marked
+        self.stats.keys_tracked = sum(self.tables.keys.count(w) for w in self.open_windows())
 
     # ------------------------------------------------------------------ windows and progress
-    @property
-    def _next_open_key(self) -> bytes:
-        return sk.META + b"schedule" + self.qid
-
     def open_windows(self) -> list[int]:
         """Open windows whose last trigger has not fired, in time order."""
         return sorted(w for w, p in self._progress.items() if p < self.schedule.triggers and self._status.get(w) == WINDOW_OPEN)
@@ -359,8 +302,8 @@ class QueryPipeline:
     def progress(self, window: int) -> int:
         return self._progress.get(int(window), 0)
 
-    def _progress_value(self, fired: int, status: int) -> bytes:
-        return int(fired).to_bytes(4, "little") + bytes([status]) + self.fingerprint
+    def _put_progress(self, batch: WriteBatch, window: int, fired: int, status: int) -> None:
+        self.tables.progress.put(batch, window, fired, status, self.fingerprint)
 
     def set_schedule(self, gate: Callable[[int], bool], start_ms: int) -> None:
         """Windows open on the public schedule from the window holding ``start_ms``, each charged
@@ -370,11 +313,8 @@ class QueryPipeline:
         if self._first_window is None:
             self._first_window = self._next_open = int(self.schedule.window_of(int(start_ms)))
             batch = WriteBatch()
-            batch.put(self._next_open_key, self._schedule_value())
+            self.tables.schedule.put(batch, self._first_window, self._next_open)
             self.store.write(batch)
-
-    def _schedule_value(self) -> bytes:
-        return int(self._first_window).to_bytes(8, "little", signed=True) + int(self._next_open).to_bytes(8, "little", signed=True)
 
     @property
     def first_window(self) -> Optional[int]:
@@ -395,11 +335,11 @@ class QueryPipeline:
             if window not in self._status:
                 status = WINDOW_OPEN if allowed else WINDOW_REFUSED
                 fired = 0 if allowed else self.schedule.triggers
-                batch.put(sk.window_prefix(sk.PROGRESS, self.qid, window), self._progress_value(fired, status))
+                self._put_progress(batch, window, fired, status)
                 self._progress[window], self._status[window] = fired, status
                 opened.append(window)
             self._next_open = window + self.schedule.window_ms
-            batch.put(self._next_open_key, self._schedule_value())
+            self.tables.schedule.put(batch, self._first_window, self._next_open)
             self.store.write(batch)
             if self._status[window] == WINDOW_REFUSED:
                 self.stats.dropped["budget"] += self._discard_pending(window)
@@ -407,11 +347,8 @@ class QueryPipeline:
 
     def _discard_pending(self, window: int) -> int:
         """Drop a refused window's pending records; returns how many there were."""
-        dropped = 0
-        for _, blob in self.store.scan_prefix(sk.window_prefix(sk.PENDING, self.qid, window)):
-            dropped += int(np.frombuffer(blob[:4], dtype="<u4")[0])
-        for table in sk.WINDOW_TABLES:
-            self.store.delete_prefix(sk.window_prefix(table, self.qid, window))
+        dropped = self.tables.pending.records_in(window)
+        self.tables.drop_window(window)
         return dropped
 
     def next_fire(self) -> Optional[tuple[int, int, int]]:
@@ -460,11 +397,9 @@ class QueryPipeline:
         group_of = np.empty(len(order), dtype=np.int64)
         group_of[order] = np.cumsum(boundary) - 1
         firsts = order[boundary]
-        gw, gu = window[firsts], users[firsts]
-        state_keys = []
-        for w in np.unique(gw).tolist():  # groups are sorted by window, so this keeps group order
-            state_keys += sk.fixed_keys(sk.window_prefix(sk.USERS, self.qid, w), gu[gw == w])
-        before, st_group, st_key, st_trigger = _parse_user_states(self.store.get_many(state_keys))
+        gw, gu = window[firsts], users[firsts]  # groups are sorted by (window, user)
+        state = self.tables.users.read(gw, gu)
+        before = state.admitted
         assigned = self.bounder.assign_slots(before, group_of)
         admitted = assigned.admitted
         self.stats.dropped["contribution_bound"] += int(len(order) - admitted.sum())
@@ -492,18 +427,10 @@ class QueryPipeline:
             rec_roots = np.repeat(ids[:, 0], d)
             rec_group, rec_trigger, rec_window, rec_users, rec_slots, rec_units = (
                 np.repeat(a, d) for a in (rec_group, rec_trigger, rec_window, rec_users, rec_slots, rec_units))
-        history = key_histories(rec_group, rec_ids, rec_trigger, st_group, st_key, st_trigger)
-        entries = np.empty(len(history.group), dtype=_USER_ENTRY)
-        entries["key"], entries["trigger"] = history.key, history.trigger
-        raw = entries.tobytes()
-        bounds = np.searchsorted(history.group, np.arange(len(state_keys) + 1)).tolist()
-        changed = (assigned.counts != before).tolist()
-        full = (assigned.counts >= self.plan.contribution_bound).tolist()
-        for g, (key, count) in enumerate(zip(state_keys, assigned.counts.tolist())):
-            if changed[g]:
-                # a user at the bound admits nothing more: the per-key entries are never needed again
-                entries_raw = b"" if full[g] else raw[bounds[g] * _USER_ENTRY.itemsize:bounds[g + 1] * _USER_ENTRY.itemsize]
-                batch.put(key, count.to_bytes(2, "little") + entries_raw)
+        history = key_histories(rec_group, rec_ids, rec_trigger, state.group, state.key, state.trigger)
+        # a user at the bound admits nothing more: the per-key entries are never needed again
+        self.tables.users.write(batch, gw, gu, assigned.counts, assigned.counts != before,
+                                assigned.counts >= self.plan.contribution_bound, history.group, history.key, history.trigger)
         return BoundedRecords(rec_window, rec_trigger, rec_ids, rec_keys, rec_users, rec_slots, rec_units, history.previous,
                               history.amend, rec_levels, rec_roots.astype(np.uint64))
 
@@ -524,7 +451,6 @@ class QueryPipeline:
         if not len(records):
             return []
         windows, inverse = np.unique(records.window, return_inverse=True)
-        T = self.schedule.triggers
         fired = np.zeros(len(windows), dtype=np.int64)
         refused = np.zeros(len(windows), dtype=bool)
         early = np.zeros(len(windows), dtype=bool)
@@ -541,7 +467,7 @@ class QueryPipeline:
             else:
                 # no ledger: nothing is charged, so a window may open with its first record
                 self._progress[w], self._status[w] = 0, WINDOW_OPEN
-                batch.put(sk.window_prefix(sk.PROGRESS, self.qid, w), self._progress_value(0, WINDOW_OPEN))
+                self._put_progress(batch, w, 0, WINDOW_OPEN)
         self.stats.dropped["budget"] += int(refused[inverse].sum())
         on_time = (records.trigger > fired[inverse]) & ~refused[inverse] & ~early[inverse]
         self.stats.dropped["late"] += int((~on_time & ~refused[inverse]).sum())
@@ -559,21 +485,19 @@ class QueryPipeline:
             if not len(part):
                 continue
             w, i = int(records.window[part[0]]), int(records.trigger[part[0]])
-            key = sk.trigger_prefix(sk.PENDING, self.qid, w, i) + int(seq).to_bytes(8, "big")
-            batch.put(key, records.take(part).encode())
+            self.tables.pending.append(batch, w, i, seq, records.take(part).encode())
         # amendments: an out-of-order arrival becomes the predecessor of a later micro-batch's record
         # (processor.bounding.key_histories); that micro-batch has not fired (triggers fire in order)
         amending = np.nonzero(records.amend > 0)[0]
         if len(amending):
-            entries = np.empty(len(amending), dtype=_AMEND_ENTRY)
+            entries = np.empty(len(amending), dtype=AMEND_ENTRY)
             entries["key"], entries["user"], entries["trigger"] = records.key_ids[amending], records.users[amending], records.trigger[amending]
             aw, at = records.window[amending], records.amend[amending]
             order = np.lexsort((at, aw))
             cut = np.nonzero((aw[order][1:] != aw[order][:-1]) | (at[order][1:] != at[order][:-1]))[0] + 1
             for part in np.split(order, cut):
                 if len(part):
-                    key = sk.trigger_prefix(sk.AMENDS, self.qid, int(aw[part[0]]), int(at[part[0]])) + int(seq).to_bytes(8, "big")
-                    batch.put(key, entries[part].tobytes())
+                    self.tables.amends.append(batch, int(aw[part[0]]), int(at[part[0]]), seq, entries[part])
         return rejected
 
     def _register_key_texts(self, records: BoundedRecords, batch: WriteBatch) -> tuple[BoundedRecords, list[tuple[str, str]]]:
@@ -584,24 +508,17 @@ class QueryPipeline:
         distinct, first, inverse = np.unique(pairs, return_index=True, return_inverse=True)
         texts = records.keys[first]
         owners = np.empty(len(distinct), dtype=object)
-        todo, lookup = [], []
-        for j, (w, k) in enumerate(distinct.tolist()):
-            known = self._names_unwritten.get((w, k))
-            if known is None:
-                known = self._names_written.get((w, k))
-            if known is None:
-                todo.append(j)
-                lookup.append(sk.window_prefix(sk.KEY_NAMES, self.qid, w) + int(k).to_bytes(8, "big"))
-            else:
-                owners[j] = known
-        for j, stored in zip(todo, self.store.get_many(lookup) if lookup else []):
-            w, k = distinct[j].tolist()
-            if stored is None:
-                batch.put(sk.window_prefix(sk.KEY_NAMES, self.qid, w) + int(k).to_bytes(8, "big"), texts[j].encode())
-                owners[j] = texts[j]
-            else:
-                owners[j] = stored.decode()
-            self._names_unwritten[(w, k)] = owners[j]
+        dw = distinct["w"]
+        for w in np.unique(dw).tolist():
+            at = np.nonzero(dw == w)[0]
+            ids = distinct["k"][at].tolist()
+            known = self.tables.names.owners(w, ids)
+            new = [j for j, owner in enumerate(known) if owner is None]
+            if new:  # first seen here: the text owns the id
+                self.tables.names.register(batch, w, [ids[j] for j in new], [texts[at[j]] for j in new])
+                for j in new:
+                    known[j] = texts[at[j]]
+            owners[at] = known
         bad = np.asarray(owners[inverse.ravel()] != records.keys, dtype=bool)
         if not bad.any():
             return records, []
@@ -611,12 +528,9 @@ class QueryPipeline:
         return records.take(np.nonzero(~bad)[0]), rejected
 
     # ------------------------------------------------------------------ publication
-    def _published_key(self, window: int) -> bytes:
-        return sk.META + b"published" + self.qid + int(window).to_bytes(8, "big")
-
     def mark_published(self, window: int, trigger: int, batch: WriteBatch) -> None:
         """Record that a trigger's journaled releases reached the output (after they did)."""
-        batch.put(self._published_key(window), int(trigger).to_bytes(4, "little"))
+        self.tables.published.put(batch, window, trigger)
 
     def unpublished(self) -> list[tuple[int, int, list[dict]]]:
         """(window, trigger, journaled releases) fired but not yet marked published, in order:
@@ -625,15 +539,13 @@ class QueryPipeline:
         for window, fired in sorted(self._progress.items()):
             if self._status.get(window) != WINDOW_OPEN:
                 continue
-            raw = self.store.get(self._published_key(window))
-            published = int.from_bytes(raw, "little") if raw else 0
+            published = self.tables.published.get(window)
             out += [(window, trigger, self.journaled(window, trigger)) for trigger in range(published + 1, fired + 1)]
         return out
 
     # ------------------------------------------------------------------ stage 2 at a trigger
     def journaled(self, window: int, trigger: int) -> list[dict]:
-        prefix = sk.trigger_prefix(sk.JOURNAL, self.qid, window, trigger)
-        return _ordered([json.loads(v) for _, v in self.store.scan_prefix(prefix)])
+        return _ordered([json.loads(v) for v in self.tables.journal.read(window, trigger)])
 
     def fire(self, window: int, trigger: int) -> list[dict]:
         """Run trigger ``trigger`` of ``window``; returns its releases (journaled before return)."""
@@ -645,21 +557,11 @@ class QueryPipeline:
             return self.journaled(window, trigger)
         if trigger != done + 1:
             raise ValueError(f"trigger {trigger} of window {window} fired out of order (last fired: {done})")
-        # every batch that registered key texts has been written by now (the drivers write each
-        # accumulate batch before firing)
-        if len(self._names_written) + len(self._names_unwritten) > KEY_NAME_CACHE:
-            self._names_written.clear()
-        self._names_written.update(self._names_unwritten)
-        self._names_unwritten.clear()
         batch = WriteBatch()
         micro = self._take_pending(window, trigger, batch)
         rec_key, rec_prev, rec_units, texts = micro.key_ids, micro.previous, micro.units, micro.texts
         # --- keys: micro-batch + prediction index for this trigger (never all keys)
-        pred_prefix = sk.trigger_prefix(sk.PREDICTIONS, self.qid, window, trigger)
-        predicted_keys = [k for k, _ in self.store.scan_prefix(pred_prefix)]
-        for k in predicted_keys:
-            batch.delete(k)
-        all_ids = np.unique(np.concatenate([rec_key, sk.suffix_u64(predicted_keys, len(pred_prefix))]))
+        all_ids = np.unique(np.concatenate([rec_key, self.tables.predictions.take(window, trigger, batch)]))
         n = len(all_ids)
         self.stats.keys_loaded = n
         kidx = np.searchsorted(all_ids, rec_key)
@@ -699,17 +601,12 @@ class QueryPipeline:
             started = time.perf_counter()
             released = self._consistent(window, trigger, released, batch)
             self.stats.consistency_seconds += time.perf_counter() - started
-        journal = sk.trigger_prefix(sk.JOURNAL, self.qid, window, trigger)
         for key_id, _, record in released:
-            batch.put(journal + int(key_id).to_bytes(8, "big"), encode_json(record))
+            self.tables.journal.put(batch, window, trigger, key_id, encode_json(record))
         releases = [record for _, _, record in released]
         # --- key states, journal and progress: one atomic write
-        prefix = sk.window_prefix(sk.KEYS, self.qid, window)
-        encoded = [name.encode() for name in names]
-        raw, width = rows.tobytes(), self._row.itemsize
-        for j, key_id in enumerate(all_ids.tolist()):
-            batch.put(prefix + key_id.to_bytes(8, "big"), raw[j * width:(j + 1) * width] + encoded[j])
-        batch.put(sk.window_prefix(sk.PROGRESS, self.qid, window), self._progress_value(trigger, WINDOW_OPEN))
+        self.tables.keys.write(batch, window, all_ids, rows, names)
+        self._put_progress(batch, window, trigger, WINDOW_OPEN)
         self.store.write(batch)
         self._progress[window] = trigger
         self.stats.triggers_fired += 1
@@ -744,16 +641,13 @@ class QueryPipeline:
         predecessor amendments addressed to this micro-batch are applied here (a maximum, so a
         replayed amendment changes nothing).
         """
-        parts, texts, amends = [], {}, []
-        for key, blob in self.store.scan_prefix(sk.trigger_prefix(sk.AMENDS, self.qid, window, trigger)):
-            amends.append(np.frombuffer(blob, dtype=_AMEND_ENTRY))
-            batch.delete(key)
+        parts, texts = [], {}
+        amend = self.tables.amends.take(window, trigger, batch)
         columns = ("key_ids", "users", "slots", "units", "previous", "levels", "roots")
-        for key, blob in self.store.scan_prefix(sk.trigger_prefix(sk.PENDING, self.qid, window, trigger)):
+        for blob in self.tables.pending.take(window, trigger, batch):
             cols, key_texts = BoundedRecords.decode_columns(blob)
             parts.append([cols[c] for c in columns])
             texts.update(key_texts)
-            batch.delete(key)
         if not parts:
             empty, none = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.uint64)
             return MicroBatch(none, none, empty, empty, texts, empty, none)
@@ -767,8 +661,7 @@ class QueryPipeline:
         keep = np.sort(order[first])
         self.stats.dropped["duplicate"] += int(len(rec_user) - len(keep))
         rec_key, rec_user, rec_prev = rec_key[keep].astype(np.uint64), rec_user[keep].astype(np.uint64), rec_prev[keep].astype(np.int64)
-        if amends:
-            amend = np.concatenate(amends)
+        if len(amend):
             pairs = np.empty(len(rec_key) + len(amend), dtype=[("k", "<u8"), ("u", "<u8")])
             pairs["k"] = np.concatenate([rec_key, amend["key"]])
             pairs["u"] = np.concatenate([rec_user, amend["user"]])
@@ -828,17 +721,11 @@ class QueryPipeline:
         (``released_at`` says when it was released), so the latest record of every key is
         consistent once a trigger's records are all read. Written with the trigger's state.
         """
-        view = sk.window_prefix(sk.HIERARCHY_VIEW, self.qid, window)
-        width = _VIEW_ENTRY.itemsize
         entries: dict[int, dict] = {}
         for root in sorted({root for _, root, _ in released}):
-            prefix = view + root.to_bytes(8, "big")
-            for key, value in self.store.scan_prefix(prefix):
-                row = np.frombuffer(value[:width], dtype=_VIEW_ENTRY)[0]
-                entries[int.from_bytes(key[len(prefix):], "big")] = {
-                    "root": root, "level": int(row["level"]), "released_at": int(row["released_at"]), "count": int(row["count"]),
-                    "stddev": float(row["stddev"]), "consistent": int(row["consistent"]), "other": int(row["other"]),
-                    "parts": json.loads(value[width:].decode())}
+            for v in self.tables.view.read(window, root):
+                entries[v.key_id] = {"root": root, "level": v.level, "released_at": v.released_at, "count": v.count, "stddev": v.stddev,
+                                     "consistent": v.consistent, "other": v.other, "parts": json.loads(v.text)}
         now = {}
         for key_id, root, record in released:
             old = entries.get(key_id, {"consistent": -1, "other": -1})
@@ -885,11 +772,8 @@ class QueryPipeline:
             if e["level"] < self.depth:
                 record["consistent_other"] = rest
             out.append((key_id, e["root"], record))
-            row = np.zeros(1, dtype=_VIEW_ENTRY)
-            row["level"], row["released_at"], row["count"], row["stddev"] = e["level"], e["released_at"], e["count"], e["stddev"]
-            row["consistent"], row["other"] = value, rest
-            batch.put(view + int(e["root"]).to_bytes(8, "big") + int(key_id).to_bytes(8, "big"),
-                      row.tobytes() + key_text(e["parts"]).encode())
+            self.tables.view.put(batch, window, int(e["root"]), ViewEntry(key_id, e["level"], e["released_at"], e["count"], e["stddev"],
+                                                                         value, rest, key_text(e["parts"])))
         return out
 
     def _tree_ids(self, window: int, rows: np.ndarray, field_name: str, names: list, kind: str) -> np.ndarray:
@@ -903,25 +787,14 @@ class QueryPipeline:
 
     def _load_keys(self, window: int, ids: np.ndarray, texts: dict):
         """Key states (fixed rows) and key texts; new keys get a fresh row."""
-        prefix = sk.window_prefix(sk.KEYS, self.qid, window)
-        values = self.store.get_many(sk.fixed_keys(prefix, ids))
-        width = self._row.itemsize
-        rows = np.zeros(len(ids), dtype=self._row)
-        rows["start"] = 1
-        rows["noise_max"] = np.nan
-        rows["sel_cache"] = ABSENT
-        rows["pcache"] = ABSENT
-        present = [j for j, v in enumerate(values) if v is not None]
-        self.stats.keys_tracked += len(ids) - len(present)
-        if present:
-            rows[present] = np.frombuffer(b"".join(values[j][:width] for j in present), dtype=self._row)
-        names = [texts[i] if v is None else v[width:].decode() for i, v in zip(ids.tolist(), values)]
+        rows, stored = self.tables.keys.load(window, ids, self._blank_row)
+        self.stats.keys_tracked += stored.count(None)
+        names = [texts[i] if name is None else name for i, name in zip(ids.tolist(), stored)]
         return rows, names
 
     def _plan_visits(self, window, trigger, all_ids, rows, has_data, selector, sel, batch) -> None:
         """Prediction-index entries of these keys (their own level's selector)."""
         T = self.schedule.triggers
-        prefix = sk.window_prefix(sk.PREDICTIONS, self.qid, window)
         old = rows["predicted"].astype(np.int64)
         nxt = np.zeros(len(all_ids), dtype=np.int64)
         if trigger < T:
@@ -934,15 +807,10 @@ class QueryPipeline:
                 sub = sel.take(idle)
                 nxt[idle] = selector.predict(sub)
                 sel.noise_max[idle] = sub.noise_max
-        stale = np.nonzero((old > trigger) & (old != nxt))[0]
-        for j in stale.tolist():
-            batch.delete(prefix + int(old[j]).to_bytes(4, "big") + int(all_ids[j]).to_bytes(8, "big"))
-        for j in np.nonzero((nxt > 0) & (nxt != old))[0].tolist():
-            batch.put(prefix + int(nxt[j]).to_bytes(4, "big") + int(all_ids[j]).to_bytes(8, "big"), b"")
+        self.tables.predictions.move(batch, window, all_ids, old, nxt, trigger)
         rows["predicted"] = nxt
 
     def collect_window(self, window: int) -> None:
         """Drop a finished window's working state (the journal and progress stay)."""
-        self.stats.keys_tracked -= sum(1 for _ in self.store.scan_prefix(sk.window_prefix(sk.KEYS, self.qid, window)))
-        for table in sk.WINDOW_TABLES:
-            self.store.delete_prefix(sk.window_prefix(table, self.qid, window))
+        self.stats.keys_tracked -= self.tables.keys.count(window)
+        self.tables.drop_window(window)

@@ -303,7 +303,7 @@ class ReplayRunner:
             for dyn in self.dynamic:
                 dyn.refused = not gate.start_dynamic(dyn.query)
         # one event-time clock per stream: each DP-SQLP query's events, each dynamic query's updates
-        self.clocks = [ReplayClock(p.qid, p.schedule.max_skew, self.store, start_ms, self._event_parser(q))
+        self.clocks = [ReplayClock(p.tables.qid, p.schedule.max_skew, self.store, start_ms, self._event_parser(q))
                        for q, p in enumerate(self.pipelines)]
         self.dynamic_clocks = [ReplayClock(b"dyn" + d.qid, d.query.max_skew_ms, self.store,
                                            start_ms if start_ms is not None else d.query.start, self._update_parser(d))

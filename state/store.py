@@ -14,16 +14,31 @@ import os
 import shutil
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 
 class WriteBatch:
-    """Puts and deletes applied together by :meth:`Store.write` (last write to a key wins)."""
+    """Puts and deletes applied together by :meth:`Store.write` (last write to a key wins).
 
-    __slots__ = ("ops",)
+    ``on_commit`` callbacks run after the batch has been written, never if it was not: the
+    tables' caches of committed values (:mod:`state.tables`) learn a batch's values this way, so
+    they never hold a value the store does not (a batch abandoned by a crash or an error leaves
+    them as they were)."""
+
+    __slots__ = ("ops", "_on_commit")
 
     def __init__(self) -> None:
         self.ops: dict[bytes, Optional[bytes]] = {}
+        self._on_commit: list[Callable[[], None]] = []
+
+    def on_commit(self, callback: Callable[[], None]) -> None:
+        self._on_commit.append(callback)
+
+    def committed(self) -> None:
+        """Called by :meth:`Store.write` once the batch is durable."""
+        callbacks, self._on_commit = self._on_commit, []
+        for callback in callbacks:
+            callback()
 
     def put(self, key: bytes, value: bytes) -> None:
         self.ops[key] = value
@@ -106,6 +121,7 @@ class MemoryStore(Store):
                 self._data[key] = value
         if batch.ops:
             self._sorted = None
+        batch.committed()
 
     def scan(self, start: bytes, stop: bytes) -> Iterator[tuple[bytes, bytes]]:
         if self._sorted is None:
@@ -174,6 +190,7 @@ class RocksDBStore(Store):
             else:
                 rb.put(key, value)
         self._db.write(rb)
+        batch.committed()
 
     def scan(self, start: bytes, stop: bytes) -> Iterator[tuple[bytes, bytes]]:
         it = self._db.iter()

@@ -11,7 +11,6 @@ from processor.config import DpstreamConfig, QueryConfig
 from processor.noise import NodeNoise, Pseudonymizer
 from processor.pipeline import EventColumns, QueryPipeline
 from processor.replay import ReplayRunner
-from state import keys as sk
 from state.store import MemoryStore, WriteBatch
 from tests.conftest import TEST_LABEL, TEST_SECRET, TEST_SECRET_HEX
 
@@ -157,8 +156,7 @@ def test_trigger_loads_only_batch_and_predicted_keys(rng):
     store.write(batch)
     interval = DAY // 48
     for trigger in range(1, 49):
-        pred_prefix = sk.trigger_prefix(sk.PREDICTIONS, pipe.qid, START, trigger)
-        predicted = {k[-8:] for k, _ in store.scan_prefix(pred_prefix)}
+        predicted = {int(x).to_bytes(8, "big") for x in pipe.tables.predictions.at(START, trigger)}
         batch_keys = {e["key"] for e in events if (e["ts"] - START) // interval + 1 == trigger}
         batch_ids = {int(x).to_bytes(8, "big") for x in pseudo.group_keys(sorted(batch_keys))}
         pipe.fire(START, trigger)

@@ -1,0 +1,563 @@
+"""The tables of one query's state: every key layout, value layout and cache in one place.
+
+One store holds all tables; a table is a key prefix (:mod:`state.keys`). The pipeline
+(:mod:`processor.pipeline`) decides *what* to keep; this module decides *how it is laid out* and
+is the only code that builds or parses a state key or value. Nothing here knows about privacy:
+the tables hold bytes, integers and arrays, and import nothing of ours outside ``state/``.
+
+Every write goes into a :class:`state.store.WriteBatch`; nothing reaches the store until the
+caller writes the batch together with its input position (a commit point: docs/architecture.md,
+"State"). The user, key-row and key-name tables keep a bounded cache of *committed* values in
+memory (:class:`CommittedCache`): a read of a cached key costs a dictionary lookup instead of a
+RocksDB point read, and since the cache learns a value only once its batch is written
+(``WriteBatch.on_commit``), evicting an entry, dropping the cache or crashing never loses or
+invents state. Every batch the drivers write is a commit point, so this is the same as a
+write-behind cache flushed at each commit (Kafka Streams' record cache), without a second copy of
+uncommitted values.
+
+Layout version: :data:`STATE_FORMAT` (a state directory of another version is refused, never
+read as this one).
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import numpy as np
+
+from state import keys as sk
+from state.store import Store, WriteBatch
+
+#: Version of the state layout. 3: 16-byte tree ids, exact integer frontier caches, user states
+#: per (key, trigger), predecessor amendments, the key-text registry, window status and plan
+#: fingerprint in the progress table.
+STATE_FORMAT = b"3"
+
+#: window status in the progress table
+WINDOW_OPEN, WINDOW_REFUSED = 1, 2
+
+#: a user-state entry: one distinct (key, trigger) of the user's admitted records in the window
+USER_ENTRY = np.dtype([("key", "<u8"), ("trigger", "<u4")])
+#: a predecessor amendment (processor.bounding.key_histories): raise the predecessor trigger of
+#: ``user``'s records for ``key`` in the target micro-batch to ``trigger``
+AMEND_ENTRY = np.dtype([("key", "<u8"), ("user", "<u8"), ("trigger", "<u4")])
+#: a hierarchy's published view, per released key: what the consistency step starts from
+VIEW_ENTRY = np.dtype([("level", "<u4"), ("released_at", "<u4"), ("count", "<i8"), ("stddev", "<f8"), ("consistent", "<i8"),
+                       ("other", "<i8")])
+#: tree ids as stored in key rows (the 16 bytes of processor.noise's tree ids; empty: not derived yet)
+STORED_TREE_ID = np.dtype("S16")
+
+#: default bounds of the caches of committed values (entries per query; about 200 bytes each)
+USER_CACHE_ENTRIES = 12_000_000
+KEY_CACHE_ENTRIES = 2_000_000
+
+
+def key_row_dtype(tree_levels: int) -> np.dtype:
+    """The fixed part of a key row: selection round and counters, the data buffer, the
+    perturbation state and the frontier caches of both trees (``tree_levels`` entries each)."""
+    L = int(tree_levels)
+    return np.dtype([
+        ("round", "<u4"), ("start", "<u4"), ("done", "<u4"), ("predicted", "<u4"),
+        ("count", "<i8"), ("participations", "<i8"), ("buffer", "<i8"), ("released", "<i8"),
+        ("pdone", "<u4"), ("level", "<u4"), ("noise_max", "<f8"), ("root", "<u8"), ("sel_tree", STORED_TREE_ID),
+        ("pert_tree", STORED_TREE_ID), ("sel_cache", "<i8", (L,)), ("pcache", "<i8", (L,)),
+    ])
+
+
+class CommittedCache:
+    """Committed values of one table, per window and 64-bit id, bounded to ``capacity`` entries.
+
+    Values enter only through :meth:`learn_on_commit` (when their batch has been written) or
+    :meth:`remember` (read from the store), so every cached value equals the store's. Over
+    capacity, the least recently written entries go first (a written entry moves to the back).
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = int(capacity)
+        self._windows: dict[int, dict[int, bytes]] = {}
+        self._size = 0
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def lookup(self, window: int, ids: list[int]) -> list[Optional[bytes]]:
+        entries = self._windows.get(window)
+        if entries is None:
+            self.misses += len(ids)
+            return [None] * len(ids)
+        get = entries.get
+        found = [get(i) for i in ids]
+        missing = found.count(None)
+        self.misses += missing
+        self.hits += len(ids) - missing
+        return found
+
+    def remember(self, window: int, ids: list[int], values: list[Optional[bytes]]) -> None:
+        """Values just read from the store (``None``: absent, not cached)."""
+        entries = self._windows.setdefault(window, {})
+        before = len(entries)
+        for i, v in zip(ids, values):
+            if v is not None:
+                entries[i] = v
+        self._size += len(entries) - before
+        self._trim()
+
+    def learn_on_commit(self, batch: WriteBatch, window: int, ids: list[int], values: list[bytes]) -> None:
+        def learn() -> None:
+            entries = self._windows.setdefault(window, {})
+            before = len(entries)
+            pop = entries.pop
+            for i, v in zip(ids, values):
+                pop(i, None)  # to the back: recently written
+                entries[i] = v
+            self._size += len(entries) - before
+            self._trim()
+        batch.on_commit(learn)
+
+    def drop_window(self, window: int) -> None:
+        self._size -= len(self._windows.pop(window, {}))
+
+    def clear(self) -> None:
+        self._windows.clear()
+        self._size = 0
+
+    def _trim(self) -> None:
+        if self._size <= self.capacity:
+            return
+        excess = self._size - self.capacity + self.capacity // 4  # free a quarter at once: amortized
+        for window in sorted(self._windows):  # oldest windows first
+            entries = self._windows[window]
+            doomed = list(itertools.islice(entries, excess))
+            for i in doomed:
+                del entries[i]
+            self._size -= len(doomed)
+            excess -= len(doomed)
+            if not entries:
+                del self._windows[window]
+            if excess <= 0:
+                return
+
+
+def _ids_le(values: np.ndarray) -> list[int]:
+    return np.asarray(values, dtype=np.uint64).tolist()
+
+
+@dataclass
+class UserStateColumns:
+    """Stage-1 states of a batch of (window, user) groups, parsed."""
+
+    admitted: np.ndarray  # int64 per group: records admitted so far
+    group: np.ndarray  # int64 per entry: the group it belongs to (sorted)
+    key: np.ndarray  # uint64 per entry
+    trigger: np.ndarray  # int64 per entry
+
+
+class UserStates:
+    """Table ``u``: per (window, user) the number of admitted records (u16), then one
+    :data:`USER_ENTRY` per distinct (key, trigger) of them (the user's key history:
+    processor.bounding.key_histories)."""
+
+    def __init__(self, store: Store, qid: bytes, cache_entries: int = USER_CACHE_ENTRIES):
+        self.store, self.qid = store, qid
+        self.cache = CommittedCache(cache_entries)
+
+    def read(self, windows: np.ndarray, users: np.ndarray) -> UserStateColumns:
+        """States of the groups ``(windows[g], users[g])`` (absent: nothing admitted yet)."""
+        values: list[Optional[bytes]] = [None] * len(users)
+        for w, lo, hi in _runs(windows):
+            ids = _ids_le(users[lo:hi])
+            found = self.cache.lookup(w, ids)
+            missing = [j for j, v in enumerate(found) if v is None]
+            if missing:
+                miss_ids = [ids[j] for j in missing]
+                stored = self.store.get_many(sk.fixed_keys(sk.window_prefix(sk.USERS, self.qid, w), np.array(miss_ids, dtype=np.uint64)))
+                self.cache.remember(w, miss_ids, stored)
+                for j, v in zip(missing, stored):
+                    found[j] = v
+            values[lo:hi] = found
+        return _parse_user_states(values)
+
+    def write(self, batch: WriteBatch, windows: np.ndarray, users: np.ndarray, admitted: np.ndarray, changed: np.ndarray,
+              full: np.ndarray, entry_group: np.ndarray, entry_key: np.ndarray, entry_trigger: np.ndarray) -> None:
+        """New states of the ``changed`` groups. Entries are sorted by group; a ``full`` group
+        (at the bound: it admits nothing more) keeps only its count."""
+        entries = np.empty(len(entry_group), dtype=USER_ENTRY)
+        entries["key"], entries["trigger"] = entry_key, entry_trigger
+        raw, width = entries.tobytes(), USER_ENTRY.itemsize
+        bounds = np.searchsorted(entry_group, np.arange(len(users) + 1)).tolist()
+        counts, changed, full = np.asarray(admitted).tolist(), np.asarray(changed).tolist(), np.asarray(full).tolist()
+        for w, lo, hi in _runs(windows):
+            prefix = sk.window_prefix(sk.USERS, self.qid, w)
+            ids, values = [], []
+            for g in range(lo, hi):
+                if changed[g]:
+                    ids.append(g)
+                    values.append(counts[g].to_bytes(2, "little") + (b"" if full[g] else raw[bounds[g] * width:bounds[g + 1] * width]))
+            if not ids:
+                continue
+            user_ids = np.asarray(users, dtype=np.uint64)[ids]
+            for key, value in zip(sk.fixed_keys(prefix, user_ids), values):
+                batch.put(key, value)
+            self.cache.learn_on_commit(batch, w, user_ids.tolist(), values)
+
+
+def _runs(windows: np.ndarray) -> Iterator[tuple[int, int, int]]:
+    """(window, lo, hi) of each run of equal windows (``windows`` sorted)."""
+    windows = np.asarray(windows, dtype=np.int64)
+    if not len(windows):
+        return
+    cut = np.nonzero(windows[1:] != windows[:-1])[0] + 1
+    starts = [0, *cut.tolist()]
+    ends = [*cut.tolist(), len(windows)]
+    for lo, hi in zip(starts, ends):
+        yield int(windows[lo]), lo, hi
+
+
+def _parse_user_states(values: list) -> UserStateColumns:
+    lengths = np.fromiter((len(v) if v else 0 for v in values), dtype=np.int64, count=len(values))
+    raw = np.frombuffer(b"".join(v for v in values if v), dtype=np.uint8)
+    starts = np.cumsum(lengths) - lengths
+    present = lengths > 0
+    before = np.zeros(len(values), dtype=np.int64)
+    before[present] = raw[starts[present]].astype(np.int64) + 256 * raw[starts[present] + 1].astype(np.int64)
+    per_user = np.maximum(lengths - 2, 0) // USER_ENTRY.itemsize
+    group = np.repeat(np.arange(len(values), dtype=np.int64), per_user)
+    if not len(group):
+        return UserStateColumns(before, group, np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.int64))
+    first_entry = np.cumsum(per_user) - per_user
+    entry_start = starts[group] + 2 + (np.arange(len(group)) - first_entry[group]) * USER_ENTRY.itemsize
+    entries = raw[entry_start[:, None] + np.arange(USER_ENTRY.itemsize)].copy().view(USER_ENTRY).ravel()
+    return UserStateColumns(before, group, entries["key"].astype(np.uint64), entries["trigger"].astype(np.int64))
+
+
+class PendingBatches:
+    """Table ``b``: stage 2's input, the packed records of each (window, trigger) micro-batch,
+    one blob per input position ``seq``; the blob's first 4 bytes are its record count (u32)."""
+
+    def __init__(self, store: Store, qid: bytes):
+        self.store, self.qid = store, qid
+
+    def append(self, batch: WriteBatch, window: int, trigger: int, seq: int, blob: bytes) -> None:
+        batch.put(sk.trigger_prefix(sk.PENDING, self.qid, window, trigger) + int(seq).to_bytes(8, "big"), blob)
+
+    def take(self, window: int, trigger: int, batch: WriteBatch) -> list[bytes]:
+        """The micro-batch's blobs, deleted in ``batch``."""
+        blobs = []
+        for key, blob in self.store.scan_prefix(sk.trigger_prefix(sk.PENDING, self.qid, window, trigger)):
+            blobs.append(blob)
+            batch.delete(key)
+        return blobs
+
+    def records_in(self, window: int) -> int:
+        """Records pending in a window (all its micro-batches)."""
+        return sum(int.from_bytes(blob[:4], "little") for _, blob in self.store.scan_prefix(sk.window_prefix(sk.PENDING, self.qid, window)))
+
+
+class Amendments:
+    """Table ``a``: predecessor amendments addressed to a (window, trigger) micro-batch."""
+
+    def __init__(self, store: Store, qid: bytes):
+        self.store, self.qid = store, qid
+
+    def append(self, batch: WriteBatch, window: int, trigger: int, seq: int, entries: np.ndarray) -> None:
+        batch.put(sk.trigger_prefix(sk.AMENDS, self.qid, window, trigger) + int(seq).to_bytes(8, "big"),
+                  np.asarray(entries, dtype=AMEND_ENTRY).tobytes())
+
+    def take(self, window: int, trigger: int, batch: WriteBatch) -> np.ndarray:
+        """The micro-batch's amendments (:data:`AMEND_ENTRY`), deleted in ``batch``."""
+        parts = []
+        for key, blob in self.store.scan_prefix(sk.trigger_prefix(sk.AMENDS, self.qid, window, trigger)):
+            parts.append(np.frombuffer(blob, dtype=AMEND_ENTRY))
+            batch.delete(key)
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=AMEND_ENTRY)
+
+
+class KeyNames:
+    """Table ``t``: the key text that owns each 64-bit key id in a window (the first one seen: a
+    different text under the same id is a collision, refused by the pipeline)."""
+
+    def __init__(self, store: Store, qid: bytes, cache_entries: int = KEY_CACHE_ENTRIES):
+        self.store, self.qid = store, qid
+        self.cache = CommittedCache(cache_entries)
+        #: owners registered in batches not yet committed, so a later batch of the same run
+        #: sees them before they are written
+        self._staged: dict[tuple[int, int], str] = {}
+
+    def owners(self, window: int, ids: list[int]) -> list[Optional[str]]:
+        found = [self._staged.get((window, i)) for i in ids]
+        todo = [j for j, v in enumerate(found) if v is None]
+        if todo:
+            cached = self.cache.lookup(window, [ids[j] for j in todo])
+            missing = [j for j, v in zip(todo, cached) if v is None]
+            for j, v in zip(todo, cached):
+                if v is not None:
+                    found[j] = v.decode()
+            if missing:
+                prefix = sk.window_prefix(sk.KEY_NAMES, self.qid, window)
+                stored = self.store.get_many([prefix + int(ids[j]).to_bytes(8, "big") for j in missing])
+                self.cache.remember(window, [ids[j] for j in missing], stored)
+                for j, v in zip(missing, stored):
+                    found[j] = None if v is None else v.decode()
+        return found
+
+    def register(self, batch: WriteBatch, window: int, ids: list[int], texts: list[str]) -> None:
+        prefix = sk.window_prefix(sk.KEY_NAMES, self.qid, window)
+        values = [t.encode() for t in texts]
+        for i, t, v in zip(ids, texts, values):
+            batch.put(prefix + int(i).to_bytes(8, "big"), v)
+            self._staged[(window, i)] = t
+        staged = self._staged
+
+        def unstage() -> None:
+            for i in ids:
+                staged.pop((window, i), None)
+        batch.on_commit(unstage)
+        self.cache.learn_on_commit(batch, window, list(ids), values)
+
+    def drop_window(self, window: int) -> None:
+        self.cache.drop_window(window)
+        for k in [k for k in self._staged if k[0] == window]:
+            del self._staged[k]
+
+
+class KeyRows:
+    """Table ``k``: per (window, key id) the key's fixed row (:func:`key_row_dtype`) followed by
+    its key text."""
+
+    def __init__(self, store: Store, qid: bytes, tree_levels: int, cache_entries: int = KEY_CACHE_ENTRIES):
+        self.store, self.qid = store, qid
+        self.dtype = key_row_dtype(tree_levels)
+        self.cache = CommittedCache(cache_entries)
+
+    def load(self, window: int, ids: np.ndarray, blank: np.ndarray) -> tuple[np.ndarray, list[Optional[str]]]:
+        """Rows of ``ids`` (``blank``, a one-row array, for a key not stored) and their texts
+        (``None`` if not stored)."""
+        id_list = _ids_le(ids)
+        values = self.cache.lookup(window, id_list)
+        missing = [j for j, v in enumerate(values) if v is None]
+        if missing:
+            miss_ids = [id_list[j] for j in missing]
+            stored = self.store.get_many(sk.fixed_keys(sk.window_prefix(sk.KEYS, self.qid, window), np.array(miss_ids, dtype=np.uint64)))
+            self.cache.remember(window, miss_ids, stored)
+            for j, v in zip(missing, stored):
+                values[j] = v
+        width = self.dtype.itemsize
+        rows = np.repeat(np.asarray(blank, dtype=self.dtype).reshape(1), len(id_list))
+        present = [j for j, v in enumerate(values) if v is not None]
+        if present:
+            rows[present] = np.frombuffer(b"".join(values[j][:width] for j in present), dtype=self.dtype)
+        return rows, [None if v is None else v[width:].decode() for v in values]
+
+    def write(self, batch: WriteBatch, window: int, ids: np.ndarray, rows: np.ndarray, names: list[str]) -> None:
+        prefix = sk.window_prefix(sk.KEYS, self.qid, window)
+        raw, width = rows.tobytes(), self.dtype.itemsize
+        values = [raw[j * width:(j + 1) * width] + name.encode() for j, name in enumerate(names)]
+        for key, value in zip(sk.fixed_keys(prefix, np.asarray(ids, dtype=np.uint64)), values):
+            batch.put(key, value)
+        self.cache.learn_on_commit(batch, window, _ids_le(ids), values)
+
+    def count(self, window: int) -> int:
+        return sum(1 for _ in self.store.scan_prefix(sk.window_prefix(sk.KEYS, self.qid, window)))
+
+
+class PredictionIndex:
+    """Table ``p``: which keys must be looked at at a trigger (key id under its trigger; empty value)."""
+
+    def __init__(self, store: Store, qid: bytes):
+        self.store, self.qid = store, qid
+
+    def at(self, window: int, trigger: int) -> np.ndarray:
+        """Key ids indexed under the trigger."""
+        prefix = sk.trigger_prefix(sk.PREDICTIONS, self.qid, window, trigger)
+        return sk.suffix_u64([k for k, _ in self.store.scan_prefix(prefix)], len(prefix))
+
+    def take(self, window: int, trigger: int, batch: WriteBatch) -> np.ndarray:
+        """Key ids indexed under the trigger, deleted in ``batch``."""
+        ids = self.at(window, trigger)
+        prefix = sk.trigger_prefix(sk.PREDICTIONS, self.qid, window, trigger)
+        for i in ids.tolist():
+            batch.delete(prefix + i.to_bytes(8, "big"))
+        return ids
+
+    def move(self, batch: WriteBatch, window: int, ids: np.ndarray, old: np.ndarray, new: np.ndarray, now: int) -> None:
+        """Re-index keys from trigger ``old`` to ``new`` (0: not indexed); entries at or before
+        ``now`` were already taken."""
+        prefix = sk.window_prefix(sk.PREDICTIONS, self.qid, window)
+        old, new = np.asarray(old, dtype=np.int64), np.asarray(new, dtype=np.int64)
+        stale = np.nonzero((old > now) & (old != new))[0]
+        if len(stale):
+            for key in sk.fixed_keys(prefix, old[stale].astype(np.uint32), np.asarray(ids, dtype=np.uint64)[stale]):
+                batch.delete(key)
+        fresh = np.nonzero((new > 0) & (new != old))[0]
+        if len(fresh):
+            for key in sk.fixed_keys(prefix, new[fresh].astype(np.uint32), np.asarray(ids, dtype=np.uint64)[fresh]):
+                batch.put(key, b"")
+
+
+class Journal:
+    """Table ``j``: the releases of each (window, trigger), per key id, as published bytes."""
+
+    def __init__(self, store: Store, qid: bytes):
+        self.store, self.qid = store, qid
+
+    def put(self, batch: WriteBatch, window: int, trigger: int, key_id: int, record: bytes) -> None:
+        batch.put(sk.trigger_prefix(sk.JOURNAL, self.qid, window, trigger) + int(key_id).to_bytes(8, "big"), record)
+
+    def read(self, window: int, trigger: int) -> list[bytes]:
+        return [v for _, v in self.store.scan_prefix(sk.trigger_prefix(sk.JOURNAL, self.qid, window, trigger))]
+
+
+@dataclass(frozen=True)
+class WindowProgress:
+    fired: int  # last trigger fired
+    status: int  # WINDOW_OPEN or WINDOW_REFUSED
+    fingerprint: bytes  # the plan the window was opened under (16 bytes)
+
+
+class Progress:
+    """Table ``g``: per window the last trigger fired (u32), status (u8) and plan fingerprint (16)."""
+
+    def __init__(self, store: Store, qid: bytes):
+        self.store, self.qid = store, qid
+
+    def scan(self) -> dict[int, WindowProgress]:
+        prefix = sk.PROGRESS + self.qid
+        out = {}
+        for key, value in self.store.scan_prefix(prefix):
+            window = int.from_bytes(key[len(prefix):][:8], "big")
+            out[window] = WindowProgress(int.from_bytes(value[:4], "little"), value[4], bytes(value[5:21]))
+        return out
+
+    def put(self, batch: WriteBatch, window: int, fired: int, status: int, fingerprint: bytes) -> None:
+        batch.put(sk.window_prefix(sk.PROGRESS, self.qid, window), int(fired).to_bytes(4, "little") + bytes([status]) + fingerprint)
+
+
+class ScheduleMark:
+    """Meta ``schedule``: the first window of a budgeted query's public schedule and the next
+    window to open (two signed 64-bit integers)."""
+
+    def __init__(self, store: Store, qid: bytes):
+        self.store, self.key = store, sk.META + b"schedule" + qid
+
+    def get(self) -> Optional[tuple[int, int]]:
+        raw = self.store.get(self.key)
+        if raw is None:
+            return None
+        return int.from_bytes(raw[:8], "little", signed=True), int.from_bytes(raw[8:16], "little", signed=True)
+
+    def put(self, batch: WriteBatch, first: int, next_open: int) -> None:
+        batch.put(self.key, int(first).to_bytes(8, "little", signed=True) + int(next_open).to_bytes(8, "little", signed=True))
+
+
+class PublishedMarks:
+    """Meta ``published``: per window the last trigger whose releases reached the output."""
+
+    def __init__(self, store: Store, qid: bytes):
+        self.store, self.qid = store, qid
+
+    def _key(self, window: int) -> bytes:
+        return sk.META + b"published" + self.qid + int(window).to_bytes(8, "big")
+
+    def get(self, window: int) -> int:
+        raw = self.store.get(self._key(window))
+        return int.from_bytes(raw, "little") if raw else 0
+
+    def put(self, batch: WriteBatch, window: int, trigger: int) -> None:
+        batch.put(self._key(window), int(trigger).to_bytes(4, "little"))
+
+
+@dataclass
+class ViewEntry:
+    key_id: int
+    level: int
+    released_at: int
+    count: int
+    stddev: float
+    consistent: int
+    other: int
+    text: str
+
+
+class HierarchyView:
+    """Table ``h``: a hierarchy's published view, per (window, level-1 root, key id): one
+    :data:`VIEW_ENTRY` then the key text."""
+
+    def __init__(self, store: Store, qid: bytes):
+        self.store, self.qid = store, qid
+
+    def _prefix(self, window: int, root: int) -> bytes:
+        return sk.window_prefix(sk.HIERARCHY_VIEW, self.qid, window) + int(root).to_bytes(8, "big")
+
+    def read(self, window: int, root: int) -> list[ViewEntry]:
+        prefix, width = self._prefix(window, root), VIEW_ENTRY.itemsize
+        out = []
+        for key, value in self.store.scan_prefix(prefix):
+            row = np.frombuffer(value[:width], dtype=VIEW_ENTRY)[0]
+            out.append(ViewEntry(int.from_bytes(key[len(prefix):], "big"), int(row["level"]), int(row["released_at"]), int(row["count"]),
+                                 float(row["stddev"]), int(row["consistent"]), int(row["other"]), value[width:].decode()))
+        return out
+
+    def put(self, batch: WriteBatch, window: int, root: int, entry: ViewEntry) -> None:
+        row = np.zeros(1, dtype=VIEW_ENTRY)
+        row["level"], row["released_at"], row["count"], row["stddev"] = entry.level, entry.released_at, entry.count, entry.stddev
+        row["consistent"], row["other"] = entry.consistent, entry.other
+        batch.put(self._prefix(window, root) + int(entry.key_id).to_bytes(8, "big"), row.tobytes() + entry.text.encode())
+
+
+class EpochMarks:
+    """Meta ``noise-epoch``, ``state-format`` and ``noise-label``: which secret (its fingerprint),
+    layout version and noise label the state directory was written under."""
+
+    EPOCH, FORMAT, LABEL = sk.META + b"noise-epoch", sk.META + b"state-format", sk.META + b"noise-label"
+
+    def __init__(self, store: Store):
+        self.store = store
+
+    def get(self) -> Optional[tuple[str, bytes, str]]:
+        """(secret fingerprint, format, label), or None for a new state directory."""
+        epoch = self.store.get(self.EPOCH)
+        if epoch is None:
+            return None
+        return epoch.decode(), self.store.get(self.FORMAT) or b"1", (self.store.get(self.LABEL) or b"").decode()
+
+    def label(self) -> Optional[str]:
+        raw = self.store.get(self.LABEL)
+        return None if raw is None else raw.decode()
+
+    def put(self, fingerprint: str, label: str) -> None:
+        batch = WriteBatch()
+        batch.put(self.EPOCH, fingerprint.encode())
+        batch.put(self.FORMAT, STATE_FORMAT)
+        batch.put(self.LABEL, label.encode())
+        self.store.write(batch)
+
+
+class QueryTables:
+    """All window tables of one query in one store."""
+
+    def __init__(self, store: Store, query_name: str, tree_levels: int, user_cache_entries: int = USER_CACHE_ENTRIES,
+                 key_cache_entries: int = KEY_CACHE_ENTRIES):
+        self.store = store
+        self.qid = qid = sk.query_id(query_name)
+        self.users = UserStates(store, qid, user_cache_entries)
+        self.pending = PendingBatches(store, qid)
+        self.amends = Amendments(store, qid)
+        self.names = KeyNames(store, qid, key_cache_entries)
+        self.keys = KeyRows(store, qid, tree_levels, key_cache_entries)
+        self.predictions = PredictionIndex(store, qid)
+        self.journal = Journal(store, qid)
+        self.progress = Progress(store, qid)
+        self.schedule = ScheduleMark(store, qid)
+        self.published = PublishedMarks(store, qid)
+        self.view = HierarchyView(store, qid)
+
+    def drop_window(self, window: int) -> None:
+        """Delete a window's working state (journal, progress and marks stay) and its cached values."""
+        for table in sk.WINDOW_TABLES:
+            self.store.delete_prefix(sk.window_prefix(table, self.qid, window))
+        self.users.cache.drop_window(window)
+        self.names.drop_window(window)
+        self.keys.cache.drop_window(window)

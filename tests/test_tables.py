@@ -1,0 +1,161 @@
+"""state.tables: the layouts round-trip, and the caches of committed values never disagree with
+the store: a batch that is not written teaches them nothing, eviction loses nothing, a dropped
+window is forgotten (docs/architecture.md, "State")."""
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from state.store import MemoryStore, RocksDBStore, WriteBatch
+from state.tables import (AMEND_ENTRY, WINDOW_OPEN, CommittedCache, EpochMarks, QueryTables, UserStates, ViewEntry,
+                          key_row_dtype)
+
+
+def _user_write(table, batch, window, users, counts, entries):
+    """entries: per user a list of (key, trigger)."""
+    group = np.repeat(np.arange(len(users)), [len(e) for e in entries])
+    flat = [x for e in entries for x in e]
+    keys = np.array([k for k, _ in flat], dtype=np.uint64)
+    triggers = np.array([t for _, t in flat], dtype=np.int64)
+    n = len(users)
+    table.write(batch, np.full(n, window), np.array(users, dtype=np.uint64), np.array(counts), np.ones(n, dtype=bool),
+                np.zeros(n, dtype=bool), group, keys, triggers)
+
+
+def test_user_states_round_trip_and_absent_users():
+    store = MemoryStore()
+    users = UserStates(store, b"qqqq")
+    batch = WriteBatch()
+    _user_write(users, batch, 0, [7, 2**64 - 1], [3, 1], [[(5, 1), (9, 2)], [(1, 4)]])
+    store.write(batch)
+    state = users.read(np.array([0, 0, 0]), np.array([7, 8, 2**64 - 1], dtype=np.uint64))
+    assert state.admitted.tolist() == [3, 0, 1]
+    assert state.group.tolist() == [0, 0, 2]
+    assert state.key.tolist() == [5, 9, 1]
+    assert state.trigger.tolist() == [1, 2, 4]
+
+
+def test_full_user_keeps_only_its_count():
+    store = MemoryStore()
+    users = UserStates(store, b"qqqq")
+    batch = WriteBatch()
+    users.write(batch, np.array([0]), np.array([1], dtype=np.uint64), np.array([32]), np.array([True]), np.array([True]),
+                np.array([0, 0]), np.array([5, 6], dtype=np.uint64), np.array([1, 1]))
+    store.write(batch)
+    state = users.read(np.array([0]), np.array([1], dtype=np.uint64))
+    assert state.admitted.tolist() == [32] and len(state.key) == 0
+
+
+def test_a_batch_never_written_teaches_the_cache_nothing():
+    store = MemoryStore()
+    users = UserStates(store, b"qqqq")
+    abandoned = WriteBatch()
+    _user_write(users, abandoned, 0, [1], [4], [[(2, 3)]])
+    # the batch is dropped (a crash or an error before the commit point): the cache must not
+    # answer with its values
+    assert users.read(np.array([0]), np.array([1], dtype=np.uint64)).admitted.tolist() == [0]
+    written = WriteBatch()
+    _user_write(users, written, 0, [1], [2], [[(2, 3)]])
+    store.write(written)
+    assert users.read(np.array([0]), np.array([1], dtype=np.uint64)).admitted.tolist() == [2]
+    assert users.cache.hits >= 1  # the second read came from the cache
+
+
+def test_cache_is_bounded_and_evicts_only_what_the_store_holds():
+    store = MemoryStore()
+    users = UserStates(store, b"qqqq", cache_entries=100)
+    for start in range(0, 1000, 50):
+        batch = WriteBatch()
+        ids = list(range(start, start + 50))
+        _user_write(users, batch, 0, ids, [i % 30 + 1 for i in ids], [[(i, 1)] for i in ids])
+        store.write(batch)
+        assert len(users.cache) <= 100
+    state = users.read(np.zeros(1000, dtype=np.int64), np.arange(1000, dtype=np.uint64))
+    assert state.admitted.tolist() == [i % 30 + 1 for i in range(1000)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.lists(st.tuples(st.integers(0, 2), st.integers(0, 30), st.integers(1, 40)),
+                                                      min_size=1, max_size=8)), min_size=1, max_size=25),
+       st.integers(1, 12))
+def test_reads_through_the_cache_equal_reads_of_the_store(steps, capacity):
+    """Any sequence of written and abandoned batches, over several windows, with a tiny cache:
+    every read equals what a fresh table (no cache content) reads from the store."""
+    store = MemoryStore()
+    users = UserStates(store, b"qqqq", cache_entries=capacity)
+    for commit, writes in steps:
+        batch = WriteBatch()
+        for window in sorted({w for w, _, _ in writes}):
+            mine = {u: c for w, u, c in writes if w == window}
+            ids = sorted(mine)
+            _user_write(users, batch, window, ids, [mine[u] for u in ids], [[(u + 100, mine[u])] for u in ids])
+        if commit:
+            store.write(batch)
+        windows = np.repeat(np.arange(3), 31)
+        ids = np.tile(np.arange(31, dtype=np.uint64), 3)
+        cached = users.read(windows, ids)
+        fresh = UserStates(store, b"qqqq").read(windows, ids)
+        for field in ("admitted", "group", "key", "trigger"):
+            assert getattr(cached, field).tolist() == getattr(fresh, field).tolist()
+
+
+def test_committed_cache_drops_a_window():
+    cache = CommittedCache(10)
+    batch = WriteBatch()
+    cache.learn_on_commit(batch, 5, [1, 2], [b"a", b"b"])
+    MemoryStore().write(batch)
+    assert cache.lookup(5, [1, 2]) == [b"a", b"b"]
+    cache.drop_window(5)
+    assert cache.lookup(5, [1, 2]) == [None, None] and len(cache) == 0
+
+
+def test_query_tables_layouts_round_trip(tmp_path):
+    with RocksDBStore(tmp_path / "db") as store:
+        tables = QueryTables(store, "q", tree_levels=3)
+        batch = WriteBatch()
+        rows = np.zeros(2, dtype=key_row_dtype(3))
+        rows["count"], rows["sel_cache"] = [4, 9], [[1, 2, 3], [4, 5, 6]]
+        tables.keys.write(batch, 0, np.array([10, 11], dtype=np.uint64), rows, ["[\"a\"]", "[\"b\"]"])
+        tables.pending.append(batch, 0, 2, 7, (3).to_bytes(4, "little") + b"rest")
+        amend = np.zeros(1, dtype=AMEND_ENTRY)
+        amend["key"], amend["user"], amend["trigger"] = 10, 99, 1
+        tables.amends.append(batch, 0, 2, 7, amend)
+        tables.predictions.move(batch, 0, np.array([10, 11], dtype=np.uint64), np.array([0, 0]), np.array([3, 0]), 1)
+        tables.journal.put(batch, 0, 2, 10, b"{}")
+        tables.progress.put(batch, 0, 2, WINDOW_OPEN, b"f" * 16)
+        tables.schedule.put(batch, -5, 86_400_000)
+        tables.published.put(batch, 0, 2)
+        tables.view.put(batch, 0, 10, ViewEntry(11, 2, 2, 40, 1.5, 39, 1, "[\"a\",\"b\"]"))
+        tables.names.register(batch, 0, [10], ["[\"a\"]"])
+        store.write(batch)
+
+        fresh = QueryTables(store, "q", tree_levels=3)  # nothing cached: everything from the store
+        blank = np.zeros(1, dtype=key_row_dtype(3))
+        loaded, names = fresh.keys.load(0, np.array([11, 10, 12], dtype=np.uint64), blank)
+        assert loaded["count"].tolist() == [9, 4, 0] and names == ["[\"b\"]", "[\"a\"]", None]
+        assert loaded["sel_cache"].tolist()[:2] == [[4, 5, 6], [1, 2, 3]]
+        assert fresh.pending.records_in(0) == 3
+        assert fresh.predictions.at(0, 3).tolist() == [10]
+        assert fresh.journal.read(0, 2) == [b"{}"]
+        assert fresh.progress.scan()[0].fired == 2
+        assert fresh.schedule.get() == (-5, 86_400_000)
+        assert fresh.published.get(0) == 2
+        assert fresh.view.read(0, 10) == [ViewEntry(11, 2, 2, 40, 1.5, 39, 1, "[\"a\",\"b\"]")]
+        assert fresh.names.owners(0, [10, 11]) == ["[\"a\"]", None]
+        batch = WriteBatch()
+        assert fresh.amends.take(0, 2, batch).tolist() == amend.tolist()
+        assert [b[:4] for b in fresh.pending.take(0, 2, batch)] == [(3).to_bytes(4, "little")]
+        store.write(batch)
+        assert fresh.pending.records_in(0) == 0
+
+        tables.drop_window(0)
+        assert tables.keys.count(0) == 0
+        assert tables.keys.load(0, np.array([10], dtype=np.uint64), blank)[1] == [None]  # the cache forgot it too
+        assert tables.journal.read(0, 2) == [b"{}"]  # the journal outlives the window's working state
+
+
+def test_epoch_marks():
+    store = MemoryStore()
+    marks = EpochMarks(store)
+    assert marks.get() is None
+    marks.put("fp", "label")
+    assert marks.get() == ("fp", b"3", "label") and marks.label() == "label"
