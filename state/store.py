@@ -14,7 +14,7 @@ import os
 import shutil
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 
 class WriteBatch:
@@ -42,6 +42,9 @@ class WriteBatch:
 
     def put(self, key: bytes, value: bytes) -> None:
         self.ops[key] = value
+
+    def put_many(self, keys: Iterable[bytes], values: Iterable[bytes]) -> None:
+        self.ops.update(zip(keys, values))
 
     def delete(self, key: bytes) -> None:
         self.ops[key] = None

@@ -70,7 +70,7 @@ class CommittedCache:
 
     Values enter only through :meth:`learn_on_commit` (when their batch has been written) or
     :meth:`remember` (read from the store), so every cached value equals the store's. Over
-    capacity, the least recently written entries go first (a written entry moves to the back).
+    capacity, the oldest windows' earliest cached entries go first.
     """
 
     def __init__(self, capacity: int):
@@ -88,8 +88,7 @@ class CommittedCache:
         if entries is None:
             self.misses += len(ids)
             return [None] * len(ids)
-        get = entries.get
-        found = [get(i) for i in ids]
+        found = list(map(entries.get, ids))
         missing = found.count(None)
         self.misses += missing
         self.hits += len(ids) - missing
@@ -99,9 +98,7 @@ class CommittedCache:
         """Values just read from the store (``None``: absent, not cached)."""
         entries = self._windows.setdefault(window, {})
         before = len(entries)
-        for i, v in zip(ids, values):
-            if v is not None:
-                entries[i] = v
+        entries.update((i, v) for i, v in zip(ids, values) if v is not None)
         self._size += len(entries) - before
         self._trim()
 
@@ -109,10 +106,7 @@ class CommittedCache:
         def learn() -> None:
             entries = self._windows.setdefault(window, {})
             before = len(entries)
-            pop = entries.pop
-            for i, v in zip(ids, values):
-                pop(i, None)  # to the back: recently written
-                entries[i] = v
+            entries.update(zip(ids, values))
             self._size += len(entries) - before
             self._trim()
         batch.on_commit(learn)
@@ -188,19 +182,19 @@ class UserStates:
         entries["key"], entries["trigger"] = entry_key, entry_trigger
         raw, width = entries.tobytes(), USER_ENTRY.itemsize
         bounds = np.searchsorted(entry_group, np.arange(len(users) + 1)).tolist()
-        counts, changed, full = np.asarray(admitted).tolist(), np.asarray(changed).tolist(), np.asarray(full).tolist()
+        heads = np.asarray(admitted, dtype="<u2").tobytes()
+        changed = np.asarray(changed, dtype=bool)
+        # entry bytes [lo, hi) of each group; a full group keeps none
+        lo_b = np.asarray(bounds[:-1], dtype=np.int64) * width
+        hi_b = np.where(np.asarray(full, dtype=bool), lo_b, np.asarray(bounds[1:], dtype=np.int64) * width)
         for w, lo, hi in _runs(windows):
-            prefix = sk.window_prefix(sk.USERS, self.qid, w)
-            ids, values = [], []
-            for g in range(lo, hi):
-                if changed[g]:
-                    ids.append(g)
-                    values.append(counts[g].to_bytes(2, "little") + (b"" if full[g] else raw[bounds[g] * width:bounds[g + 1] * width]))
-            if not ids:
+            groups = (lo + np.nonzero(changed[lo:hi])[0]).tolist()
+            if not groups:
                 continue
-            user_ids = np.asarray(users, dtype=np.uint64)[ids]
-            for key, value in zip(sk.fixed_keys(prefix, user_ids), values):
-                batch.put(key, value)
+            starts, ends = lo_b[groups].tolist(), hi_b[groups].tolist()
+            values = [heads[2 * g:2 * g + 2] + raw[a:b] for g, a, b in zip(groups, starts, ends)]
+            user_ids = np.asarray(users, dtype=np.uint64)[groups]
+            batch.put_many(sk.fixed_keys(sk.window_prefix(sk.USERS, self.qid, w), user_ids), values)
             self.cache.learn_on_commit(batch, w, user_ids.tolist(), values)
 
 
@@ -355,8 +349,7 @@ class KeyRows:
         prefix = sk.window_prefix(sk.KEYS, self.qid, window)
         raw, width = rows.tobytes(), self.dtype.itemsize
         values = [raw[j * width:(j + 1) * width] + name.encode() for j, name in enumerate(names)]
-        for key, value in zip(sk.fixed_keys(prefix, np.asarray(ids, dtype=np.uint64)), values):
-            batch.put(key, value)
+        batch.put_many(sk.fixed_keys(prefix, np.asarray(ids, dtype=np.uint64)), values)
         self.cache.learn_on_commit(batch, window, _ids_le(ids), values)
 
     def count(self, window: int) -> int:
