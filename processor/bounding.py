@@ -103,10 +103,16 @@ def key_histories(group_of: np.ndarray, key_ids: np.ndarray, triggers: np.ndarra
     key = np.concatenate([np.asarray(state_key, dtype=np.uint64), np.asarray(key_ids, dtype=np.uint64)])
     trig = np.concatenate([np.asarray(state_trigger, dtype=np.int64), np.asarray(triggers, dtype=np.int64)])
     position = np.concatenate([np.full(n_state, -1, dtype=np.int64), np.arange(n, dtype=np.int64)])
-    order = np.lexsort((position, key, group))  # state entries (position -1) first, then arrival order
+    # order by (user, key, position): state entries (position -1) come first and records in
+    # arrival order, so a stable sort on one dense (user, key) code keeps that order within a
+    # segment (two sorts instead of lexsort's three)
+    _, key_code = np.unique(key, return_inverse=True)
+    segment_code = group * (int(key_code.max(initial=0)) + 1) + key_code.ravel()
+    order = np.argsort(segment_code, kind="stable")
     g, k, t, pos = group[order], key[order], trig[order], position[order]
     new_segment = np.ones(len(order), dtype=bool)
-    new_segment[1:] = (g[1:] != g[:-1]) | (k[1:] != k[:-1])
+    coded = segment_code[order]
+    new_segment[1:] = coded[1:] != coded[:-1]
     seg_start = np.maximum.accumulate(np.where(new_segment, np.arange(len(order)), 0))
     earlier = np.arange(len(order)) - seg_start  # elements before this one in its (user, key) segment
     earlier[pos < 0] = 0  # state entries need no answer
@@ -125,8 +131,10 @@ def key_histories(group_of: np.ndarray, key_ids: np.ndarray, triggers: np.ndarra
         later = np.minimum.reduceat(np.where(ta > tb, ta, big), starts)
         previous[pos[askers]] = prev
         amend[pos[askers]] = np.where(later == big, 0, later)
-    # the new state: distinct (user, key, trigger)
-    state_order = np.lexsort((t, k, g))
+    # the new state: distinct (user, key, trigger), sorted; already in (user, key) order, so
+    # sort by trigger within each segment
+    segment = np.cumsum(new_segment) - 1
+    state_order = np.argsort(segment * (int(t.max(initial=0)) + 1) + t, kind="stable")
     gs, ks, ts = g[state_order], k[state_order], t[state_order]
     keep = np.ones(len(gs), dtype=bool)
     keep[1:] = (gs[1:] != gs[:-1]) | (ks[1:] != ks[:-1]) | (ts[1:] != ts[:-1])
