@@ -18,6 +18,7 @@ import time
 import numpy as np
 
 from accountant import QueryBudget, plan_query
+from processor.bench_report import Progress, machine
 from processor.key_selection import KeySelector
 from processor.noise import NodeNoise, TreeIdentity, discrete_gaussian
 from processor.perturbation import HierarchicalPerturber
@@ -79,7 +80,7 @@ def run_engine_bench(repeats: int = 5, nodes: int = 2_000_000, keys: int = 100_0
         selector.predict(batch)
 
     results["prediction_leaves_per_s"] = _median_rate(scan, keys * (triggers - 1), repeats)
-    results.update(repeats=repeats, nodes=nodes, keys=keys, triggers=triggers)
+    results.update(repeats=repeats, nodes=nodes, keys=keys, triggers=triggers, machine=machine())
 
     print(f"noise (keyed PRF + exact discrete Gaussian, sigma={sampler.sigma:.1f}): {results['noise_values_per_s'] / 1e6:8.2f} M values/s")
     print(f"  baseline numpy Generator.normal (float, not replayable): {results['baseline_numpy_normal_per_s'] / 1e6:8.2f} M values/s"
@@ -95,8 +96,10 @@ def run_engine_bench(repeats: int = 5, nodes: int = 2_000_000, keys: int = 100_0
 
 
 def run_scaling_bench(seen_small: int = 10_000, seen_large: int = 1_000_000, batch_records: int = 20_000, batch_keys: int = 2_000,
-                      repeats: int = 5, warmup: int = 3, json_path: str | None = None) -> dict:
-    """Time of one trigger with the same micro-batch when 10^4 vs 10^6 keys were seen before.
+                      repeats: int = 5, warmup: int = 3, users_small: int = 100_000, users_large: int = 10_000_000,
+                      json_path: str | None = None) -> dict:
+    """Stage 2: time of one trigger with the same micro-batch when 10^4 vs 10^6 keys were seen
+    before. Stage 1: cost per record when 10^5 vs 10^7 users were seen before (:func:`_stage_one_cost`).
 
     DP-SQLP section 4.3: with release prediction a trigger loads only the micro-batch's keys and
     the keys predicted for it, so its cost must not grow with the number of keys ever seen. Each
@@ -152,7 +155,58 @@ def run_scaling_bench(seen_small: int = 10_000, seen_large: int = 1_000_000, bat
               f"{statistics.median(loaded):,.0f} keys loaded")
     results["ratio"] = results["large"]["trigger_seconds_median"] / results["small"]["trigger_seconds_median"]
     print(f"ratio (10^{len(str(seen_large)) - 1} / 10^{len(str(seen_small)) - 1} keys seen): {results['ratio']:.2f}")
+
+    stage1 = {}
+    for label, seen in (("small", users_small), ("large", users_large)):
+        stage1[label] = _stage_one_cost(query, pseudo, noise, seen, batch_records, repeats, warmup)
+        print(f"{seen:>10,} users seen: stage 1 {stage1[label]['microseconds_per_record_median']:6.2f} us/record "
+              f"(median of {repeats} batches of {batch_records:,} returning users)")
+    stage1["ratio"] = stage1["large"]["microseconds_per_record_median"] / stage1["small"]["microseconds_per_record_median"]
+    print(f"stage-1 ratio ({users_large:,} / {users_small:,} users seen): {stage1['ratio']:.2f}")
+    results["stage1"] = stage1
+    results["machine"] = machine()
     if json_path:
         with open(json_path, "w") as fh:
             json.dump(results, fh, indent=2)
     return results
+
+
+def _stage_one_cost(query, pseudo, noise, seen: int, batch_records: int, repeats: int, warmup: int) -> dict:
+    """Stage 1 (contribution bounding, key histories, user states: :meth:`QueryPipeline.bound`
+    and the write of its batch) per record, after ``seen`` users have each contributed one record
+    in the window; measured batches are records of users drawn from those seen (each looks up
+    and rewrites an existing state), on RocksDB."""
+    import tempfile
+
+    from processor.pipeline import EventColumns, QueryPipeline
+    from state.store import RocksDBStore, WriteBatch
+
+    rng = np.random.default_rng(1)
+    keys = np.array([f"k{i}" for i in range(10_000)], dtype=object)
+    key_ids = pseudo.group_keys(keys.tolist())
+    interval = 86_400_000 // query.triggers
+    user_ids = pseudo.integer_users(np.arange(seen, dtype=np.uint64))
+    with tempfile.TemporaryDirectory(prefix="dpstream-scaling-users-") as tmp:
+        store = RocksDBStore(tmp)
+        pipe = QueryPipeline(query, noise, store)
+
+        def bound(users, trigger):
+            picks = rng.integers(0, len(keys), len(users))
+            ts = np.full(len(users), (trigger - 1) * interval, dtype=np.int64)
+            batch = WriteBatch()
+            pipe.bound(EventColumns(users, keys[picks], key_ids[picks], np.ones(len(users)), ts), ts, batch)
+            store.write(batch)
+
+        progress = Progress(f"stage 1, loading {seen:,} users", seen)
+        for start in range(0, seen, 1_000_000):
+            bound(user_ids[start:start + 1_000_000], 1)
+            progress.step(min(start + 1_000_000, seen))
+        times = []
+        for i in range(warmup + repeats):
+            users = user_ids[rng.choice(seen, batch_records, replace=False)]  # distinct users in either setting
+            t0 = time.perf_counter()
+            bound(users, 2 + i)
+            if i >= warmup:
+                times.append((time.perf_counter() - t0) / batch_records * 1e6)
+        store.close()
+    return {"users_seen": seen, "microseconds_per_record_median": statistics.median(times), "microseconds_per_record": times}

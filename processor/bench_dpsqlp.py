@@ -30,6 +30,7 @@ import json
 import math
 import os
 import resource
+import statistics
 import sys
 import tempfile
 import time
@@ -38,6 +39,7 @@ import numpy as np
 from scipy.stats import norm
 
 from accountant.calibration import cks_rho
+from processor.bench_report import machine, summary
 from processor.config import QueryConfig
 from processor.noise import NodeNoise, Pseudonymizer
 from processor.pipeline import EventColumns, QueryPipeline
@@ -70,7 +72,35 @@ def _rank_in_user(users: np.ndarray) -> np.ndarray:
 
 def run_dpsqlp_bench(users: int = 10_000_000, keys: int = 1_000_000, triggers: int = 100, seed: int = 1, epsilon: float = 6.0,
                      delta: float = 1e-9, contribution_bound: int = 32, json_path: str | None = None, plot_path: str | None = None,
-                     state: str = "rocksdb", processes: int = 2, out=sys.stdout) -> dict:
+                     state: str = "rocksdb", processes: int = 2, runs: int = 1, out=sys.stdout) -> dict:
+    """The workload ``runs`` times (each from a fresh store); the report's times are medians over
+    the runs, its releases those of every run (they must agree: same secret, same data)."""
+    reports = []
+    for run in range(runs):
+        if runs > 1:
+            print(f"run {run + 1}/{runs}", file=out, flush=True)
+        reports.append(_dpsqlp_once(users, keys, triggers, seed, epsilon, delta, contribution_bound, state, processes, out))
+        if reports[-1]["results"] != reports[0]["results"]:
+            raise RuntimeError("bench dpsqlp: two runs of the same workload released different values")
+    report = dict(reports[0])
+    for name in ("pipeline_seconds", "wall_seconds", "fire_seconds_median"):
+        report[name] = statistics.median(r[name] for r in reports)
+    report["peak_rss_gb"] = max(r["peak_rss_gb"] for r in reports)
+    report["timing"] = {name: summary([r[name] for r in reports]) for name in ("pipeline_seconds", "wall_seconds", "peak_rss_gb")}
+    report["machine"] = machine()
+    if runs > 1:
+        print(f"median of {runs} runs: pipeline {report['pipeline_seconds']:.1f} s, wall {report['wall_seconds']:.1f} s; "
+              f"peak RSS at most {report['peak_rss_gb']:.2f} GB", file=out, flush=True)
+    if json_path:
+        with open(json_path, "w") as fh:
+            json.dump(report, fh, indent=2)
+    if plot_path:
+        _plot(report["curve"], triggers, plot_path)
+    return report
+
+
+def _dpsqlp_once(users: int, keys: int, triggers: int, seed: int, epsilon: float, delta: float, contribution_bound: int, state: str,
+                 processes: int, out) -> dict:
     p = lambda s="": print(s, file=out, flush=True)  # noqa: E731
     t_start = time.perf_counter()
     stream = generate(users, keys, seed)
@@ -194,11 +224,6 @@ def run_dpsqlp_bench(users: int = 10_000_000, keys: int = 1_000_000, triggers: i
       f"{results['DP-SQLP']['l2'] / results['Baseline 1']['l2']:.3f}")
     p(f"pipeline {t_pipe:.1f} s with {processes} process(es) (median trigger {report['fire_seconds_median']:.2f} s), wall {report['wall_seconds']:.1f} s, "
       f"peak RSS {peak_gb:.2f} GB; dropped {dict(stats.dropped)}")
-    if json_path:
-        with open(json_path, "w") as fh:
-            json.dump(report, fh, indent=2)
-    if plot_path:
-        _plot(curve, triggers, plot_path)
     store.close()
     tmp.cleanup()
     return report

@@ -46,6 +46,7 @@ import time
 import numpy as np
 
 from accountant.dynamic import DynamicPlan
+from processor.bench_report import machine
 from processor.dynamic import DynamicCounter
 from processor.noise import NodeNoise
 
@@ -178,6 +179,7 @@ def run_dynamic_bench(items: int = 8, updates: int = 150_000, epsilon: float = 1
       f"releases; wall {elapsed:.1f} s)")
 
     report = {
+        "machine": machine(),
         "workload": {"items": items, "updates": updates, "seeds": seeds, "zipf_exponent": ZIPF_EXPONENT,
                      "heavy_churn_target": HEAVY_TARGET, "little_churn_insert_share": LITTLE_INSERT_SHARE},
         "plan": {m: plans[m].to_dict() for m in MECHANISMS},

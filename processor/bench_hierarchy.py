@@ -32,6 +32,7 @@ from collections import defaultdict
 
 import numpy as np
 
+from processor.bench_report import machine
 from processor.config import QueryConfig
 from processor.consistency import clamp_and_round
 from processor.noise import NodeNoise, Pseudonymizer
@@ -192,5 +193,5 @@ def run_hierarchy_bench(countries: int = 20, users: int = 200_000, triggers: int
               file=out)
     if json_path:
         with open(json_path, "w") as fh:
-            json.dump(results, fh, indent=2)
+            json.dump({**results, "machine": machine()}, fh, indent=2)
     return results

@@ -35,6 +35,8 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from processor.bench_report import machine
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -192,5 +194,5 @@ def run_kafka_bench(broker: str, users: int, keys: int, repeats: int, partitions
           f"{medians['aiokafka_getmany']:,.0f}. Worker / confluent: {result['ratio_to_confluent_default']:.2f} / "
           f"{result['ratio_to_confluent_tuned']:.2f}; worker / aiokafka: {result['ratio_to_aiokafka_getmany']:.2f}", file=sys.stderr)
     if json_path:
-        Path(json_path).write_text(json.dumps(result, indent=2) + "\n")
+        Path(json_path).write_text(json.dumps({**result, "machine": machine()}, indent=2) + "\n")
     return result

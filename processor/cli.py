@@ -307,14 +307,15 @@ def cmd_bench_dpsqlp(args: argparse.Namespace) -> int:
     from processor.bench_dpsqlp import run_dpsqlp_bench
 
     run_dpsqlp_bench(users=args.users, keys=args.keys, triggers=args.triggers, seed=args.seed, json_path=args.json,
-                     plot_path=args.plot, state=args.state, processes=args.processes)
+                     plot_path=args.plot, state=args.state, processes=args.processes, runs=args.runs)
     return 0
 
 
 def cmd_bench_scaling(args: argparse.Namespace) -> int:
     from processor.bench import run_scaling_bench
 
-    run_scaling_bench(seen_small=args.small, seen_large=args.large, repeats=args.repeats, json_path=args.json)
+    run_scaling_bench(seen_small=args.small, seen_large=args.large, repeats=args.repeats, users_small=args.users_small,
+                      users_large=args.users_large, json_path=args.json)
     return 0
 
 
@@ -451,9 +452,12 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--triggers", type=int, default=100, help="T for the tree-update runs")
     engine.add_argument("--json", help="also write the results to this JSON file")
     engine.set_defaults(func=cmd_bench)
-    scaling = bench_sub.add_parser("scaling", help="time of one trigger with 10^4 vs 10^6 keys already seen (same micro-batch)")
+    scaling = bench_sub.add_parser("scaling", help="time of one trigger with 10^4 vs 10^6 keys already seen (same micro-batch), "
+                                   "and stage 1's cost per record with 10^5 vs 10^7 users already seen")
     scaling.add_argument("--small", type=int, default=10_000, help="keys seen in the small setting")
     scaling.add_argument("--large", type=int, default=1_000_000, help="keys seen in the large setting")
+    scaling.add_argument("--users-small", type=int, default=100_000, help="users seen in stage 1's small setting")
+    scaling.add_argument("--users-large", type=int, default=10_000_000, help="users seen in stage 1's large setting")
     scaling.add_argument("--repeats", type=int, default=5, help="triggers timed per setting; the median is reported")
     scaling.add_argument("--json", help="also write the results to this JSON file")
     scaling.set_defaults(func=cmd_bench_scaling)
@@ -494,6 +498,7 @@ def build_parser() -> argparse.ArgumentParser:
     dpsqlp.add_argument("--processes", type=int, choices=[1, 2], default=2,
                         help="2 (default): stage 1 (by user) and stage 2 (by key) in two processes with their own stores, "
                              "as deployed; 1: both in this process")
+    dpsqlp.add_argument("--runs", type=int, default=1, help="run the workload this many times; times are medians (default 1)")
     dpsqlp.add_argument("--json", help="write the results (and the per-trigger curve) to this JSON file")
     dpsqlp.add_argument("--plot", help="draw error and retained keys vs trigger to this PNG")
     dpsqlp.set_defaults(func=cmd_bench_dpsqlp)
