@@ -1,5 +1,5 @@
-"""Adversarial tests of user-level sensitivity under any arrival order (DESIGN.md section 12;
-docs/privacy.md, "Distinct users per round").
+"""Adversarial tests of user-level sensitivity under any arrival order (docs/privacy.md,
+"Distinct users per round" and "Threat model").
 
 The accountant charges key selection for a user adding at most 1 to any (key, round) tree and
 taking part in at most C rounds, and perturbation for at most C * L per user. Records arrive out

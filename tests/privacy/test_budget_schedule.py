@@ -1,4 +1,4 @@
-"""Fix 3: the budget is charged on a public schedule (DESIGN.md sections 7 and 12).
+"""Fix 3: the budget is charged on a public schedule (docs/privacy.md, "Windows and budget").
 
 Claim under attack: with a ``budget:`` section every window is charged as the clock reaches its
 start, data or not (charge id ``query:window_start``, charge time = window start); which windows

@@ -1,5 +1,5 @@
-"""Adversarial tests of the arithmetic of releases (docs/privacy.md, "The arithmetic of releases";
-DESIGN.md section 5): every published number and every threshold decision must be a function of
+"""Adversarial tests of the arithmetic of releases (docs/privacy.md, "The arithmetic of releases"):
+every published number and every threshold decision must be a function of
 the privatized tree nodes only, computed exactly.
 
 The attack these tests stand for: an observer who sees a release ``fl(S + g(z))`` (the raw
