@@ -109,6 +109,7 @@ def run_scaling_bench(seen_small: int = 10_000, seen_large: int = 1_000_000, bat
     import tempfile
 
     from processor.config import QueryConfig
+    from processor.engine.runner import QueryRunner
     from processor.noise import Pseudonymizer
     from processor.pipeline import EventColumns, QueryPipeline
     from state.store import RocksDBStore, WriteBatch
@@ -121,31 +122,35 @@ def run_scaling_bench(seen_small: int = 10_000, seen_large: int = 1_000_000, bat
     batch_key_names = np.array([f"hot-{i}" for i in range(batch_keys)], dtype=object)
     batch_key_ids = pseudo.group_keys(batch_key_names.tolist())
 
-    def feed(pipe, store, trigger, users, key_names, key_ids):
+    def feed(runner, store, trigger, users, key_names, key_ids):
         ts = np.full(len(users), (trigger - 1) * interval, dtype=np.int64)
         events = EventColumns(pseudo.integer_users(users), key_names, key_ids, np.ones(len(users)), ts)
         batch = WriteBatch()
-        pipe.accumulate(pipe.bound(events, ts, batch), trigger, batch)  # each event arrives at its own time
+        runner.ingest(events, ts, trigger, batch)  # each event arrives at its own time
         store.write(batch)
+
+    def fire(runner, trigger):
+        for fired in runner.fire_due(trigger * interval):  # the clock reaches the trigger's time
+            runner.published(fired)
 
     results = {}
     for label, seen in (("small", seen_small), ("large", seen_large)):
         with tempfile.TemporaryDirectory(prefix="dpstream-scaling-") as tmp:
             store = RocksDBStore(tmp)
             pipe = QueryPipeline(query, noise, store)
+            runner = QueryRunner(pipe)
             names = np.array([f"tail-{i}" for i in range(seen)], dtype=object)
-            feed(pipe, store, 1, np.arange(seen, dtype=np.uint64) + (1 << 40), names, pseudo.group_keys(names.tolist()))
-            pipe.fire(0, 1)
-            pipe.fire(0, 2)
+            feed(runner, store, 1, np.arange(seen, dtype=np.uint64) + (1 << 40), names, pseudo.group_keys(names.tolist()))
+            fire(runner, 2)
             times, loaded = [], []
             next_user = 1 << 41
             for trigger in range(3, 3 + warmup + repeats):
                 picks = rng.integers(0, batch_keys, batch_records)
-                feed(pipe, store, trigger, np.arange(next_user, next_user + batch_records, dtype=np.uint64),
+                feed(runner, store, trigger, np.arange(next_user, next_user + batch_records, dtype=np.uint64),
                      batch_key_names[picks], batch_key_ids[picks])
                 next_user += batch_records
                 t0 = time.perf_counter()
-                pipe.fire(0, trigger)
+                fire(runner, trigger)
                 if trigger >= 3 + warmup:  # steady state: not right after the bulk load
                     times.append(time.perf_counter() - t0)
                     loaded.append(pipe.stats.keys_loaded)
@@ -178,6 +183,7 @@ def _stage_one_cost(query, pseudo, noise, seen: int, batch_records: int, repeats
     and rewrites an existing state), on RocksDB."""
     import tempfile
 
+    from processor.engine.runner import QueryRunner
     from processor.pipeline import EventColumns, QueryPipeline
     from state.store import RocksDBStore, WriteBatch
 
@@ -188,13 +194,13 @@ def _stage_one_cost(query, pseudo, noise, seen: int, batch_records: int, repeats
     user_ids = pseudo.integer_users(np.arange(seen, dtype=np.uint64))
     with tempfile.TemporaryDirectory(prefix="dpstream-scaling-users-") as tmp:
         store = RocksDBStore(tmp)
-        pipe = QueryPipeline(query, noise, store)
+        runner = QueryRunner(QueryPipeline(query, noise, store))
 
         def bound(users, trigger):
             picks = rng.integers(0, len(keys), len(users))
             ts = np.full(len(users), (trigger - 1) * interval, dtype=np.int64)
             batch = WriteBatch()
-            pipe.bound(EventColumns(users, keys[picks], key_ids[picks], np.ones(len(users)), ts), ts, batch)
+            runner.stage_one(EventColumns(users, keys[picks], key_ids[picks], np.ones(len(users)), ts), ts, batch)
             store.write(batch)
 
         progress = Progress(f"stage 1, loading {seen:,} users", seen)
@@ -203,10 +209,10 @@ def _stage_one_cost(query, pseudo, noise, seen: int, batch_records: int, repeats
             progress.step(min(start + 1_000_000, seen))
         times = []
         for i in range(warmup + repeats):
-            users = user_ids[rng.choice(seen, batch_records, replace=False)]  # distinct users in either setting
+            users = user_ids[rng.choice(seen, min(batch_records, seen), replace=False)]  # distinct users in either setting
             t0 = time.perf_counter()
             bound(users, 2 + i)
             if i >= warmup:
-                times.append((time.perf_counter() - t0) / batch_records * 1e6)
+                times.append((time.perf_counter() - t0) / len(users) * 1e6)
         store.close()
     return {"users_seen": seen, "microseconds_per_record_median": statistics.median(times), "microseconds_per_record": times}

@@ -41,6 +41,7 @@ from scipy.stats import norm
 from accountant.calibration import cks_rho
 from processor.bench_report import machine, summary
 from processor.config import QueryConfig
+from processor.engine.runner import QueryRunner
 from processor.noise import NodeNoise, Pseudonymizer
 from processor.pipeline import EventColumns, QueryPipeline
 from processor.synthetic import generate
@@ -139,13 +140,13 @@ def _dpsqlp_once(users: int, keys: int, triggers: int, seed: int, epsilon: float
     fire_seconds = []
     t_pipe = 0.0
 
-    def bound_trigger(stage1, stage1_store, i):
+    def bound_trigger(stage1: QueryRunner, stage1_store, i):
         """Stage 1 (by user) for micro-batch i: what the repartition topic would carry."""
         sl = slice(bounds[i - 1], bounds[i])
         kk = stream.keys[sl]
         events = EventColumns(user_ids[sl], key_text[kk], key_ids[kk], np.ones(len(kk)), stream.ts[sl])
         batch = WriteBatch()
-        records = stage1.bound(events, stream.ts[sl], batch)  # each event arrives at its own time
+        records = stage1.stage_one(events, stream.ts[sl], batch).records  # each event arrives at its own time
         stage1_store.write(batch)
         return records
 
@@ -155,16 +156,21 @@ def _dpsqlp_once(users: int, keys: int, triggers: int, seed: int, epsilon: float
     tmp = tempfile.TemporaryDirectory(prefix="dpstream-bench-")
     store = RocksDBStore(tmp.name) if state == "rocksdb" else MemoryStore()
     pipe = QueryPipeline(query, NodeNoise(secret), store)
+    runner = QueryRunner(pipe)
     for i in range(1, triggers + 1):
         sl = slice(bounds[i - 1], bounds[i])
         kk = stream.keys[sl]
         t0 = time.perf_counter()
-        records = feeder.next() if feeder else bound_trigger(pipe, store, i)
+        records = feeder.next() if feeder else bound_trigger(runner, store, i)
         batch = WriteBatch()
-        pipe.accumulate(records, i, batch)
+        runner.stage_two(records, i, batch)
         store.write(batch)
         t1 = time.perf_counter()
-        releases = pipe.fire(0, i)
+        # the clock reaches trigger i's time: it fires (the data's end never decides)
+        releases = []
+        for fired in runner.fire_due(i * interval):
+            releases += fired.releases
+            runner.published(fired)
         t2 = time.perf_counter()
         fire_seconds.append(t2 - t1)
         t_pipe += t2 - t0
@@ -244,11 +250,11 @@ class _StageOneProcess:
     def _run(self, bound_trigger, query, secret, state, triggers):
         with tempfile.TemporaryDirectory(prefix="dpstream-bench-stage1-") as tmp:
             store = RocksDBStore(tmp) if state == "rocksdb" else MemoryStore()
-            stage1 = QueryPipeline(query, NodeNoise(secret), store)
+            stage1 = QueryRunner(QueryPipeline(query, NodeNoise(secret), store))
             for i in range(1, triggers + 1):
                 self._queue.put(bound_trigger(stage1, store, i))
             rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 ** 2
-            self._queue.put((stage1.stats, rss))
+            self._queue.put((stage1.pipeline.stats, rss))
             store.close()
         # the child was forked from a process with RocksDB threads: skip interpreter teardown
         # (which could wait on the parent's copied locks) once the queue has flushed

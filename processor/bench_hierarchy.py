@@ -35,6 +35,7 @@ import numpy as np
 from processor.bench_report import machine
 from processor.config import QueryConfig
 from processor.consistency import clamp_and_round
+from processor.engine.runner import QueryRunner
 from processor.noise import NodeNoise, Pseudonymizer
 from processor.pipeline import EventColumns, QueryPipeline
 from state.store import PartitionStores, WriteBatch
@@ -104,6 +105,7 @@ def run_one(epsilon: float, leaves, user, leaf, ts, triggers: int, secret: bytes
     with tempfile.TemporaryDirectory(prefix="dpstream-bench-hierarchy-") as tmp:
         stores = PartitionStores(tmp)
         pipe = QueryPipeline(query, noise, stores.store(0), pseudo)
+        runner = QueryRunner(pipe)
         interval = DAY // triggers
         records, fire_s, step_s, views = [], [], [], []
         latest: dict = {}
@@ -112,12 +114,14 @@ def run_one(epsilon: float, leaves, user, leaf, ts, triggers: int, secret: bytes
             sl = slice(np.searchsorted(ts, START + (i - 1) * interval), np.searchsorted(ts, START + i * interval))
             batch = WriteBatch()
             ev = EventColumns(users[sl], texts[leaf[sl]], leaf_ids[leaf[sl]], np.ones(sl.stop - sl.start), ts[sl])
-            bounded = pipe.bound(ev, ts[sl], batch)  # each event arrives at its own time
-            pipe.accumulate(bounded, i, batch)
+            runner.ingest(ev, ts[sl], i, batch)  # each event arrives at its own time
             pipe.store.write(batch)
             before = pipe.stats.consistency_seconds
             started = time.perf_counter()
-            released = pipe.fire(START, i)
+            released = []
+            for fired in runner.fire_due(START + i * interval):
+                released += fired.releases
+                runner.published(fired)
             fire_s.append(time.perf_counter() - started)
             step_s.append(pipe.stats.consistency_seconds - before)
             for r in released:

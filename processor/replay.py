@@ -41,13 +41,14 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Optional, TextIO
+from typing import Callable, Iterable, Iterator, Optional, TextIO
 
 import numpy as np
 
 from processor.budget import LEDGER_STORE, BudgetGate, open_ledger
 from processor.config import ConfigError, DpstreamConfig
 from processor.dynamic_stream import DynamicQueryState
+from processor.engine.runner import Engine, Fired, QueryRunner
 from processor.noise import NodeNoise, Pseudonymizer
 from processor.pipeline import EventColumns, QueryPipeline, check_noise_epoch
 from state import keys as sk
@@ -287,6 +288,7 @@ class ReplayRunner:
         self.pseudonyms = Pseudonymizer(secret)
         self._check_epoch()
         self.pipelines = [QueryPipeline(q, self.noise, self.store, self.pseudonyms) for q in config.queries]
+        self.engine = Engine(self.pipelines)
         self.parsers = [EventParser.for_query(q) for q in config.queries]
         self.dynamic = [DynamicQueryState(q, self.noise, self.pseudonyms, self.store) for q in config.dynamic]
         self.start_ms = start_ms
@@ -393,10 +395,9 @@ class ReplayRunner:
             self.store.write(batch)
             chunk.clear()
             self._advance_dynamic([c.clock for c in self.dynamic_clocks], output, summary, dead_letters)
-            for pipe, clock in zip(self.pipelines, self.clocks):
-                if clock.clock is not None:
-                    pipe.open_due(clock.clock)
-            self._fire_due([c.clock for c in self.clocks], output, summary)
+            clocks = [c.clock for c in self.clocks]
+            self.engine.open_due(clocks)
+            self._publish(self.engine.fire_due(clocks), output, summary)
 
         for raw in _open_lines(Path(input_path)):
             line_no += 1
@@ -427,9 +428,9 @@ class ReplayRunner:
             # (ReplayClock.settle); micro-batch blobs of this step get a sequence number no input
             # line can have, so a later run on this state never overwrites them
             seq = SETTLE_SEQ + self._meta_int(b"lines")
-            for pipe, clock in zip(self.pipelines, self.clocks):
+            for runner, clock in zip(self.engine.runners, self.clocks):
                 accepted, prior = clock.settle(until_ms, batch)
-                self._feed_events(pipe, accepted, prior, seq, batch, summary, dead_letters)
+                self._feed_events(runner, accepted, prior, seq, batch, summary, dead_letters)
             for dyn, clock in zip(self.dynamic, self.dynamic_clocks):
                 accepted, prior = clock.settle(until_ms, batch)
                 self._feed_updates(dyn, accepted, prior, batch, summary, dead_letters)
@@ -450,12 +451,11 @@ class ReplayRunner:
                 clock.save(batch)
         self.store.write(batch)
         if until_ms is not None:
-            for pipe in self.pipelines:
-                pipe.open_due(until_ms - 1)  # windows that start before the end
-            self._fire_due([until_ms] * len(self.pipelines), output, summary)
+            self.engine.open_due([until_ms - 1] * len(self.pipelines))  # windows that start before the end
+            self._publish(self.engine.fire_due([until_ms] * len(self.pipelines)), output, summary)
             self._advance_dynamic([until_ms] * len(self.dynamic), output, summary, dead_letters)
         else:
-            self._fire_all(output, summary)
+            self._publish(self.engine.fire_all(), output, summary)
             # dynamic queries stop at their last update: data-derived, documented (--until is public)
             ends = []
             for dyn in self.dynamic:
@@ -490,7 +490,7 @@ class ReplayRunner:
                 for h, u in zip(fresh, users.tolist()):
                     h.unit = u
             accepted, prior = clock.accept(fresh, batch)
-            self._feed_events(pipe, accepted, prior, seq, batch, summary, dead_letters)
+            self._feed_events(self.engine.runners[q], accepted, prior, seq, batch, summary, dead_letters)
         for dyn, clock in zip(self.dynamic, self.dynamic_clocks):
             fresh = []
             for (line_no, raw), obj in zip(chunk, parsed):
@@ -509,7 +509,7 @@ class ReplayRunner:
             self._feed_updates(dyn, accepted, prior, batch, summary, dead_letters)
         return batch
 
-    def _feed_events(self, pipe: QueryPipeline, accepted: list[_Held], prior: list[int], seq: int, batch: WriteBatch,
+    def _feed_events(self, runner: QueryRunner, accepted: list[_Held], prior: list[int], seq: int, batch: WriteBatch,
                      summary, dead_letters) -> None:
         """Events a clock accepted (with the clock at each one's acceptance): bounded and appended
         to their micro-batches; refusals dead-lettered."""
@@ -520,11 +520,11 @@ class ReplayRunner:
         columns = EventColumns(np.array([h.unit for h in accepted], dtype=np.uint64), np.array(keys, dtype=object),
                                self.pseudonyms.group_keys(keys), np.array([e.value for e in events], dtype=np.float64),
                                np.array([e.ts for e in events], dtype=np.int64))
-        records = pipe.bound(columns, np.array(prior, dtype=np.int64), batch)
-        for e, reason in pipe.last_rejected:
-            self._invalid(pipe.query.name, reason, accepted[e].line_no, accepted[e].raw, summary, dead_letters)
-        for text, reason in pipe.accumulate(records, seq, batch):
-            self._invalid(pipe.query.name, reason, seq, text.encode(), summary, dead_letters)
+        refused_events, refused_keys = runner.ingest(columns, np.array(prior, dtype=np.int64), seq, batch)
+        for e, reason in refused_events:
+            self._invalid(runner.query.name, reason, accepted[e].line_no, accepted[e].raw, summary, dead_letters)
+        for text, reason in refused_keys:
+            self._invalid(runner.query.name, reason, seq, text.encode(), summary, dead_letters)
 
     def _feed_updates(self, dyn: DynamicQueryState, accepted: list[_Held], prior: list[int], batch: WriteBatch,
                       summary, dead_letters) -> None:
@@ -567,40 +567,18 @@ class ReplayRunner:
             self.store.write(batch)
         self._publish_dynamic(output, summary)
 
-    def _publish(self, pipe: QueryPipeline, window: int, trigger: int, releases, output: TextIO, summary: ReplaySummary) -> None:
-        for record in releases:
-            output.write(encode_json(record).decode() + "\n")
-        output.flush()
-        summary.releases += len(releases)
-        batch = WriteBatch()
-        pipe.mark_published(window, trigger, batch)
-        self.store.write(batch)
-
-    def _fire(self, pipe, window, trigger, output, summary) -> None:
-        releases = pipe.fire(window, trigger)
-        summary.triggers_fired += 1
-        self._publish(pipe, window, trigger, releases, output, summary)
-
-    def _fire_due(self, clocks, output, summary) -> None:
-        while True:
-            due = [(nf, q) for q, pipe in enumerate(self.pipelines)
-                   if clocks[q] is not None and (nf := pipe.next_fire()) is not None and nf[0] <= clocks[q]]
-            if not due:
-                return
-            (_, window, trigger), q = min(due)
-            self._fire(self.pipelines[q], window, trigger, output, summary)
-
-    def _fire_all(self, output, summary) -> None:
-        while True:
-            due = [(nf, q) for q, pipe in enumerate(self.pipelines) if (nf := pipe.next_fire()) is not None]
-            if not due:
-                return
-            (_, window, trigger), q = min(due)
-            self._fire(self.pipelines[q], window, trigger, output, summary)
+    def _publish(self, fired: Iterable[Fired], output: TextIO, summary: ReplaySummary, republished: bool = False) -> None:
+        """Each trigger's releases to the output, then marked published (in that order: a crash in
+        between republishes them from the journal, identical)."""
+        for f in fired:
+            for record in f.releases:
+                output.write(encode_json(record).decode() + "\n")
+            output.flush()
+            summary.releases += len(f.releases)
+            summary.triggers_fired += 0 if republished else 1
+            f.runner.published(f)
 
     def _republish(self, output: TextIO, summary: ReplaySummary) -> None:
         """Releases journaled by a previous run but not yet written to the output."""
-        for pipe in self.pipelines:
-            for window, trigger, releases in pipe.unpublished():
-                self._publish(pipe, window, trigger, releases, output, summary)
+        self._publish(self.engine.unpublished(), output, summary, republished=True)
         self._publish_dynamic(output, summary)

@@ -48,13 +48,27 @@ import numpy as np
 from processor.budget import LEDGER_STORE, BudgetGate, open_ledger
 from processor.config import DpstreamConfig, plan_for
 from processor.dynamic_stream import DynamicQueryState
+from processor.engine.runner import Fired, QueryRunner
 from processor.metrics import PipelineMetrics
 from processor.noise import NodeNoise, Pseudonymizer
-from processor.pipeline import BoundedRecords, EventColumns, PipelineStats, QueryPipeline, check_noise_epoch
+from processor.pipeline import (
+    BoundedRecords,
+    EventColumns,
+    PipelineStats,
+    QueryPipeline,
+    check_noise_epoch,
+)
 from state import keys as sk
 from state.store import PartitionStores, Store, WriteBatch
 from topics.kafka import DEAD_LETTER_TOPIC, repartition_topic
-from topics.records import EventParser, InvalidRecord, dead_letter, encode_json, json_object, release_key
+from topics.records import (
+    EventParser,
+    InvalidRecord,
+    dead_letter,
+    encode_json,
+    json_object,
+    release_key,
+)
 
 LAYOUT_FILE = "worker-layout.json"
 #: dynamic ticks decided per timer call at most: a query whose start is long past catches up
@@ -124,6 +138,7 @@ class SourcePartition:
         self.partition = partition
         self.store = store
         self.pipelines = pipelines
+        self.runners = [QueryRunner(p) for p in pipelines]
         self._offset_key = sk.META + b"offset"
         raw = store.get(self._offset_key)
         self.last_offset = int.from_bytes(raw, "little", signed=True) if raw else -1
@@ -169,11 +184,26 @@ class StageTwoResult:
 
 @dataclass
 class FiredTrigger:
+    """A trigger fired on an owned repartition partition: send its releases, then :meth:`DpstreamWorker.mark_published`."""
+
     source: SourcePartition
-    pipeline: QueryPipeline
-    window: int
-    trigger: int
-    releases: list[dict]
+    fired: Fired
+
+    @property
+    def pipeline(self) -> QueryPipeline:
+        return self.fired.runner.pipeline
+
+    @property
+    def window(self) -> int:
+        return self.fired.window
+
+    @property
+    def trigger(self) -> int:
+        return self.fired.trigger
+
+    @property
+    def releases(self) -> list[dict]:
+        return self.fired.releases
 
 
 class DpstreamWorker:
@@ -300,8 +330,8 @@ class DpstreamWorker:
         result = StageOneResult(source, WriteBatch(), records[-1].offset)
         parsed = [json_object(r.value) for r in records]
         misplaced = self._misplaced(topic, partition, records)
-        for pipe in source.pipelines:
-            q = pipe.query
+        for runner in source.runners:
+            pipe, q = runner.pipeline, runner.query
             parser = self.parsers[q.name]
             users, keys, values, ts, clock, origin = [], [], [], [], [], []
             malformed = wrong = 0
@@ -338,8 +368,9 @@ class DpstreamWorker:
                 continue
             events = EventColumns(self.pseudonyms.users(users), np.array(keys, dtype=object), self.pseudonyms.group_keys(keys),
                                   np.array(values, dtype=np.float64), np.array(ts, dtype=np.int64))
-            bounded = pipe.bound(events, np.array(clock, dtype=np.int64), result.batch)
-            for e, reason in pipe.last_rejected:  # future events and key id collisions (counted by bound)
+            stage_one = runner.stage_one(events, np.array(clock, dtype=np.int64), result.batch)
+            bounded = stage_one.records
+            for e, reason in stage_one.refused:  # future events and key id collisions (counted by stage 1)
                 result.invalid[(q.name, reason)] += 1
                 body = {"query": q.name, **dead_letter(reason, origin[e].value or b"", f"{topic}/{partition}@{origin[e].offset}")}
                 result.messages.append(Message(DEAD_LETTER_TOPIC, encode_json(body)))
@@ -374,13 +405,13 @@ class DpstreamWorker:
         records = [r for r in records if r.offset > source.last_offset]
         if not records:
             return None
-        pipe = source.pipelines[0]
+        runner = source.runners[0]
         result = StageTwoResult(source, WriteBatch(), records[-1].offset, applied=len(records))
         for r in records:
             # the offset is unique within the partition: pending blobs never collide, and a
             # redelivered message (offset <= last applied) was skipped above
-            for text, reason in pipe.accumulate(BoundedRecords.decode(r.value), r.offset, result.batch):
-                body = {"query": pipe.query.name, **dead_letter(reason, text.encode(), f"{topic}/{partition}@{r.offset}")}
+            for text, reason in runner.stage_two(BoundedRecords.decode(r.value), r.offset, result.batch):
+                body = {"query": runner.query.name, **dead_letter(reason, text.encode(), f"{topic}/{partition}@{r.offset}")}
                 result.messages.append(Message(DEAD_LETTER_TOPIC, encode_json(body)))
         return result
 
@@ -439,20 +470,20 @@ class DpstreamWorker:
         are journaled on return."""
         fired = []
         for source in self.stage2.values():
-            pipe = source.pipelines[0]
-            pipe.open_due(now_ms)
-            while (nxt := pipe.next_fire()) is not None and nxt[0] <= now_ms:
-                _, window, trigger = nxt
+            runner = source.runners[0]
+            due = runner.fire_due(now_ms)
+            while True:
                 started = time.perf_counter()
-                releases = pipe.fire(window, trigger)
-                self.metrics.trigger_seconds.labels(pipe.query.name).observe(time.perf_counter() - started)
-                fired.append(FiredTrigger(source, pipe, window, trigger, releases))
+                f = next(due, None)
+                if f is None:
+                    break
+                self.metrics.trigger_seconds.labels(runner.query.name).observe(time.perf_counter() - started)
+                fired.append(FiredTrigger(source, f))
         return fired
 
     def unpublished(self) -> list[FiredTrigger]:
         """Journaled releases not yet marked published (after a crash): send them again."""
-        return [FiredTrigger(source, pipe, w, i, releases)
-                for source in self.stage2.values() for pipe in source.pipelines for w, i, releases in pipe.unpublished()]
+        return [FiredTrigger(source, f) for source in self.stage2.values() for runner in source.runners for f in runner.unpublished()]
 
     @staticmethod
     def release_messages(fired: FiredTrigger) -> list[Message]:
@@ -461,9 +492,7 @@ class DpstreamWorker:
 
     @staticmethod
     def mark_published(fired: FiredTrigger) -> None:
-        batch = WriteBatch()
-        fired.pipeline.mark_published(fired.window, fired.trigger, batch)
-        fired.source.store.write(batch)
+        fired.fired.runner.published(fired.fired)
 
     # ------------------------------------------------------------------ metrics
     def refresh_metrics(self) -> None:
