@@ -266,6 +266,10 @@ def derive_key(secret: bytes, label: bytes, size: int = 32) -> bytes:
     return hashlib.blake2b(label, key=master, digest_size=size).digest()
 
 
+#: distinct key texts whose pseudonyms a Pseudonymizer remembers (about 150 bytes each)
+KEY_PSEUDONYM_MEMO = 1_000_000
+
+
 class Pseudonymizer:
     """Keyed 64-bit pseudonyms for user ids and group-by keys, used as state keys.
 
@@ -279,6 +283,7 @@ class Pseudonymizer:
         self._user_key = derive_key(secret, b"user pseudonym v1")
         self._group_key = derive_key(secret, b"group key pseudonym v1")
         self._int_cipher = Cipher(algorithms.AES(derive_key(secret, b"integer user pseudonym v1", 16)), modes.ECB())
+        self._key_memo: dict[str, int] = {}
 
     def __repr__(self) -> str:  # never print key material
         return "Pseudonymizer()"
@@ -298,10 +303,17 @@ class Pseudonymizer:
         return np.frombuffer(raw, dtype="<u8")[0::2].copy()
 
     def group_keys(self, keys: Iterable[str]) -> np.ndarray:
-        key = self._group_key
-        return np.fromiter(
-            (int.from_bytes(hashlib.blake2b(k.encode(), key=key, digest_size=8).digest(), "little") for k in keys), dtype=np.uint64
-        )
+        """Keyed pseudonyms of key texts. Group-by keys repeat across records and batches, so the
+        pseudonyms of the last :data:`KEY_PSEUDONYM_MEMO` distinct texts are remembered (a key's
+        pseudonym is a pure function of the secret and the text)."""
+        keys = keys if isinstance(keys, list) else list(keys)
+        memo, secret = self._key_memo, self._group_key
+        missing = [k for k in dict.fromkeys(keys) if k not in memo]
+        if len(memo) + len(missing) > KEY_PSEUDONYM_MEMO:
+            memo.clear()
+        for k in missing:
+            memo[k] = int.from_bytes(hashlib.blake2b(k.encode(), key=secret, digest_size=8).digest(), "little")
+        return np.fromiter(map(memo.__getitem__, keys), dtype=np.uint64, count=len(keys))
 
 
 class NodeNoise:

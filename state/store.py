@@ -10,6 +10,7 @@ leaves either all of a micro-batch's state changes (with its progress marker) or
 from __future__ import annotations
 
 import bisect
+from collections import deque
 import os
 import shutil
 from abc import ABC, abstractmethod
@@ -187,11 +188,13 @@ class RocksDBStore(Store):
         from rocksdict import WriteBatch as RocksBatch
 
         rb = RocksBatch(raw_mode=True)
-        for key, value in batch.ops.items():
-            if value is None:
+        ops = batch.ops
+        deleted = [k for k, v in ops.items() if v is None]
+        if deleted:
+            for key in deleted:
                 rb.delete(key)
-            else:
-                rb.put(key, value)
+            ops = {k: v for k, v in ops.items() if v is not None}
+        deque(map(rb.put, ops.keys(), ops.values()), maxlen=0)  # the puts, without a Python loop
         self._db.write(rb)
         batch.committed()
 
