@@ -7,9 +7,9 @@ from accountant.calibration import (
     cks_delta,
     cks_epsilon,
     cks_rho,
-    read_levels,
-    prefix_variance_factor,
     honaker_variance_factor,
+    prefix_variance_factor,
+    read_levels,
 )
 from accountant.plan import (
     BudgetError,

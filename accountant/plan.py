@@ -50,7 +50,7 @@ from accountant.calibration import (
 )
 
 #: Upper bound on the total-variation distance between one node's sampled integer noise and the
-#: exact discrete Gaussian. The sampler (processor.noise) asserts its tables meet it.
+#: exact discrete Gaussian. The sampler (processor.mechanisms.noise) asserts its tables meet it.
 SAMPLER_TV_BOUND = 2.0 ** -100
 #: Largest noise scale, in grid units, the table sampler accepts (table of ~24 sigma entries).
 MAX_SAMPLER_SIGMA = 131072.0
@@ -58,6 +58,10 @@ MAX_SAMPLER_SIGMA = 131072.0
 TARGET_SAMPLER_SIGMA = 4096.0
 #: Share of delta given to the thresholding failure term when beta is not declared.
 DEFAULT_BETA_DELTA_SHARE = 1.0 / 3.0
+
+
+#: what one record adds to a perturbed column (processor.mechanisms.aggregates): 1, or its value
+ONE, VALUE = "one", "value"
 
 
 class BudgetError(ValueError):
@@ -85,6 +89,9 @@ class QueryBudget:
     resolution: Optional[float] = None  # value grid for sums; counts use 1
     levels: int = 1  # levels of a hierarchical query (docs/privacy.md, "Post-processing: hierarchical consistency"); 1: a flat histogram
     level_shares: Optional[tuple] = None  # share of the budget per level (sum 1); None: equal
+    #: what one record adds to each perturbed column, one tree per column: ONE (1: a count) or
+    #: VALUE (the clamped value: bound L); None: from ``aggregate`` (count: ONE, sum: VALUE)
+    columns: Optional[tuple] = None
 
 
 @dataclass(frozen=True)
@@ -124,6 +131,10 @@ class PrivacyPlan:
     level: int = 1  # which level of a hierarchical query this plan calibrates (1 = coarsest)
     levels: int = 1
     level_share: float = 1.0  # this level's share of the query's budget
+    #: an aggregate of several columns (processor.mechanisms.aggregates): per column (kind,
+    #: sigma, sigma in grid units, grid step); the fields above describe the first column.
+    #: None for one column (then left out of the fingerprint: plans of one column keep theirs)
+    columns: Optional[tuple] = None
     conversion: str = "zCDP -> (eps, delta): Canonne-Kamath-Steinke 2020 Prop. 12 (optimal)"
 
     @property
@@ -152,7 +163,8 @@ def plan_fingerprint(plans) -> bytes:
     """16 bytes naming a query's calibration (every level's plan: budget, C, L, T, grid, noise
     scales, thresholds). A window is pinned to the plan it was opened and charged under: a tree
     must never mix two noise scales, and a changed budget must never go uncharged."""
-    text = json.dumps([p if isinstance(p, dict) else p.to_dict() for p in plans], sort_keys=True, separators=(",", ":"))
+    dicts = [p if isinstance(p, dict) else p.to_dict() for p in plans]
+    text = json.dumps([{k: v for k, v in d.items() if v is not None} for d in dicts], sort_keys=True, separators=(",", ":"))
     return hashlib.blake2b(text.encode(), digest_size=16, person=b"dpstream-plan").digest()
 
 
@@ -169,10 +181,16 @@ def _check(budget: QueryBudget) -> None:
     if not (isinstance(budget.contribution_bound, int) and budget.contribution_bound >= 1):
         raise BudgetError("contribution_bound", f"must be an integer >= 1, got {budget.contribution_bound!r}")
     positive("clamp", budget.clamp)
-    if budget.aggregate not in ("count", "sum"):
+    if budget.columns is None and budget.aggregate not in ("count", "sum"):
         raise BudgetError("aggregate", f"must be 'count' or 'sum', got {budget.aggregate!r}")
-    if budget.aggregate == "count" and budget.clamp != 1.0:
-        raise BudgetError("clamp", "a count contributes 1 per record; clamp must be 1.0 for aggregate 'count'")
+    kinds = columns_of(budget)
+    if not kinds or any(k not in (ONE, VALUE) for k in kinds):
+        raise BudgetError("aggregate", f"columns must be {ONE!r} or {VALUE!r}, got {kinds!r}")
+    if len(kinds) > 1 and budget.composition != "zcdp":
+        raise BudgetError("composition", f"aggregate {budget.aggregate!r} has {len(kinds)} columns, composed under zCDP: "
+                                         f"composition must be 'zcdp'")
+    if VALUE not in kinds and budget.clamp != 1.0:
+        raise BudgetError("clamp", f"a count contributes 1 per record; clamp must be 1.0 for aggregate {budget.aggregate!r}")
     if not (math.isfinite(budget.key_threshold) and budget.key_threshold >= 0):
         raise BudgetError("key_threshold", f"must be >= 0, got {budget.key_threshold!r}")
     if budget.beta is not None and not 0 < budget.beta < 1:
@@ -191,7 +209,7 @@ def _check(budget: QueryBudget) -> None:
         raise BudgetError("composition", f"must be 'zcdp' or 'basic', got {budget.composition!r}")
     if budget.resolution is not None:
         positive("resolution", budget.resolution)
-        if budget.aggregate == "count" and budget.resolution != 1.0:
+        if VALUE not in kinds and budget.resolution != 1.0:
             raise BudgetError("resolution", "counts are integers; resolution must be 1 (or null)")
         if not _is_power_of_two(budget.resolution):
             raise BudgetError("resolution", f"must be a power of two (e.g. 0.25, 1, 8) so that released sums are exact binary "
@@ -215,7 +233,7 @@ def _choose_resolution(budget: QueryBudget, sigma_m: float) -> float:
     smallest keeping sigma within ``TARGET_SAMPLER_SIGMA`` grid steps, with the step at most L
     and at least ``L / 2^20``.
     """
-    if budget.aggregate == "count":
+    if VALUE not in columns_of(budget):
         return 1.0
     if budget.resolution is not None:
         return float(budget.resolution)
@@ -224,6 +242,13 @@ def _choose_resolution(budget: QueryBudget, sigma_m: float) -> float:
         top -= 1
     k = max(math.ceil(math.log2(sigma_m / TARGET_SAMPLER_SIGMA)), top - 20)
     return 2.0 ** min(k, top)
+
+
+def columns_of(budget: QueryBudget) -> tuple[str, ...]:
+    """What one record adds to each perturbed column (one tree per column)."""
+    if budget.columns is not None:
+        return tuple(budget.columns)
+    return (ONE,) if budget.aggregate == "count" else (VALUE,)
 
 
 def _level_shares(budget: QueryBudget) -> tuple[float, ...]:
@@ -263,6 +288,8 @@ def plan_levels(budget: QueryBudget) -> tuple[PrivacyPlan, ...]:
     share = budget.key_selection_share
     levels = budget.levels
     shares = _level_shares(budget)
+    kinds = columns_of(budget)
+    ncols = len(kinds)
     parts = []  # per level: (rho_k, rho_m, eps_k, delta_k, eps_m, delta_m, beta)
 
     if budget.composition == "zcdp":
@@ -270,7 +297,9 @@ def plan_levels(budget: QueryBudget) -> tuple[PrivacyPlan, ...]:
         if beta is None:
             beta = DEFAULT_BETA_DELTA_SHARE * delta / ((math.exp(eps) + 1.0) * C * levels)
         delta_beta = (math.exp(eps) + 1.0) * levels * C * beta
-        delta_sampler = (math.exp(eps) + 1.0) * levels * 2 * C * h * SAMPLER_TV_BOUND
+        # a user's records reach one selection tree and one perturbation tree per column, per
+        # key round and level: the samplers' total-variation terms count all of them
+        delta_sampler = (math.exp(eps) + 1.0) * levels * (1 + ncols) * C * h * SAMPLER_TV_BOUND
         delta_conv = delta - delta_beta - delta_sampler
         if delta_conv <= 0:
             raise BudgetError("beta", f"the thresholding term (e^eps+1)*levels*C*beta = {delta_beta:.3g} leaves no delta")
@@ -310,18 +339,26 @@ def plan_levels(budget: QueryBudget) -> tuple[PrivacyPlan, ...]:
     sigmas = []
     for rho_k, rho_m, *_ in parts:
         sigma_k = math.sqrt(C * h / (2.0 * rho_k))
-        sigma_m = C * budget.clamp * math.sqrt(h / (2.0 * rho_m))
+        # the columns' trees share the level's perturbation rho equally (zCDP composition); a
+        # column's per-tree sensitivity is C times its per-record bound (1, or L for values)
+        column_sigmas = [C * (budget.clamp if kind == VALUE else 1.0) * math.sqrt(h / (2.0 * rho_m / ncols)) for kind in kinds]
         if sigma_k > MAX_SAMPLER_SIGMA:
             raise BudgetError("contribution_bound", f"key-selection noise sigma {sigma_k:.4g} is beyond the sampler's range")
-        sigmas.append((sigma_k, sigma_m))
+        sigmas.append((sigma_k, column_sigmas))
     # one value grid for all levels: every record goes to every level with the same grid value
-    resolution = _choose_resolution(budget, min(m for _, m in sigmas))
+    value_sigmas = [sig for _, cols in sigmas for kind, sig in zip(kinds, cols) if kind == VALUE]
+    resolution = _choose_resolution(budget, min(value_sigmas) if value_sigmas else 1.0)
     plans = []
-    for level, ((rho_k, rho_m, eps_k, delta_k, eps_m, delta_m, beta), (sigma_k, sigma_m), s) in enumerate(zip(parts, sigmas, shares), 1):
-        sigma_m_units = sigma_m / resolution
-        if sigma_m_units > MAX_SAMPLER_SIGMA:
-            field_name = "contribution_bound" if budget.aggregate == "count" else "resolution"
-            raise BudgetError(field_name, f"perturbation noise is {sigma_m_units:.4g} grid steps, beyond the sampler's range")
+    for level, ((rho_k, rho_m, eps_k, delta_k, eps_m, delta_m, beta), (sigma_k, column_sigmas), s) in enumerate(
+            zip(parts, sigmas, shares), 1):
+        columns = []
+        for kind, sigma in zip(kinds, column_sigmas):
+            step = resolution if kind == VALUE else 1.0
+            if sigma / step > MAX_SAMPLER_SIGMA:
+                field_name = "contribution_bound" if kind == ONE else "resolution"
+                raise BudgetError(field_name, f"perturbation noise is {sigma / step:.4g} grid steps, beyond the sampler's range")
+            columns.append((kind, sigma, sigma / step, step))
+        _, sigma_m, sigma_m_units, _ = columns[0]
         z = tail_multiplier(budget.triggers, beta)
         plans.append(PrivacyPlan(
             epsilon=eps,
@@ -357,5 +394,6 @@ def plan_levels(budget: QueryBudget) -> tuple[PrivacyPlan, ...]:
             level=level,
             levels=levels,
             level_share=s,
+            columns=tuple(columns) if ncols > 1 else None,
         ))
     return tuple(plans)

@@ -9,7 +9,13 @@ import time
 from typing import Sequence
 
 from accountant import PrivacyPlan
-from processor.config import ConfigError, QueryConfig, level_plans_for, load_config, plan_for
+from processor.config import (
+    ConfigError,
+    QueryConfig,
+    level_plans_for,
+    load_config,
+    plan_for,
+)
 
 PLAN_HELP = """Print, for each query of a config, the noise scales, thresholds, budget split and
 expected error, before anything runs. Needs no noise secret and no broker."""
@@ -74,6 +80,12 @@ def _human_levels(query: QueryConfig, plan: PrivacyPlan) -> list[str]:
     return lines
 
 
+def _column_names(query: QueryConfig) -> list[str]:
+    from processor.mechanisms.aggregates import aggregate_named
+
+    return [c.name for c in aggregate_named(query.aggregate).columns]
+
+
 def _human_plan(query: QueryConfig, plan: PrivacyPlan) -> str:
     T, C = plan.triggers, plan.contribution_bound
     taus = plan.thresholds
@@ -92,11 +104,14 @@ def _human_plan(query: QueryConfig, plan: PrivacyPlan) -> str:
         f"tau_T = {taus[-1]:.2f}, min {min(taus):.2f}, max {max(taus):.2f}",
         f"  perturbation       rho {plan.rho_perturbation:.6g}, sensitivity C*L = {C * plan.clamp:g}; sigma_m = {plan.sigma_perturbation:.4f}"
         + (f" (grid {plan.resolution:g})" if plan.aggregate == "sum" else ""),
+        *([f"                     {len(plan.columns)} columns, rho_m split equally: "
+           + "; ".join(f"{name} sigma {sigma:.4f}" + (f" (grid {step:g})" if kind == "value" else "")
+                       for name, (kind, sigma, _, step) in zip(_column_names(query), plan.columns))] if plan.columns else []),
         f"                     on its own: eps {plan.epsilon_perturbation:.4f}, delta {plan.delta_perturbation:.4g}",
         *(_human_levels(query, plan) if query.hierarchy else []),
         f"  sampler            TV <= 2^-100 per node -> delta += {plan.delta_sampler:.3g}",
         f"  total spent        eps {plan.epsilon_spent:.6f}, delta {plan.delta_spent:.6g}  (declared {plan.epsilon:g}, {plan.delta:g})",
-        f"  expected stddev    {plan.expected_stddev:.2f} of a released {plan.aggregate} at the last trigger"
+        f"  expected stddev    {plan.expected_stddev:.2f} of a released {_column_names(query)[0]} at the last trigger"
         + (" (level 1)" if query.hierarchy else ""),
     ]
     if query.hierarchy:  # the per-part lines above are level 1's; the level block has them all
@@ -146,8 +161,8 @@ def _time_arg(option: str, value):
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from processor.noise import load_noise_secret
-    from processor.replay import ReplayRunner
+    from processor.adapters.replay import ReplayRunner
+    from processor.mechanisms.noise import load_noise_secret
 
     config = load_config(args.config)
     secret = load_noise_secret(args.noise_key_file)
@@ -212,9 +227,9 @@ def _env_int(name: str, default: int) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     import logging
 
-    from processor.faust_app import WorkerSettings, run_worker
-    from processor.noise import load_noise_secret
-    from processor.service import Ownership
+    from processor.adapters.faust_app import WorkerSettings, run_worker
+    from processor.adapters.worker import Ownership
+    from processor.mechanisms.noise import load_noise_secret
 
     config = load_config(args.config)
     secret = load_noise_secret(args.noise_key_file)
@@ -239,7 +254,7 @@ so it works while the worker or a replay runs."""
 
 
 def cmd_budget(args: argparse.Namespace) -> int:
-    from processor.budget import open_ledger_readonly
+    from processor.engine.budget import open_ledger_readonly
 
     config = load_config(args.config)
     if config.budget is None:
@@ -271,8 +286,8 @@ def cmd_budget(args: argparse.Namespace) -> int:
 
 
 def cmd_produce(args: argparse.Namespace) -> int:
-    from processor.faust_app import broker_address
-    from processor.kafka_tools import file_lines, produce, synthetic_lines
+    from processor.adapters.faust_app import broker_address
+    from processor.adapters.kafka_tools import file_lines, produce, synthetic_lines
 
     if (args.input is None) == (args.synthetic_users is None):
         raise ConfigError("produce: give exactly one of --input or --synthetic-users")
@@ -288,8 +303,8 @@ def cmd_produce(args: argparse.Namespace) -> int:
 
 
 def cmd_tail(args: argparse.Namespace) -> int:
-    from processor.faust_app import broker_address
-    from processor.kafka_tools import tail
+    from processor.adapters.faust_app import broker_address
+    from processor.adapters.kafka_tools import tail
 
     tail(broker_address(args.broker), args.topic, idle_seconds=args.idle_seconds, max_records=args.max_records,
          from_beginning=not args.latest)
@@ -304,7 +319,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_dpsqlp(args: argparse.Namespace) -> int:
-    from processor.bench_dpsqlp import run_dpsqlp_bench
+    from processor.bench.dpsqlp import run_dpsqlp_bench
 
     run_dpsqlp_bench(users=args.users, keys=args.keys, triggers=args.triggers, seed=args.seed, json_path=args.json,
                      plot_path=args.plot, state=args.state, processes=args.processes, runs=args.runs)
@@ -312,7 +327,7 @@ def cmd_bench_dpsqlp(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_scaling(args: argparse.Namespace) -> int:
-    from processor.bench import run_scaling_bench
+    from processor.bench.engine import run_scaling_bench
 
     run_scaling_bench(seen_small=args.small, seen_large=args.large, repeats=args.repeats, users_small=args.users_small,
                       users_large=args.users_large, json_path=args.json)
@@ -320,8 +335,8 @@ def cmd_bench_scaling(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_kafka(args: argparse.Namespace) -> int:
-    from processor.bench_kafka import run_kafka_bench
-    from processor.faust_app import broker_address
+    from processor.adapters.faust_app import broker_address
+    from processor.bench.kafka import run_kafka_bench
 
     run_kafka_bench(broker_address(args.broker), users=args.users, keys=args.keys, repeats=args.repeats, partitions=args.partitions,
                     json_path=args.json)
@@ -329,7 +344,7 @@ def cmd_bench_kafka(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_dynamic(args: argparse.Namespace) -> int:
-    from processor.bench_dynamic import run_dynamic_bench
+    from processor.bench.dynamic import run_dynamic_bench
 
     run_dynamic_bench(items=args.items, updates=args.updates, epsilon=args.epsilon, beta=args.beta, partition_share=args.partition_share,
                       seeds=args.seeds, json_path=args.json, plot_path=args.plot)
@@ -337,7 +352,7 @@ def cmd_bench_dynamic(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_hierarchy(args: argparse.Namespace) -> int:
-    from processor.bench_hierarchy import run_hierarchy_bench
+    from processor.bench.hierarchy import run_hierarchy_bench
 
     run_hierarchy_bench(countries=args.countries, users=args.users, triggers=args.triggers, epsilons=args.epsilon, seed=args.seed,
                         repeats=args.repeats, json_path=args.json)
@@ -345,7 +360,7 @@ def cmd_bench_hierarchy(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from processor.bench import run_engine_bench
+    from processor.bench.engine import run_engine_bench
 
     run_engine_bench(repeats=args.repeats, nodes=args.nodes, keys=args.keys, triggers=args.triggers, json_path=args.json)
     return 0
@@ -508,8 +523,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from accountant.ledger import ChargePlanError
-    from processor.noise import NoiseSecretError
-    from processor.pipeline import StateMismatchError
+    from processor.engine.pipeline import StateMismatchError
+    from processor.mechanisms.noise import NoiseSecretError
 
     try:
         return args.func(args)

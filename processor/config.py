@@ -16,12 +16,20 @@ from pathlib import Path
 from typing import Literal, Mapping, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from accountant import BudgetError, PrivacyPlan, QueryBudget, plan_levels, plan_query
 from accountant.dynamic import DynamicPlan
 from accountant.ledger import BudgetPolicy
 from accountant.plan import plan_fingerprint
+from processor.mechanisms.aggregates import AGGREGATES, aggregate_named
 
 _DURATION = re.compile(r"^\s*(\d+)\s*(ms|s|m|h|d)\s*$")
 _UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
@@ -90,7 +98,8 @@ class QueryConfig(BaseModel):
     key_fields: list[str] = Field(default_factory=lambda: ["key"], min_length=1)
     value_field: Optional[str] = None
     time_field: str = "ts"
-    aggregate: Literal["count", "sum"] = "count"
+    #: an entry of processor.mechanisms.aggregates.AGGREGATES: count, sum or mean
+    aggregate: str = "count"
     clamp: float = 1.0
     contribution_bound: int = Field(32, ge=1)
     window: str = "1d"
@@ -136,12 +145,20 @@ class QueryConfig(BaseModel):
             raise ValueError("must be finite")
         return value
 
+    @field_validator("aggregate")
+    @classmethod
+    def _aggregate(cls, value: str) -> str:
+        if aggregate_named(value) is None:
+            raise ValueError(f"must be one of {', '.join(AGGREGATES)}, got {value!r}")
+        return value
+
     @model_validator(mode="after")
     def _value_matches_aggregate(self) -> "QueryConfig":
-        if self.aggregate == "sum" and not self.value_field:
-            raise ValueError("value_field: aggregate 'sum' needs a value_field")
-        if self.aggregate == "count" and self.value_field:
-            raise ValueError("value_field: must be null for aggregate 'count' (COUNT(*))")
+        aggregate = aggregate_named(self.aggregate)
+        if aggregate.needs_value and not self.value_field:
+            raise ValueError(f"value_field: aggregate {self.aggregate!r} needs a value_field")
+        if not aggregate.needs_value and self.value_field:
+            raise ValueError(f"value_field: must be null for aggregate {self.aggregate!r} (COUNT(*))")
         if self.window_ms % self.triggers:
             raise ValueError(f"triggers: the window ({self.window}) must split into {self.triggers} whole milliseconds")
         if self.hierarchy:
@@ -172,6 +189,7 @@ class QueryConfig(BaseModel):
             contribution_bound=self.contribution_bound,
             clamp=self.clamp,
             aggregate=self.aggregate,
+            columns=aggregate_named(self.aggregate).column_kinds,
             key_threshold=self.key_threshold,
             beta=self.beta,
             key_selection_share=self.key_selection_share,

@@ -10,9 +10,9 @@ from typing import Optional
 
 import numpy as np
 
+from processor.adapters.replay import ReplayRunner
 from processor.config import DpstreamConfig, QueryConfig, plan_for
-from processor.noise import NoiseSecretError, load_noise_secret
-from processor.replay import ReplayRunner
+from processor.mechanisms.noise import NoiseSecretError, load_noise_secret
 from processor.synthetic import KEYS_Q, generate
 
 DEMO_START_MS = 1_795_132_800_000  # 2026-11-20T00:00:00Z

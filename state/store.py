@@ -10,10 +10,10 @@ leaves either all of a micro-batch's state changes (with its progress marker) or
 from __future__ import annotations
 
 import bisect
-from collections import deque
 import os
 import shutil
 from abc import ABC, abstractmethod
+from collections import deque
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional, Sequence
 
@@ -153,7 +153,14 @@ class RocksDBStore(Store):
     def __init__(self, path: str | os.PathLike, block_cache_mb: int = 512, write_buffer_mb: int = 128, read_only: bool = False):
         """``read_only``: open a database another process may hold (RocksDB's read-only mode: a
         consistent view as of opening; writes raise)."""
-        from rocksdict import AccessType, BlockBasedOptions, Cache, DBCompactionStyle, Options, Rdict
+        from rocksdict import (
+            AccessType,
+            BlockBasedOptions,
+            Cache,
+            DBCompactionStyle,
+            Options,
+            Rdict,
+        )
 
         self.path = Path(path)
         if read_only and not (self.path / "CURRENT").exists():

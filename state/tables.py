@@ -1,7 +1,7 @@
 """The tables of one query's state: every key layout, value layout and cache in one place.
 
 One store holds all tables; a table is a key prefix (:mod:`state.keys`). The pipeline
-(:mod:`processor.pipeline`) decides *what* to keep; this module decides *how it is laid out* and
+(:mod:`processor.engine.pipeline`) decides *what* to keep; this module decides *how it is laid out* and
 is the only code that builds or parses a state key or value. Nothing here knows about privacy:
 the tables hold bytes, integers and arrays, and import nothing of ours outside ``state/``.
 
@@ -39,13 +39,13 @@ WINDOW_OPEN, WINDOW_REFUSED = 1, 2
 
 #: a user-state entry: one distinct (key, trigger) of the user's admitted records in the window
 USER_ENTRY = np.dtype([("key", "<u8"), ("trigger", "<u4")])
-#: a predecessor amendment (processor.bounding.key_histories): raise the predecessor trigger of
+#: a predecessor amendment (processor.mechanisms.bounding.key_histories): raise the predecessor trigger of
 #: ``user``'s records for ``key`` in the target micro-batch to ``trigger``
 AMEND_ENTRY = np.dtype([("key", "<u8"), ("user", "<u8"), ("trigger", "<u4")])
 #: a hierarchy's published view, per released key: what the consistency step starts from
 VIEW_ENTRY = np.dtype([("level", "<u4"), ("released_at", "<u4"), ("count", "<i8"), ("stddev", "<f8"), ("consistent", "<i8"),
                        ("other", "<i8")])
-#: tree ids as stored in key rows (the 16 bytes of processor.noise's tree ids; empty: not derived yet)
+#: tree ids as stored in key rows (the 16 bytes of processor.mechanisms.noise's tree ids; empty: not derived yet)
 STORED_TREE_ID = np.dtype("S16")
 
 #: default bounds of the caches of committed values (entries per query; about 200 bytes each)
@@ -53,16 +53,22 @@ USER_CACHE_ENTRIES = 12_000_000
 KEY_CACHE_ENTRIES = 2_000_000
 
 
-def key_row_dtype(tree_levels: int) -> np.dtype:
+def key_row_dtype(tree_levels: int, columns: int = 1) -> np.dtype:
     """The fixed part of a key row: selection round and counters, the data buffer, the
-    perturbation state and the frontier caches of both trees (``tree_levels`` entries each)."""
+    perturbation state and the frontier caches of both trees (``tree_levels`` entries each).
+    An aggregate of several columns (a mean: sum and count) appends, for each column after the
+    first, its buffer, released total, tree id and frontier cache (``buffer_2``, ...): rows of
+    one column keep their layout."""
     L = int(tree_levels)
-    return np.dtype([
+    fields = [
         ("round", "<u4"), ("start", "<u4"), ("done", "<u4"), ("predicted", "<u4"),
         ("count", "<i8"), ("participations", "<i8"), ("buffer", "<i8"), ("released", "<i8"),
         ("pdone", "<u4"), ("level", "<u4"), ("noise_max", "<f8"), ("root", "<u8"), ("sel_tree", STORED_TREE_ID),
         ("pert_tree", STORED_TREE_ID), ("sel_cache", "<i8", (L,)), ("pcache", "<i8", (L,)),
-    ])
+    ]
+    for c in range(2, int(columns) + 1):
+        fields += [(f"buffer_{c}", "<i8"), (f"released_{c}", "<i8"), (f"pert_tree_{c}", STORED_TREE_ID), (f"pcache_{c}", "<i8", (L,))]
+    return np.dtype(fields)
 
 
 class CommittedCache:
@@ -152,7 +158,7 @@ class UserStateColumns:
 class UserStates:
     """Table ``u``: per (window, user) the number of admitted records (u16), then one
     :data:`USER_ENTRY` per distinct (key, trigger) of them (the user's key history:
-    processor.bounding.key_histories)."""
+    processor.mechanisms.bounding.key_histories)."""
 
     def __init__(self, store: Store, qid: bytes, cache_entries: int = USER_CACHE_ENTRIES):
         self.store, self.qid = store, qid
@@ -321,9 +327,9 @@ class KeyRows:
     """Table ``k``: per (window, key id) the key's fixed row (:func:`key_row_dtype`) followed by
     its key text."""
 
-    def __init__(self, store: Store, qid: bytes, tree_levels: int, cache_entries: int = KEY_CACHE_ENTRIES):
+    def __init__(self, store: Store, qid: bytes, tree_levels: int, columns: int = 1, cache_entries: int = KEY_CACHE_ENTRIES):
         self.store, self.qid = store, qid
-        self.dtype = key_row_dtype(tree_levels)
+        self.dtype = key_row_dtype(tree_levels, columns)
         self.cache = CommittedCache(cache_entries)
 
     def load(self, window: int, ids: np.ndarray, blank: np.ndarray) -> tuple[np.ndarray, list[Optional[str]]]:
@@ -531,7 +537,7 @@ class EpochMarks:
 class QueryTables:
     """All window tables of one query in one store."""
 
-    def __init__(self, store: Store, query_name: str, tree_levels: int, user_cache_entries: int = USER_CACHE_ENTRIES,
+    def __init__(self, store: Store, query_name: str, tree_levels: int, columns: int = 1, user_cache_entries: int = USER_CACHE_ENTRIES,
                  key_cache_entries: int = KEY_CACHE_ENTRIES):
         self.store = store
         self.qid = qid = sk.query_id(query_name)
@@ -539,7 +545,7 @@ class QueryTables:
         self.pending = PendingBatches(store, qid)
         self.amends = Amendments(store, qid)
         self.names = KeyNames(store, qid, key_cache_entries)
-        self.keys = KeyRows(store, qid, tree_levels, key_cache_entries)
+        self.keys = KeyRows(store, qid, tree_levels, columns, key_cache_entries)
         self.predictions = PredictionIndex(store, qid)
         self.journal = Journal(store, qid)
         self.progress = Progress(store, qid)

@@ -2,7 +2,6 @@
 import math
 
 import dp_accounting
-import numpy as np
 import pytest
 from dp_accounting.pld import PLDAccountant
 from dp_accounting.rdp import RdpAccountant

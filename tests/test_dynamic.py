@@ -1,4 +1,4 @@
-"""Tests of the fully dynamic counter (processor/dynamic.py, accountant/dynamic.py) against Qiu & Yi,
+"""Tests of the fully dynamic counter (processor/mechanisms/dynamic.py, accountant/dynamic.py) against Qiu & Yi,
 *Differential Privacy on Dynamic Data* (papers/dp-on-dynamic-data-online-interval-tree.txt):
 Algorithm 2 (infinite private partitioning), section 4.1 / Lemma 9 (online interval tree),
 Algorithm 3 (per-node deletion-only mechanism with restarts), section 4.3 (level budgets).
@@ -17,11 +17,28 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from accountant.dynamic import (DynamicPlan, counter_scales, discrete_laplace_tail, level_epsilon, round_beta,
-                                round_epsilon, svt_beta, svt_scales, svt_threshold)
-from processor.dynamic import (DynamicCounter, DynamicNoise, InsertionOnlyCounter, InvalidUpdate, NodeMechanism,
-                               PrivatePartitioner, interval_tree_level, query_nodes)
-from processor.noise import NodeNoise
+from accountant.dynamic import (
+    DynamicPlan,
+    counter_scales,
+    discrete_laplace_tail,
+    level_epsilon,
+    round_beta,
+    round_epsilon,
+    svt_beta,
+    svt_scales,
+    svt_threshold,
+)
+from processor.mechanisms.dynamic import (
+    DynamicCounter,
+    DynamicNoise,
+    InsertionOnlyCounter,
+    InvalidUpdate,
+    NodeMechanism,
+    PrivatePartitioner,
+    interval_tree_level,
+    query_nodes,
+)
+from processor.mechanisms.noise import NodeNoise
 from tests.conftest import TEST_SECRET
 
 OTHER_SECRET = b"another-dpstream-test-secret-0123456789"

@@ -6,8 +6,8 @@ import json
 import numpy as np
 
 from processor.config import DynamicQueryConfig
-from processor.dynamic_stream import DynamicQueryState
-from processor.noise import NodeNoise, Pseudonymizer
+from processor.engine.dynamic_stream import DynamicQueryState
+from processor.mechanisms.noise import NodeNoise, Pseudonymizer
 from state.store import MemoryStore, RocksDBStore, WriteBatch
 from tests.conftest import TEST_SECRET
 from topics.records import InvalidRecord

@@ -12,11 +12,11 @@ from dp_accounting.rdp import RdpAccountant
 
 from accountant import QueryBudget, plan_levels, plan_query
 from accountant.plan import BudgetError
+from processor.adapters.replay import ReplayRunner
+from processor.adapters.worker import DpstreamWorker, Ownership
 from processor.config import ConfigError, DpstreamConfig, load_config
-from processor.consistency import solve
-from processor.pipeline import BoundedRecords, level_key_texts
-from processor.replay import ReplayRunner
-from processor.service import DpstreamWorker, Ownership
+from processor.engine.pipeline import BoundedRecords, level_key_texts
+from processor.mechanisms.consistency import solve
 from tests.conftest import TEST_LABEL, TEST_SECRET
 from topics.kafka import DEAD_LETTER_TOPIC
 
@@ -289,7 +289,7 @@ def load_config_text(tmp_path, text) -> DpstreamConfig:
 
 
 def test_bench_hierarchy_runs_and_its_consistent_views_never_violate():
-    from processor.bench_hierarchy import run_hierarchy_bench
+    from processor.bench.hierarchy import run_hierarchy_bench
 
     result = run_hierarchy_bench(countries=3, users=3000, triggers=4, epsilons=(6.0,), repeats=1, out=io.StringIO())
     run = result["epsilons"][0]["runs"][0]
@@ -302,8 +302,8 @@ def test_bench_hierarchy_runs_and_its_consistent_views_never_violate():
 def test_state_of_another_layout_version_is_refused(tmp_path):
     """Key rows gained a hierarchy's level and root: state written by the previous layout must
     not be read as this one."""
-    from processor.noise import NodeNoise
-    from processor.pipeline import check_noise_epoch
+    from processor.engine.pipeline import check_noise_epoch
+    from processor.mechanisms.noise import NodeNoise
     from state import keys as sk
     from state.store import MemoryStore, WriteBatch
 

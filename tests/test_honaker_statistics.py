@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from accountant.calibration import honaker_variance_factor, prefix_variance_factor
-from processor.noise import TreeIdentity, discrete_gaussian
-from processor.tree import HonakerForest
+from processor.mechanisms.noise import TreeIdentity, discrete_gaussian
+from processor.mechanisms.tree import HonakerForest
 
 Z = 5.5
 SIGMA = 3.0

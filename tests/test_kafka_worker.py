@@ -24,10 +24,10 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from processor.adapters.kafka_tools import produce, tail
+from processor.adapters.replay import ReplayRunner
+from processor.adapters.worker import worker_noise_label
 from processor.config import load_config
-from processor.kafka_tools import produce, tail
-from processor.replay import ReplayRunner
-from processor.service import worker_noise_label
 from tests.conftest import ROOT, TEST_SECRET, TEST_SECRET_HEX
 from topics.kafka import DEAD_LETTER_TOPIC
 

@@ -3,13 +3,13 @@ import math
 
 import numpy as np
 import pytest
+from conftest import TEST_SECRET
 from scipy import stats
 
 from accountant.plan import QueryBudget, plan_query
-from conftest import TEST_SECRET
-from processor.key_selection import SELECT_KIND, KeySelector, SelectionBatch
-from processor.noise import NodeNoise, TreeIdentity
-from processor.tree import ABSENT, HonakerForest
+from processor.mechanisms.key_selection import SELECT_KIND, KeySelector, SelectionBatch
+from processor.mechanisms.noise import NodeNoise, TreeIdentity
+from processor.mechanisms.tree import ABSENT, HonakerForest
 
 MU = 3
 #: beta boosted so that false releases are measurable. plan_query needs
@@ -225,7 +225,7 @@ def test_prediction_equals_the_first_future_selection(noise, j):
 
 
 def test_prediction_with_small_chunks_is_the_same(noise, monkeypatch):
-    import processor.key_selection as ks
+    import processor.mechanisms.key_selection as ks
 
     plan = _prediction_plan()
     selector = KeySelector(plan, noise, "chunks", 0)

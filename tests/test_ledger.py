@@ -8,9 +8,14 @@ import threading
 
 import pytest
 
-from accountant.ledger import BudgetExceeded, BudgetLedger, BudgetPolicy, LedgerEpochError
+from accountant.ledger import (
+    BudgetExceeded,
+    BudgetLedger,
+    BudgetPolicy,
+    LedgerEpochError,
+)
+from processor.adapters.replay import ReplayRunner
 from processor.config import load_config
-from processor.replay import ReplayRunner
 from state.store import MemoryStore, RocksDBStore
 from tests.conftest import ROOT, TEST_SECRET
 

@@ -1,4 +1,4 @@
-"""Keyed PRF integer noise (processor.noise): determinism, distribution, secret handling.
+"""Keyed PRF integer noise (processor.mechanisms.noise): determinism, distribution, secret handling.
 
 Statistical checks run on noise derived from the fixed test secret, so each test is
 deterministic; the quoted false-failure probabilities are over the choice of secret.
@@ -8,9 +8,10 @@ import math
 import mpmath
 import numpy as np
 import pytest
+from conftest import TEST_SECRET
 from scipy import stats
 
-from processor.noise import (
+from processor.mechanisms.noise import (
     MIN_SECRET_BYTES,
     SECRET_ENV,
     SECRET_FILE_ENV,
@@ -22,7 +23,6 @@ from processor.noise import (
     load_noise_secret,
     node_ids,
 )
-from conftest import TEST_SECRET
 
 #: z for two-sided normal-approximation checks: P(|Z| > 5.5) = 3.8e-8 per check.
 Z = 5.5

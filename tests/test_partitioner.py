@@ -12,8 +12,14 @@ import random
 import numpy as np
 import pytest
 
-from topics.partitioner import (PARTITIONERS, crc32_hash, fnv1a_hash, murmur2_hash, partition_for,
-                                partition_for_key)
+from topics.partitioner import (
+    PARTITIONERS,
+    crc32_hash,
+    fnv1a_hash,
+    murmur2_hash,
+    partition_for,
+    partition_for_key,
+)
 
 # ------------------------------------------------------------------ published test vectors
 

@@ -6,11 +6,11 @@ import json
 import numpy as np
 import pytest
 
+from processor.adapters.replay import ReplayRunner
 from processor.cli import main
 from processor.config import DpstreamConfig, QueryConfig
-from processor.noise import NodeNoise, Pseudonymizer
-from processor.pipeline import EventColumns, QueryPipeline
-from processor.replay import ReplayRunner
+from processor.engine.pipeline import EventColumns, QueryPipeline
+from processor.mechanisms.noise import NodeNoise, Pseudonymizer
 from state.store import MemoryStore, WriteBatch
 from tests.conftest import TEST_LABEL, TEST_SECRET, TEST_SECRET_HEX
 

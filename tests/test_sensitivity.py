@@ -15,7 +15,7 @@ import pytest
 
 from accountant.calibration import read_levels
 from accountant.plan import QueryBudget, plan_query
-from processor.bounding import ContributionBounder
+from processor.mechanisms.bounding import ContributionBounder
 
 T = 16
 C = 3
@@ -187,7 +187,7 @@ def test_key_histories_match_a_plain_loop(seed):
     target (the earliest earlier-arrived trigger > its own) per (user, key), from the user's prior
     state and the batch in arrival order, in any event-time order; and the new state is the set of
     distinct (user, key, trigger)."""
-    from processor.bounding import key_histories
+    from processor.mechanisms.bounding import key_histories
 
     rng = np.random.default_rng(seed)
     groups, n = int(rng.integers(1, 6)), int(rng.integers(0, 40))

@@ -6,8 +6,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from state.store import MemoryStore, RocksDBStore, WriteBatch
-from state.tables import (AMEND_ENTRY, WINDOW_OPEN, CommittedCache, EpochMarks, QueryTables, UserStates, ViewEntry,
-                          key_row_dtype)
+from state.tables import (
+    AMEND_ENTRY,
+    WINDOW_OPEN,
+    CommittedCache,
+    EpochMarks,
+    QueryTables,
+    UserStates,
+    ViewEntry,
+    key_row_dtype,
+)
 
 
 def _user_write(table, batch, window, users, counts, entries):

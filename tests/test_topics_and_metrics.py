@@ -1,9 +1,9 @@
 """Topic declarations and the metrics registry (no broker needed)."""
 from prometheus_client import generate_latest
 
+from processor.adapters.metrics import PipelineMetrics
 from processor.config import DpstreamConfig, QueryConfig, plan_for
-from processor.metrics import PipelineMetrics
-from processor.pipeline import PipelineStats
+from processor.engine.pipeline import PipelineStats
 from topics.kafka import DEAD_LETTER_TOPIC, EPOCH_TOPIC, repartition_topic, topics_for
 
 
@@ -38,7 +38,7 @@ def test_metrics_follow_prometheus_names_and_count_deltas():
 
 
 def test_kafka_security_settings_come_from_the_environment_for_every_client():
-    from processor.faust_app import _faust_credentials
+    from processor.adapters.faust_app import _faust_credentials
     from topics.kafka import aiokafka_security, client_security
 
     env = {"DPSTREAM_KAFKA_SECURITY_PROTOCOL": "SASL_PLAINTEXT", "DPSTREAM_KAFKA_SASL_MECHANISM": "SCRAM-SHA-512",

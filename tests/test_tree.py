@@ -2,9 +2,14 @@
 import numpy as np
 import pytest
 
-from accountant.calibration import honaker_weights, prefix_variance_factor, read_levels, tree_levels
-from processor.noise import TreeIdentity, discrete_gaussian, node_ids
-from processor.tree import HonakerForest
+from accountant.calibration import (
+    honaker_weights,
+    prefix_variance_factor,
+    read_levels,
+    tree_levels,
+)
+from processor.mechanisms.noise import TreeIdentity, discrete_gaussian, node_ids
+from processor.mechanisms.tree import HonakerForest
 
 
 def reference_prefix_estimates(noise, sampler, tree_id, values):

@@ -4,9 +4,9 @@ at-least-once delivery, exercised deterministically (the Kafka tests do it with 
 import numpy as np
 import pytest
 
+from processor.adapters.worker import DpstreamWorker, Ownership, StateLayoutError
 from processor.config import DpstreamConfig
-from processor.pipeline import BoundedRecords
-from processor.service import DpstreamWorker, Ownership, StateLayoutError
+from processor.engine.pipeline import BoundedRecords
 from tests.conftest import TEST_SECRET, Record
 from topics.kafka import DEAD_LETTER_TOPIC, repartition_topic
 
@@ -166,7 +166,7 @@ def test_two_workers_own_disjoint_partitions():
 def test_an_empty_state_directory_under_an_epoch_already_run_is_a_lost_volume(tmp_path):
     """docs/privacy.md, "Failures": volume loss is a new, explicitly configured epoch, never a silent
     reset of the ledger or of what was released."""
-    from processor.service import LostStateError
+    from processor.adapters.worker import LostStateError
 
     first = make_worker(tmp_path / "a")
     mark = {**first.epoch_mark, "since_ms": 1}

@@ -10,10 +10,10 @@ from __future__ import annotations
 import base64
 import json
 import math
-
-import orjson
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
+
+import orjson
 
 MAX_FIELD_CHARS = 4096
 
@@ -118,9 +118,10 @@ def key_for_output(key: str, key_fields: Sequence[str]):
     return key if len(key_fields) == 1 else json.loads(key)
 
 
-def release_record(*, query: str, window_start: int, window_end: int, trigger: int, trigger_time: int, key, aggregate: str,
-                   value: float, stddev: float, epsilon: float, delta: float, mechanism: str = "dp-sqlp") -> dict:
-    """One published histogram update. Never raw counts, never user ids."""
+def release_record(*, query: str, window_start: int, window_end: int, trigger: int, trigger_time: int, key, fields: dict,
+                   epsilon: float, delta: float, mechanism: str = "dp-sqlp") -> dict:
+    """One published histogram update: ``fields`` are the aggregate's released values and their
+    noise scales (processor.mechanisms.aggregates). Never raw counts, never user ids."""
     return {
         "query": query,
         "window_start": window_start,
@@ -128,8 +129,7 @@ def release_record(*, query: str, window_start: int, window_end: int, trigger: i
         "trigger": trigger,
         "trigger_time": trigger_time,
         "key": key,
-        aggregate: value,
-        "stddev": stddev,
+        **fields,
         "mechanism": mechanism,
         "epsilon": epsilon,
         "delta": delta,

@@ -1,2 +1,3 @@
-"""The engine: the one drive loop every adapter (replay, the Kafka worker) and every benchmark
-runs (:mod:`processor.engine.runner`; docs/architecture.md)."""
+"""The engine: one query's pipeline (:mod:`processor.engine.pipeline`), the one drive loop every
+adapter and benchmark runs (:mod:`processor.engine.runner`), dynamic-count state and the budget
+gate (docs/architecture.md)."""

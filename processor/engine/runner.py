@@ -18,7 +18,7 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
-from processor.pipeline import BoundedRecords, EventColumns, QueryPipeline
+from processor.engine.pipeline import BoundedRecords, EventColumns, QueryPipeline
 from state.store import WriteBatch
 
 

@@ -15,8 +15,8 @@ from typing import Iterable, Optional
 
 import numpy as np
 
+from processor.adapters.replay import ReplayRunner
 from processor.config import DpstreamConfig, QueryConfig
-from processor.replay import ReplayRunner
 from tests.conftest import TEST_LABEL, TEST_SECRET, TEST_SECRET_HEX
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,7 +57,7 @@ class Run:
     def __init__(self, output: str, dead: str, summary, stats, ledger_entries=None, label=None, dynamic=None,
                  statuses=None, charges=None):
         self.output = output
-        #: per query: {window start: status} (1 open, 2 refused: processor.pipeline)
+        #: per query: {window start: status} (1 open, 2 refused: processor.engine.pipeline)
         self.statuses = statuses
         #: the ledger's charge records: {charge id: record}
         self.charges = charges

@@ -24,8 +24,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from processor.config import QueryConfig
-from processor.noise import NodeNoise, Pseudonymizer
-from processor.pipeline import EventColumns, QueryPipeline
+from processor.engine.pipeline import EventColumns, QueryPipeline
+from processor.mechanisms.noise import NodeNoise, Pseudonymizer
 from state.store import MemoryStore, WriteBatch
 from tests.conftest import TEST_SECRET
 from topics.records import key_text

@@ -16,12 +16,23 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from accountant.plan import plan_fingerprint
+from processor.adapters.replay import ReplayError, ReplayRunner
+from processor.adapters.worker import DpstreamWorker, Ownership
 from processor.config import BudgetConfig, BudgetLimit, DpstreamConfig, level_plans_for
-from processor.replay import ReplayError, ReplayRunner
-from processor.service import DpstreamWorker, Ownership
 from tests.conftest import TEST_SECRET
-from tests.privacy._helpers import (BASELINE, DAY, HOUR, ROOT, START, baseline_available, events, query, replay, run_cli,
-                                    write_jsonl)
+from tests.privacy._helpers import (
+    BASELINE,
+    DAY,
+    HOUR,
+    ROOT,
+    START,
+    baseline_available,
+    events,
+    query,
+    replay,
+    run_cli,
+    write_jsonl,
+)
 
 EPS = 6.0  # each window's epsilon (plan.epsilon_spent of query())
 X_KEY = "k-x"  # the key only the added user uses: every other key's releases must not move

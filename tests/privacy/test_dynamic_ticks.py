@@ -1,6 +1,6 @@
 """Fix 5: dynamic ticks are decided on the clock, not by the arrival of later updates.
 
-Claim under attack (processor/dynamic_stream.py): every tick whose end + allowed_lateness the
+Claim under attack (processor/engine/dynamic_stream.py): every tick whose end + allowed_lateness the
 clock has passed is decided, with or without updates (the worker's timer with the wall clock,
 replay with its event-time clock and, at the end, --until); so whether a segment's release exists
 for ticks <= t never depends on updates after t. Recovery re-feeds the update log and re-decides
@@ -20,14 +20,20 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from processor.adapters.worker import DpstreamWorker, Ownership, worker_noise_label
 from processor.config import DpstreamConfig, DynamicQueryConfig
-from processor.dynamic_stream import DynamicQueryState
-from processor.noise import NodeNoise, Pseudonymizer
-from processor.service import DpstreamWorker, Ownership, worker_noise_label
+from processor.engine.dynamic_stream import DynamicQueryState
+from processor.mechanisms.noise import NodeNoise, Pseudonymizer
 from state.store import RocksDBStore, WriteBatch
 from tests.conftest import TEST_LABEL, TEST_SECRET, Record
-from tests.privacy._helpers import (BASELINE, START, baseline_available, replay,
-                                    run_cli, write_jsonl)
+from tests.privacy._helpers import (
+    BASELINE,
+    START,
+    baseline_available,
+    replay,
+    run_cli,
+    write_jsonl,
+)
 
 ITEMS = ["a", "b", "c"]
 TICK = 1000
@@ -73,7 +79,7 @@ def upto(records, t: int) -> list[str]:
 # REGRESSION: DynamicNoise built 12-byte tree ids after ids grew to 16 bytes, so every config
 # with a dynamic query crashed when its counter was built.
 def test_regression_dynamic_noise_uses_full_tree_ids(tmp_path):
-    from processor.dynamic import DynamicNoise
+    from processor.mechanisms.dynamic import DynamicNoise
 
     noise = NodeNoise(TEST_SECRET, TEST_LABEL)
     draws = DynamicNoise(noise, "plans").laplace(3.0, "probe", 64)

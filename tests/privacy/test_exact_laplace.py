@@ -1,4 +1,4 @@
-"""The dynamic agent's discrete Laplace noise is exact (processor/discrete_laplace.py).
+"""The dynamic agent's discrete Laplace noise is exact (processor/mechanisms/discrete_laplace.py).
 
 Claim under attack: every integer is a possible output with exactly the discrete Laplace
 probability ``(1 - q)/(1 + q) q^|x|``, ``q = exp(-s/t)`` for the rounded-up scale t/s >= scale.
@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from scipy.stats import chi2
 
-from processor import discrete_laplace as dl
-from processor.dynamic import DynamicNoise
-from processor.noise import NodeNoise, TreeIdentity
+from processor.mechanisms import discrete_laplace as dl
+from processor.mechanisms.dynamic import DynamicNoise
+from processor.mechanisms.noise import NodeNoise, TreeIdentity
 from tests.conftest import TEST_SECRET
 
 

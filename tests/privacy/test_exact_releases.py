@@ -35,14 +35,26 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from accountant.calibration import cks_delta, honaker_denominator, honaker_variance_factor, honaker_weights, tree_levels
+from accountant.calibration import (
+    cks_delta,
+    honaker_denominator,
+    honaker_variance_factor,
+    honaker_weights,
+    tree_levels,
+)
 from accountant.plan import SAMPLER_TV_BOUND, QueryBudget, plan_query
+from processor.adapters.replay import ReplayRunner
 from processor.config import DpstreamConfig, QueryConfig
-from processor.key_selection import SELECT_KIND, KeySelector, SelectionBatch
-from processor.noise import TREE_ID_DTYPE, NodeNoise, TreeIdentity, discrete_gaussian, node_ids
-from processor.perturbation import HierarchicalPerturber, PerturbationBatch
-from processor.replay import ReplayRunner
-from processor.tree import ABSENT, HonakerForest
+from processor.mechanisms.key_selection import SELECT_KIND, KeySelector, SelectionBatch
+from processor.mechanisms.noise import (
+    TREE_ID_DTYPE,
+    NodeNoise,
+    TreeIdentity,
+    discrete_gaussian,
+    node_ids,
+)
+from processor.mechanisms.perturbation import HierarchicalPerturber, PerturbationBatch
+from processor.mechanisms.tree import ABSENT, HonakerForest
 from tests.conftest import TEST_SECRET
 
 NOISE = NodeNoise(TEST_SECRET, "privacy-exact")
@@ -349,7 +361,7 @@ def _product_releases(trigger: int, S: int) -> np.ndarray:
 
 
 def _old_float_releases(trigger: int, S: int) -> np.ndarray:
-    """The OLD formula (/work/baseline processor/tree.py + perturbation.py): float Honaker
+    """The OLD formula (/work/baseline processor/mechanisms/tree.py + perturbation.py): float Honaker
     weights, a float noise sum accumulated level by level from 0, then ``(S + noise) *
     resolution`` with no rounding. Checked bit for bit against the baseline's own
     HonakerForest on 200,000 random combinations while writing this test."""
@@ -499,7 +511,7 @@ def test_prediction_equals_stepping_with_zero_data_near_ties(data):
             threshold = Fraction(float(selector.release_at[leaf - 1]))
             assert bool(step.selected[j]) == (q > threshold), (trigger, j)
             near_ties += abs(q - threshold) < Fraction(1, 10 ** 9)
-        # prediction on a copy, learning noise_max back as the pipeline does (processor.pipeline)
+        # prediction on a copy, learning noise_max back as the pipeline does (processor.engine.pipeline)
         sub = batch.take(np.arange(n_keys))
         predicted = selector.predict(sub)
         batch.noise_max = sub.noise_max
@@ -679,8 +691,8 @@ def test_prediction_never_changes_pipeline_releases(seed, mu, T):
     the releases equal those of a pipeline that looks at every key at every trigger. A key whose
     noise alone would select it at a trigger where it has no data must be predicted for exactly
     that trigger; otherwise it would be released later or never, changing the output."""
-    from processor.noise import Pseudonymizer
-    from processor.pipeline import EventColumns, QueryPipeline
+    from processor.engine.pipeline import EventColumns, QueryPipeline
+    from processor.mechanisms.noise import Pseudonymizer
     from state.store import MemoryStore, WriteBatch
 
     class Brute(LoadEveryKey, QueryPipeline):

@@ -19,10 +19,17 @@ import json
 import numpy as np
 import pytest
 
+from processor.adapters.replay import ReplayError
 from processor.config import DpstreamConfig
-from processor.noise import (TREE_ID_BYTES, NodeNoise, NoiseSecretError, Pseudonymizer, TreeIdentity, decode_secret,
-                             load_noise_secret)
-from processor.replay import ReplayError
+from processor.mechanisms.noise import (
+    TREE_ID_BYTES,
+    NodeNoise,
+    NoiseSecretError,
+    Pseudonymizer,
+    TreeIdentity,
+    decode_secret,
+    load_noise_secret,
+)
 from tests.conftest import TEST_SECRET
 from tests.privacy._helpers import DAY, START, events, query, replay, write_jsonl
 

@@ -15,13 +15,29 @@ import pytest
 
 from accountant.ledger import BudgetLedger, BudgetPolicy, ChargePlanError
 from accountant.plan import plan_fingerprint
-from processor.budget import BudgetGate
-from processor.config import BudgetConfig, BudgetLimit, DpstreamConfig, DynamicQueryConfig, level_plans_for
-from processor.pipeline import PlanChangedError, QueryPipeline
-from processor.replay import ReplayRunner
+from processor.adapters.replay import ReplayRunner
+from processor.config import (
+    BudgetConfig,
+    BudgetLimit,
+    DpstreamConfig,
+    DynamicQueryConfig,
+    level_plans_for,
+)
+from processor.engine.budget import BudgetGate
+from processor.engine.pipeline import PlanChangedError, QueryPipeline
 from state.store import MemoryStore
 from tests.conftest import TEST_LABEL, TEST_SECRET
-from tests.privacy._helpers import DAY, HOUR, ROOT, START, events, query, replay, run_cli, write_jsonl
+from tests.privacy._helpers import (
+    DAY,
+    HOUR,
+    ROOT,
+    START,
+    events,
+    query,
+    replay,
+    run_cli,
+    write_jsonl,
+)
 
 
 def two_days(seed=1) -> list[dict]:
@@ -97,7 +113,7 @@ def test_with_a_ledger_the_window_charged_at_the_end_is_pinned_too(tmp_path):
 
 def test_progress_rows_carry_the_plan_fingerprint_and_a_foreign_open_window_is_refused():
     q = query()
-    noise = __import__("processor.noise", fromlist=["NodeNoise"]).NodeNoise(TEST_SECRET, TEST_LABEL)
+    noise = __import__("processor.mechanisms.noise", fromlist=["NodeNoise"]).NodeNoise(TEST_SECRET, TEST_LABEL)
     store = MemoryStore()
     pipe = QueryPipeline(q, noise, store)
     pipe.set_schedule(lambda w: True, START)

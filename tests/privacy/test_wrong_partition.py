@@ -16,9 +16,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from processor.adapters.worker import DpstreamWorker, Ownership
 from processor.config import DpstreamConfig
-from processor.pipeline import BoundedRecords
-from processor.service import DpstreamWorker, Ownership
+from processor.engine.pipeline import BoundedRecords
 from tests.conftest import TEST_SECRET, Record
 from tests.privacy._helpers import BASELINE, START, baseline_available, query
 from topics import partitioner
@@ -143,8 +143,8 @@ import json, sys
 from dataclasses import dataclass
 from typing import Optional
 from processor.config import DpstreamConfig
-from processor.pipeline import BoundedRecords
-from processor.service import DpstreamWorker, Ownership
+from processor.engine.pipeline import BoundedRecords
+from processor.adapters.worker import DpstreamWorker, Ownership
 from topics.kafka import DEAD_LETTER_TOPIC
 
 @dataclass

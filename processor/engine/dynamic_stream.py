@@ -11,7 +11,7 @@ Ticks are decided on the clock, not on data (docs/privacy.md, "Time"):
 :meth:`DynamicQueryState.advance_clock` decides every tick whose end (plus ``allowed_lateness``)
 the clock has passed, with or without updates - the worker's timer calls it with the wall clock,
 replay with its event-time clock and, at the end, its public ``--until``. The logged updates of
-those ticks are fed to :class:`processor.dynamic.DynamicCounter` in (tick, arrival) order, so the
+those ticks are fed to :class:`processor.mechanisms.dynamic.DynamicCounter` in (tick, arrival) order, so the
 order in which updates of undecided ticks arrived does not matter, and whether a segment's
 release exists never reveals whether later updates exist. A delete of an item that is not
 present at that point in tick order is refused then (dead-lettered, never a negative count).
@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from processor.config import DynamicQueryConfig
-from processor.dynamic import DynamicCounter, DynamicRelease
-from processor.noise import NodeNoise, Pseudonymizer
-from processor.pipeline import PlanChangedError
+from processor.engine.pipeline import PlanChangedError
+from processor.mechanisms.dynamic import DynamicCounter, DynamicRelease
+from processor.mechanisms.noise import NodeNoise, Pseudonymizer
 from state import keys as sk
 from state.store import Store, WriteBatch
 from topics.records import InvalidRecord, _text

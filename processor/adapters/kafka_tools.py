@@ -91,7 +91,13 @@ def tail(broker: str, topic: str, out: TextIO = sys.stdout, idle_seconds: Option
          from_beginning: bool = True) -> int:
     """Print release records (one JSON object per line) as they arrive. Stops after
     ``idle_seconds`` without a record, or after ``max_records``; otherwise runs until interrupted."""
-    from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, KafkaError, TopicPartition
+    from confluent_kafka import (
+        OFFSET_BEGINNING,
+        OFFSET_END,
+        Consumer,
+        KafkaError,
+        TopicPartition,
+    )
 
     from topics.kafka import client_security
 

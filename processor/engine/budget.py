@@ -1,7 +1,7 @@
 """The budget ledger wired to the queries: who is charged what, and when (docs/privacy.md, "Windows and budget").
 
 * A DP-SQLP query is charged its plan's (epsilon, delta) for each window as the clock reaches
-  the window's start, with or without data (:meth:`processor.pipeline.QueryPipeline.open_due`),
+  the window's start, with or without data (:meth:`processor.engine.pipeline.QueryPipeline.open_due`),
   with charge id ``query:window_start`` and the time of the charge the window's start: the
   guarantee is per user and window, so each window is one spend, and what is spent or refused
   follows the public schedule only (docs/privacy.md). The charge records the plan's fingerprint;

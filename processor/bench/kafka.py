@@ -35,9 +35,9 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from processor.bench_report import machine
+from processor.bench.report import machine
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _free_port() -> int:
@@ -156,7 +156,7 @@ def worker_rate(broker: str, config_path: str, key_file: str, expected: int, par
 
 
 def run_kafka_bench(broker: str, users: int, keys: int, repeats: int, partitions: int, json_path: str | None) -> dict:
-    from processor.kafka_tools import produce, synthetic_lines
+    from processor.adapters.kafka_tools import produce, synthetic_lines
     from topics.kafka import TopicSpec, create_topics
 
     tag = uuid.uuid4().hex[:8]

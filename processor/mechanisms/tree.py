@@ -43,7 +43,7 @@ from fractions import Fraction
 import numpy as np
 
 from accountant.calibration import honaker_denominator, tree_levels
-from processor.noise import DiscreteGaussian, NodeNoise, node_ids
+from processor.mechanisms.noise import DiscreteGaussian, NodeNoise, node_ids
 
 #: Marks a level of a frontier cache that holds no node (its bit of the leaf is 0).
 ABSENT = np.iinfo(np.int64).min

@@ -9,7 +9,7 @@ integer data; the accountant's sensitivity is ``C * L`` per tree (section 4.4: a
 contributions may land in one node).
 
 What is published is the noisy prefix rounded to the nearest whole grid step, computed exactly
-from the integer noisy nodes (:meth:`processor.tree.NoisePrefix.rounded`): an integer for a
+from the integer noisy nodes (:meth:`processor.mechanisms.tree.NoisePrefix.rounded`): an integer for a
 count, ``k * resolution`` for a sum, which is exact in binary floating point because the grid
 step is a power of two. Never ``raw + noise`` in floating point (docs/privacy.md).
 
@@ -24,8 +24,8 @@ import numpy as np
 
 from accountant.calibration import prefix_variance_factor
 from accountant.plan import PrivacyPlan
-from processor.noise import NodeNoise, discrete_gaussian
-from processor.tree import ABSENT, HonakerForest
+from processor.mechanisms.noise import NodeNoise, discrete_gaussian
+from processor.mechanisms.tree import ABSENT, HonakerForest
 
 
 @dataclass
@@ -35,7 +35,7 @@ class PerturbationBatch:
     keys: list
     released_units: np.ndarray  # exact sum (grid units) of everything released so far
     done: np.ndarray  # last leaf (trigger) released, 0 if none
-    cache: np.ndarray  # (n, levels) int64 frontier noise integers Fz at `done` (processor.tree)
+    cache: np.ndarray  # (n, levels) int64 frontier noise integers Fz at `done` (processor.mechanisms.tree)
     _tree_ids: np.ndarray | None = field(default=None, repr=False)
 
     @classmethod
@@ -50,13 +50,22 @@ class PerturbationBatch:
 class HierarchicalPerturber:
     """Algorithm 3 for one (query, window, column), vectorized over released keys."""
 
-    def __init__(self, plan: PrivacyPlan, noise: NodeNoise, query: str, window_start: int, column: str | None = None):
+    def __init__(self, plan: PrivacyPlan, noise: NodeNoise, query: str, window_start: int, column: str | None = None,
+                 column_index: int = 0):
+        """``column``: the aggregate column this tree perturbs (its name is part of the tree id);
+        ``column_index``: its position among the plan's columns (an aggregate of several
+        columns has a calibration per column: ``plan.columns``)."""
         self.plan = plan
         self.query = query
         self.window_start = int(window_start)
         self.kind = f"perturb:{column or plan.aggregate}"
-        self.resolution = plan.resolution
-        self.forest = HonakerForest(plan.triggers, discrete_gaussian(plan.sigma_perturbation_units), noise)
+        if plan.columns is None:
+            self.integer = plan.aggregate == "count"
+            self.resolution, self.sigma, sigma_units = plan.resolution, plan.sigma_perturbation, plan.sigma_perturbation_units
+        else:
+            kind, self.sigma, sigma_units, self.resolution = plan.columns[column_index]
+            self.integer = kind == "one"
+        self.forest = HonakerForest(plan.triggers, discrete_gaussian(sigma_units), noise)
         self.noise = noise
 
     @property
@@ -95,10 +104,10 @@ class HierarchicalPerturber:
         return self.publish(units)
 
     def publish(self, units: np.ndarray) -> list:
-        if self.plan.aggregate == "count":
+        if self.integer:
             return [int(u) for u in units.tolist()]
         return [u * self.resolution for u in units.tolist()]
 
     def stddev(self, trigger: int) -> float:
         """Standard deviation of a release at ``trigger`` (value units), from the accountant."""
-        return self.plan.sigma_perturbation * prefix_variance_factor(trigger) ** 0.5
+        return self.sigma * prefix_variance_factor(trigger) ** 0.5

@@ -36,10 +36,19 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from accountant.dynamic import (DynamicPlan, counter_scales, discrete_laplace_tail, level_epsilon, round_beta, round_epsilon,
-                                svt_beta, svt_scales, svt_threshold)
-from processor import discrete_laplace
-from processor.noise import NodeNoise, TreeIdentity
+from accountant.dynamic import (
+    DynamicPlan,
+    counter_scales,
+    discrete_laplace_tail,
+    level_epsilon,
+    round_beta,
+    round_epsilon,
+    svt_beta,
+    svt_scales,
+    svt_threshold,
+)
+from processor.mechanisms import discrete_laplace
+from processor.mechanisms.noise import NodeNoise, TreeIdentity
 
 NOISE_CHUNK = 4096
 FIRST_CHUNK = 16
@@ -47,7 +56,7 @@ FIRST_CHUNK = 16
 
 class DynamicNoise:
     """Discrete Laplace noise (P[x] ~ exp(-|x| / scale), every integer possible) as a keyed PRF of
-    (label, index), sampled exactly (:mod:`processor.discrete_laplace`: Canonne, Kamath and
+    (label, index), sampled exactly (:mod:`processor.mechanisms.discrete_laplace`: Canonne, Kamath and
     Steinke 2020, Algorithms 1 and 2) from the words of :meth:`NodeNoise.uniforms`. Integer
     arithmetic only, so the mechanisms are pure epsilon-DP as the accountant reports; the value
     at an index does not depend on how draws are batched. ``noise=None`` gives zeros (for

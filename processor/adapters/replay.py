@@ -45,15 +45,21 @@ from typing import Callable, Iterable, Iterator, Optional, TextIO
 
 import numpy as np
 
-from processor.budget import LEDGER_STORE, BudgetGate, open_ledger
 from processor.config import ConfigError, DpstreamConfig
-from processor.dynamic_stream import DynamicQueryState
+from processor.engine.budget import LEDGER_STORE, BudgetGate, open_ledger
+from processor.engine.dynamic_stream import DynamicQueryState
+from processor.engine.pipeline import EventColumns, QueryPipeline, check_noise_epoch
 from processor.engine.runner import Engine, Fired, QueryRunner
-from processor.noise import NodeNoise, Pseudonymizer
-from processor.pipeline import EventColumns, QueryPipeline, check_noise_epoch
+from processor.mechanisms.noise import NodeNoise, Pseudonymizer
 from state import keys as sk
 from state.store import PartitionStores, WriteBatch
-from topics.records import EventParser, InvalidRecord, dead_letter, encode_json, json_object
+from topics.records import (
+    EventParser,
+    InvalidRecord,
+    dead_letter,
+    encode_json,
+    json_object,
+)
 
 CHUNK_LINES = 50_000
 MAX_REPORTED_INVALID = 100

@@ -1,6 +1,6 @@
 """``dpstream bench dpsqlp``: the DP-SQLP paper's Table 1 workload, DP-SQLP vs its two baselines.
 
-The DP-SQLP column runs the product's own :class:`processor.pipeline.QueryPipeline` over a
+The DP-SQLP column runs the product's own :class:`processor.engine.pipeline.QueryPipeline` over a
 RocksDB store, micro-batch by micro-batch (stage 1, pending micro-batch, stage 2 at each
 trigger), exactly as the replay runner does; only the event generation is vectorized here.
 
@@ -39,11 +39,11 @@ import numpy as np
 from scipy.stats import norm
 
 from accountant.calibration import cks_rho
-from processor.bench_report import machine, summary
+from processor.bench.report import machine, summary
 from processor.config import QueryConfig
+from processor.engine.pipeline import EventColumns, QueryPipeline
 from processor.engine.runner import QueryRunner
-from processor.noise import NodeNoise, Pseudonymizer
-from processor.pipeline import EventColumns, QueryPipeline
+from processor.mechanisms.noise import NodeNoise, Pseudonymizer
 from processor.synthetic import generate
 from state.store import MemoryStore, RocksDBStore, WriteBatch
 

@@ -2,11 +2,11 @@
 
 Faust runs the worker: its lifecycle and signals, two agents (stage 1 by user, stage 2 by key),
 the timer that fires triggers on the fixed schedule, and the web server for ``/healthz``,
-``/readyz`` and ``/metrics``. All processing is :class:`processor.service.DpstreamWorker`.
+``/readyz`` and ``/metrics``. All processing is :class:`processor.adapters.worker.DpstreamWorker`.
 
 Records reach the agents in batches, from an aiokafka consumer (Faust's own Kafka client) that
 the app runs with static partition assignment (worker i of N owns partitions p % N == i; see
-:mod:`processor.service`). Faust's per-event stream path was measured at 13k events/s on this
+:mod:`processor.adapters.worker`). Faust's per-event stream path was measured at 13k events/s on this
 machine against 587k/s for aiokafka's ``getmany``, so one channel message carries one fetched
 batch of one partition. Messages are sent with confluent-kafka (:class:`topics.kafka.KafkaPublisher`).
 """
@@ -21,11 +21,19 @@ from dataclasses import dataclass, field
 import faust
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from processor.adapters.metrics import PipelineMetrics
+from processor.adapters.worker import DpstreamWorker, FiredTrigger, Ownership
 from processor.config import DpstreamConfig
-from processor.metrics import PipelineMetrics
-from processor.service import DpstreamWorker, FiredTrigger, Ownership
-from topics.kafka import (KafkaPublisher, aiokafka_security, client_security, create_topics, read_epoch_marks, repartition_topic,
-                          topics_for, write_epoch_mark)
+from topics.kafka import (
+    KafkaPublisher,
+    aiokafka_security,
+    client_security,
+    create_topics,
+    read_epoch_marks,
+    repartition_topic,
+    topics_for,
+    write_epoch_mark,
+)
 
 log = logging.getLogger("dpstream.worker")
 

@@ -49,16 +49,25 @@ from typing import Callable, Optional
 import numpy as np
 
 from accountant.plan import plan_fingerprint
-from processor.bounding import ContributionBounder, key_histories
 from processor.config import QueryConfig, level_plans_for, parse_duration_ms
-from processor.consistency import solve as solve_consistency
-from processor.key_selection import KeySelector, SelectionBatch
-from processor.noise import TREE_ID_DTYPE, NodeNoise, Pseudonymizer
-from processor.perturbation import HierarchicalPerturber, PerturbationBatch
-from processor.tree import ABSENT
+from processor.mechanisms.aggregates import aggregate_named
+from processor.mechanisms.bounding import ContributionBounder, key_histories
+from processor.mechanisms.consistency import solve as solve_consistency
+from processor.mechanisms.key_selection import KeySelector, SelectionBatch
+from processor.mechanisms.noise import TREE_ID_DTYPE, NodeNoise, Pseudonymizer
+from processor.mechanisms.perturbation import HierarchicalPerturber, PerturbationBatch
+from processor.mechanisms.tree import ABSENT
 from state.store import Store, WriteBatch
-from state.tables import (STATE_FORMAT, STORED_TREE_ID, WINDOW_OPEN, WINDOW_REFUSED, AMEND_ENTRY, EpochMarks, QueryTables,
-                          ViewEntry)
+from state.tables import (
+    AMEND_ENTRY,
+    STATE_FORMAT,
+    STORED_TREE_ID,
+    WINDOW_OPEN,
+    WINDOW_REFUSED,
+    EpochMarks,
+    QueryTables,
+    ViewEntry,
+)
 from topics.records import encode_json, key_for_output, key_text, release_record
 
 #: initial half-width of a value's domain in the consistency program, in standard deviations of
@@ -138,7 +147,7 @@ class BoundedRecords:
     slots: np.ndarray  # int64, 1..C
     units: np.ndarray  # int64, value on the grid
     previous: np.ndarray  # int64, predecessor trigger: the user's latest earlier record for this key (0: none)
-    amend: np.ndarray  # int64, micro-batch whose predecessor this record becomes (0: none; processor.bounding)
+    amend: np.ndarray  # int64, micro-batch whose predecessor this record becomes (0: none; processor.mechanisms.bounding)
     levels: np.ndarray  # int64, level of the key (1 = coarsest; always 1 for a flat query)
     roots: np.ndarray  # uint64, id of the key's level-1 prefix (the key itself for a flat query): routes stage 2
 
@@ -265,8 +274,9 @@ class QueryPipeline:
         plan = self.plan
         self.levels = KeySelector(plan, noise, query.name, 0).levels
         self.bounder = ContributionBounder(plan.contribution_bound, plan.clamp, plan.resolution)
-        assert np.dtype(TREE_ID_DTYPE) == STORED_TREE_ID, "key rows store tree ids of processor.noise's width"
-        self.tables = QueryTables(store, query.name, self.levels)
+        assert np.dtype(TREE_ID_DTYPE) == STORED_TREE_ID, "key rows store tree ids of processor.mechanisms.noise's width"
+        self.aggregate = aggregate_named(query.aggregate)
+        self.tables = QueryTables(store, query.name, self.levels, len(self.aggregate.columns))
         blank = np.zeros(1, dtype=self.tables.keys.dtype)  # a key not seen yet in the window
         blank["start"], blank["noise_max"], blank["sel_cache"], blank["pcache"] = 1, np.nan, ABSENT, ABSENT
         self._blank_row = blank
@@ -487,7 +497,7 @@ class QueryPipeline:
             w, i = int(records.window[part[0]]), int(records.trigger[part[0]])
             self.tables.pending.append(batch, w, i, seq, records.take(part).encode())
         # amendments: an out-of-order arrival becomes the predecessor of a later micro-batch's record
-        # (processor.bounding.key_histories); that micro-batch has not fired (triggers fire in order)
+        # (processor.mechanisms.bounding.key_histories); that micro-batch has not fired (triggers fire in order)
         amending = np.nonzero(records.amend > 0)[0]
         if len(amending):
             entries = np.empty(len(amending), dtype=AMEND_ENTRY)
@@ -574,7 +584,7 @@ class QueryPipeline:
             level_of[kidx], root_of[kidx] = micro.levels, micro.roots
             rows["level"][fresh], rows["root"][fresh] = level_of[fresh], root_of[fresh]
         # --- merge the micro-batch: users new to each key's round (the record before theirs in
-        # (trigger, arrival) order came before the round started: processor.bounding), counted
+        # (trigger, arrival) order came before the round started: processor.mechanisms.bounding), counted
         # once per (key, user) however many records they have here; buffered aggregate
         delta_units = np.zeros(n, dtype=np.int64)
         np.add.at(delta_units, kidx, rec_units)
@@ -584,7 +594,9 @@ class QueryPipeline:
         once = np.ones(len(order), dtype=bool)
         once[1:] = (k_new[1:] != k_new[:-1]) | (u_new[1:] != u_new[:-1])
         new_users = np.bincount(k_new[once], minlength=n).astype(np.int64)
-        rows["buffer"] += delta_units
+        rows["buffer"] += delta_units if self.aggregate.columns[0].needs_value else np.bincount(kidx, minlength=n)
+        for c, column in enumerate(self.aggregate.columns[1:], 2):
+            rows[f"buffer_{c}"] += delta_units if column.needs_value else np.bincount(kidx, minlength=n)
         # --- key selection, perturbation and visit planning, each level with its own plan
         released: list[tuple[int, int, dict]] = []
         levels = np.unique(rows["level"]).tolist()
@@ -675,23 +687,30 @@ class QueryPipeline:
 
     def _release(self, plan, window, trigger, all_ids, rows, names, selected) -> list[tuple[int, int, dict]]:
         sidx = np.nonzero(selected)[0]
-        perturber = HierarchicalPerturber(plan, self.noise, self.query.name, window)
         sub = rows[sidx]
-        pb = PerturbationBatch([names[j] for j in sidx], sub["released"].copy(), sub["pdone"].astype(np.int64), sub["pcache"].copy(),
-                               self._tree_ids(window, sub, "pert_tree", [names[j] for j in sidx], perturber.kind))
-        rows["pert_tree"][sidx] = sub["pert_tree"]
-        values = perturber.release(pb, trigger, rows["buffer"][sidx])  # exact: whole grid steps
-        rows["released"][sidx] = pb.released_units
-        rows["pdone"][sidx] = pb.done
-        rows["pcache"][sidx] = pb.cache
-        rows["buffer"][sidx] = 0
-        stddev = perturber.stddev(trigger)
+        sel_names = [names[j] for j in sidx]
+        values, stddevs = {}, {}
+        done = sub["pdone"].astype(np.int64)
+        # one perturbation tree per aggregate column (all released at the same triggers)
+        for c, column in enumerate(self.aggregate.columns, 1):
+            suffix = "" if c == 1 else f"_{c}"
+            perturber = HierarchicalPerturber(plan, self.noise, self.query.name, window, column.name, c - 1)
+            pb = PerturbationBatch(sel_names, sub["released" + suffix].copy(), done.copy(), sub["pcache" + suffix].copy(),
+                                   self._tree_ids(window, sub, "pert_tree" + suffix, sel_names, perturber.kind))
+            rows["pert_tree" + suffix][sidx] = sub["pert_tree" + suffix]
+            values[column.name] = perturber.release(pb, trigger, rows["buffer" + suffix][sidx])  # exact: whole grid steps
+            stddevs[column.name] = perturber.stddev(trigger)
+            rows["released" + suffix][sidx] = pb.released_units
+            rows["pcache" + suffix][sidx] = pb.cache
+            rows["buffer" + suffix][sidx] = 0
+        rows["pdone"][sidx] = trigger
         releases = []
-        for j, value in zip(sidx.tolist(), values):
+        for i, j in enumerate(sidx.tolist()):
+            fields = self.aggregate.release_fields({name: v[i] for name, v in values.items()}, stddevs)
             record = release_record(
                 query=self.query.name, window_start=window, window_end=window + self.schedule.window_ms, trigger=trigger,
                 trigger_time=self.schedule.trigger_time(window, trigger), key=key_for_output(names[j], self.query.key_fields),
-                aggregate=self.query.aggregate, value=value, stddev=stddev, epsilon=plan.epsilon, delta=plan.delta,
+                fields=fields, epsilon=plan.epsilon, delta=plan.delta,
             )
             if self.depth > 1:
                 record["level"] = plan.level
@@ -708,7 +727,7 @@ class QueryPipeline:
         compacted output topic holds exactly that). Only subtrees (level-1 roots) with a release
         at this trigger can change. Their released keys form a forest (a key's parent is its
         nearest released ancestor: an unreleased key in between is unknown, so it only adds to
-        the ancestor's remainder), and :func:`processor.consistency.solve` finds the
+        the ancestor's remainder), and :func:`processor.mechanisms.consistency.solve` finds the
         non-negative integers closest to the noisy counts in L2, weighted by each count's inverse
         variance (the paper's plain L2 when all variances are equal), such that every released
         parent is at least the sum of its released descendants. Each record then carries
@@ -763,8 +782,8 @@ class QueryPipeline:
                     continue
                 record = release_record(
                     query=self.query.name, window_start=window, window_end=window + self.schedule.window_ms, trigger=trigger,
-                    trigger_time=self.schedule.trigger_time(window, trigger), key=e["parts"], aggregate=self.query.aggregate,
-                    value=e["count"], stddev=e["stddev"], epsilon=self.plan.epsilon, delta=self.plan.delta)
+                    trigger_time=self.schedule.trigger_time(window, trigger), key=e["parts"],
+                    fields={"count": e["count"], "stddev": e["stddev"]}, epsilon=self.plan.epsilon, delta=self.plan.delta)
                 record["level"] = e["level"]
                 self.stats.consistency_updates += 1
             record["released_at"] = e["released_at"]

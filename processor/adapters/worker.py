@@ -1,8 +1,8 @@
 """What the Kafka worker does with records, free of Faust and of any Kafka client.
 
-The Faust adapter (:mod:`processor.faust_app`) reads batches of records, hands them here, sends
+The Faust adapter (:mod:`processor.adapters.faust_app`) reads batches of records, hands them here, sends
 the messages this returns, waits for the broker to acknowledge them, and only then commits the
-state write this prepared. Everything DP happens in :class:`processor.pipeline.QueryPipeline`,
+state write this prepared. Everything DP happens in :class:`processor.engine.pipeline.QueryPipeline`,
 the same code ``dpstream replay`` and the benchmarks run.
 
 Partitions and state (docs/operations.md, "Partitions and state"; docs/privacy.md, "Failures"). Worker ``i`` of ``N`` owns partition ``p``
@@ -45,19 +45,19 @@ from typing import Iterable, Optional, Protocol, Sequence
 
 import numpy as np
 
-from processor.budget import LEDGER_STORE, BudgetGate, open_ledger
+from processor.adapters.metrics import PipelineMetrics
 from processor.config import DpstreamConfig, plan_for
-from processor.dynamic_stream import DynamicQueryState
-from processor.engine.runner import Fired, QueryRunner
-from processor.metrics import PipelineMetrics
-from processor.noise import NodeNoise, Pseudonymizer
-from processor.pipeline import (
+from processor.engine.budget import LEDGER_STORE, BudgetGate, open_ledger
+from processor.engine.dynamic_stream import DynamicQueryState
+from processor.engine.pipeline import (
     BoundedRecords,
     EventColumns,
     PipelineStats,
     QueryPipeline,
     check_noise_epoch,
 )
+from processor.engine.runner import Fired, QueryRunner
+from processor.mechanisms.noise import NodeNoise, Pseudonymizer
 from state import keys as sk
 from state.store import PartitionStores, Store, WriteBatch
 from topics.kafka import DEAD_LETTER_TOPIC, repartition_topic
