@@ -168,7 +168,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     secret = load_noise_secret(args.noise_key_file)
     start, until = _time_arg("--start", args.start), _time_arg("--until", args.until)
     runner = ReplayRunner(config, secret, args.state_dir, noise_label=args.noise_label, start_ms=start)
-    resuming = runner._meta_int(b"lines") > 0
+    resuming = runner.lines_consumed > 0
     log = (lambda line: print(line, file=sys.stderr)) if not args.quiet else None
     try:
         with open(args.output, "a" if resuming else "w") as out:

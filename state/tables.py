@@ -560,3 +560,95 @@ class QueryTables:
         self.users.cache.drop_window(window)
         self.names.drop_window(window)
         self.keys.cache.drop_window(window)
+
+
+class IntegerMark:
+    """Meta ``<name>``: one signed 64-bit integer a runner keeps with its state, such as the input
+    position its state covers (replay's ``lines``, the worker's ``offset`` per partition) or the
+    start of a budget schedule (``schedule-start``)."""
+
+    def __init__(self, store: Store, name: bytes):
+        self.store, self.key = store, sk.META + name
+
+    def get(self, default: Optional[int] = None) -> Optional[int]:
+        raw = self.store.get(self.key)
+        return int.from_bytes(raw, "little", signed=True) if raw else default
+
+    def put(self, batch: WriteBatch, value: int) -> None:
+        batch.put(self.key, int(value).to_bytes(8, "little", signed=True))
+
+
+class ClockState:
+    """Meta ``watermark<name>`` and ``held<name>``: a replay clock's state (an opaque blob) and the
+    events it holds back, by input line."""
+
+    def __init__(self, store: Store, name: bytes):
+        self.store = store
+        self._clock_key = sk.META + b"watermark" + name
+        self._held_prefix = sk.META + b"held" + name
+
+    def get(self) -> Optional[bytes]:
+        return self.store.get(self._clock_key)
+
+    def put(self, batch: WriteBatch, state: bytes) -> None:
+        batch.put(self._clock_key, state)
+
+    def held(self) -> Iterator[tuple[int, bytes]]:
+        """(input line, raw event) of every held event, in line order."""
+        for key, line in self.store.scan_prefix(self._held_prefix):
+            yield int.from_bytes(key[-8:], "big"), line
+
+    def hold(self, batch: WriteBatch, line_no: int, raw: bytes) -> None:
+        batch.put(self._held_prefix + int(line_no).to_bytes(8, "big"), raw)
+
+    def release(self, batch: WriteBatch, line_no: int) -> None:
+        batch.delete(self._held_prefix + int(line_no).to_bytes(8, "big"))
+
+
+class DynamicTables:
+    """A dynamic query's tables (no windows): ``d`` the update log (sequence -> item u32, op u8,
+    tick u64), ``n`` updates counted per privacy unit (u32), and its meta marks: the plan it was
+    started under, the last tick decided and the last published."""
+
+    def __init__(self, store: Store, query_name: str):
+        self.store = store
+        self.qid = qid = sk.query_id(query_name)
+        self.plan, self.decided, self.published = (sk.META + name + qid for name in (b"dyn-plan", b"dyn-decided", b"dyn-published"))
+
+    def units(self) -> Iterator[tuple[int, int]]:
+        for key, value in self.store.scan_prefix(sk.DYNAMIC_UNITS + self.qid):
+            yield int.from_bytes(key[-8:], "big"), int.from_bytes(value, "little")
+
+    def put_unit(self, batch: WriteBatch, unit: int, used: int) -> None:
+        batch.put(sk.DYNAMIC_UNITS + self.qid + int(unit).to_bytes(8, "big"), int(used).to_bytes(4, "little"))
+
+    def log(self) -> Iterator[tuple[int, int, int, int]]:
+        """(sequence, item index, op code, tick) of every logged update, in sequence order."""
+        for key, value in self.store.scan_prefix(sk.DYNAMIC_LOG + self.qid):
+            yield int.from_bytes(key[-8:], "big"), int.from_bytes(value[:4], "little"), value[4], int.from_bytes(value[5:13], "little")
+
+    def append(self, batch: WriteBatch, seq: int, item: int, op: int, tick: int) -> None:
+        batch.put(sk.DYNAMIC_LOG + self.qid + int(seq).to_bytes(8, "big"),
+                  int(item).to_bytes(4, "little") + bytes([op]) + int(tick).to_bytes(8, "little"))
+
+    def pinned_plan(self) -> Optional[bytes]:
+        return self.store.get(self.plan)
+
+    def pin_plan(self, fingerprint: bytes) -> None:
+        batch = WriteBatch()
+        batch.put(self.plan, fingerprint)
+        self.store.write(batch)
+
+    def last_decided(self) -> Optional[int]:
+        raw = self.store.get(self.decided)
+        return None if raw is None else int.from_bytes(raw, "little")
+
+    def put_decided(self, batch: WriteBatch, tick: int) -> None:
+        batch.put(self.decided, int(tick).to_bytes(8, "little"))
+
+    def last_published(self) -> int:
+        raw = self.store.get(self.published)
+        return int.from_bytes(raw, "little") if raw else 0
+
+    def put_published(self, batch: WriteBatch, segment: int) -> None:
+        batch.put(self.published, int(segment).to_bytes(4, "little"))

@@ -51,8 +51,8 @@ from processor.engine.dynamic_stream import DynamicQueryState
 from processor.engine.pipeline import EventColumns, QueryPipeline, check_noise_epoch
 from processor.engine.runner import Engine, Fired, QueryRunner
 from processor.mechanisms.noise import NodeNoise, Pseudonymizer
-from state import keys as sk
 from state.store import PartitionStores, WriteBatch
+from state.tables import ClockState, EpochMarks, IntegerMark
 from topics.records import (
     EventParser,
     InvalidRecord,
@@ -120,9 +120,8 @@ class ReplayClock:
 
     def __init__(self, name: bytes, skew_ms: int, store, start_ms: Optional[int], parse: Callable[[bytes, int], Optional[_Held]]):
         self.skew = skew_ms
-        self._clock_key = sk.META + b"watermark" + name
-        self._held_prefix = sk.META + b"held" + name
-        raw = store.get(self._clock_key)
+        self._state = ClockState(store, name)
+        raw = self._state.get()
         self.clock: Optional[int] = start_ms
         #: the two units with the latest accepted events: unit -> its latest accepted time
         self.top: dict[int, int] = {}
@@ -131,8 +130,8 @@ class ReplayClock:
             self.clock = state["clock"]
             self.top = {int(u): int(t) for u, t in state["top"]}
         self.held: list[_Held] = []
-        for key, line in store.scan_prefix(self._held_prefix):
-            held = parse(line, int.from_bytes(key[-8:], "big"))
+        for line_no, line in self._state.held():
+            held = parse(line, line_no)
             if held is not None:
                 self.held.append(held)
         #: each unit's earliest held event time (what the jump rule looks at)
@@ -146,7 +145,7 @@ class ReplayClock:
 
     def save(self, batch: WriteBatch) -> None:
         if self.clock is not None:
-            batch.put(self._clock_key, json.dumps({"clock": self.clock, "top": sorted(self.top.items())}).encode())
+            self._state.put(batch, json.dumps({"clock": self.clock, "top": sorted(self.top.items())}).encode())
 
     def _note(self, unit: int, ts: int) -> None:
         """An accepted event: keep the two latest units, and the clock at the second of them."""
@@ -193,7 +192,7 @@ class ReplayClock:
                 for h in ready:  # in arrival order
                     held.remove(h)
                     per_unit[h.unit] -= 1
-                    batch.delete(self._held_prefix + h.line_no.to_bytes(8, "big"))
+                    self._state.release(batch, h.line_no)
                     take(h)
                 self._recount()
 
@@ -213,7 +212,7 @@ class ReplayClock:
             else:
                 held.append(h)
                 per_unit[h.unit] += 1
-                batch.put(self._held_prefix + h.line_no.to_bytes(8, "big"), h.raw)
+                self._state.hold(batch, h.line_no, h.raw)
                 earliest = self._earliest.get(h.unit)
                 if earliest is None or h.ts < earliest:
                     # the unit's earliest held time moved: maybe two units now cross a gap
@@ -247,7 +246,7 @@ class ReplayClock:
             clock = max(clock, h.ts - self.skew)
             accepted.append(h)
             prior.append(clock)
-            batch.delete(self._held_prefix + h.line_no.to_bytes(8, "big"))
+            self._state.release(batch, h.line_no)
         self.held = sorted(later, key=lambda h: h.line_no)
         self._recount()
         self.clock = max(clock, until_ms)
@@ -258,7 +257,7 @@ class ReplayClock:
         out, self.held = self.held, []
         self._earliest = {}
         for h in out:
-            batch.delete(self._held_prefix + h.line_no.to_bytes(8, "big"))
+            self._state.release(batch, h.line_no)
         return out
 
 
@@ -320,12 +319,12 @@ class ReplayRunner:
     def _noise_label(self, given: Optional[str]) -> str:
         """The run's noise label: the one this state directory was written with, else ``given``,
         else a fresh random one (stored with the state by the epoch check)."""
-        stored = self.store.get(sk.META + b"noise-label")
+        stored = EpochMarks(self.store).label()
         if stored is not None:
-            if given is not None and given != stored.decode():
+            if given is not None and given != stored:
                 raise ReplayError("--noise-label: this state directory was written under another noise label; resume it "
                                   "without --noise-label (or with its own), or use a new state directory")
-            return stored.decode()
+            return stored
         return given if given is not None else os.urandom(16).hex()
 
     @property
@@ -365,13 +364,15 @@ class ReplayRunner:
         return parse
 
     # -------------------------------------------------------------- meta
-    def _meta_int(self, name: bytes, default: int = 0) -> int:
-        value = self.store.get(sk.META + name)
-        return int.from_bytes(value, "little", signed=True) if value else default
+    @property
+    def _lines(self) -> IntegerMark:
+        """Input lines the state covers (replay's input position)."""
+        return IntegerMark(self.store, b"lines")
 
-    @staticmethod
-    def _put_int(batch: WriteBatch, name: bytes, value: int) -> None:
-        batch.put(sk.META + name, int(value).to_bytes(8, "little", signed=True))
+    @property
+    def lines_consumed(self) -> int:
+        """Input lines a previous run on this state directory already covered (0: a fresh one)."""
+        return self._lines.get(0)
 
     # -------------------------------------------------------------- run
     def run(self, input_path: str, output: TextIO, dead_letters: Optional[TextIO] = None,
@@ -383,7 +384,7 @@ class ReplayRunner:
         summary = ReplaySummary()
         started = time.perf_counter()
         self._republish(output, summary)
-        consumed = self._meta_int(b"lines")
+        consumed = self._lines.get(0)
         self._reported = 0
         last_progress = time.perf_counter()
         line_no = 0
@@ -395,7 +396,7 @@ class ReplayRunner:
             batch = self._process_chunk(chunk, summary, dead_letters, until_ms)
             # bounded records, user slots, logged updates, lines consumed, clocks and held
             # events: one atomic write
-            self._put_int(batch, b"lines", chunk[-1][0])
+            self._lines.put(batch, chunk[-1][0])
             for clock in self.clocks + self.dynamic_clocks:
                 clock.save(batch)
             self.store.write(batch)
@@ -433,7 +434,7 @@ class ReplayRunner:
             # the clocks walk to the public end: held events dated up to it are accepted
             # (ReplayClock.settle); micro-batch blobs of this step get a sequence number no input
             # line can have, so a later run on this state never overwrites them
-            seq = SETTLE_SEQ + self._meta_int(b"lines")
+            seq = SETTLE_SEQ + self._lines.get(0)
             for runner, clock in zip(self.engine.runners, self.clocks):
                 accepted, prior = clock.settle(until_ms, batch)
                 self._feed_events(runner, accepted, prior, seq, batch, summary, dead_letters)

@@ -58,8 +58,8 @@ from processor.engine.pipeline import (
 )
 from processor.engine.runner import Fired, QueryRunner
 from processor.mechanisms.noise import NodeNoise, Pseudonymizer
-from state import keys as sk
 from state.store import PartitionStores, Store, WriteBatch
+from state.tables import IntegerMark
 from topics.kafka import DEAD_LETTER_TOPIC, repartition_topic
 from topics.records import (
     EventParser,
@@ -139,9 +139,8 @@ class SourcePartition:
         self.store = store
         self.pipelines = pipelines
         self.runners = [QueryRunner(p) for p in pipelines]
-        self._offset_key = sk.META + b"offset"
-        raw = store.get(self._offset_key)
-        self.last_offset = int.from_bytes(raw, "little", signed=True) if raw else -1
+        self._offset = IntegerMark(store, b"offset")
+        self.last_offset = self._offset.get(-1)
 
     @property
     def name(self) -> str:
@@ -149,7 +148,7 @@ class SourcePartition:
 
     def commit(self, batch: WriteBatch, last_offset: int) -> None:
         """The state changes of records up to ``last_offset`` and that offset: one atomic write."""
-        batch.put(self._offset_key, int(last_offset).to_bytes(8, "little", signed=True))
+        self._offset.put(batch, last_offset)
         self.store.write(batch)
         self.last_offset = last_offset
 
@@ -249,14 +248,13 @@ class DpstreamWorker:
         if self.gate is not None:
             start = config.budget.start_ms
             if start is None:
-                raw = ledger_store.get(sk.META + b"schedule-start")
-                if raw is None:
+                mark = IntegerMark(ledger_store, b"schedule-start")
+                start = mark.get()
+                if start is None:
                     start = int(now_ms if now_ms is not None else time.time() * 1000)
                     batch = WriteBatch()
-                    batch.put(sk.META + b"schedule-start", start.to_bytes(8, "little", signed=True))
+                    mark.put(batch, start)
                     ledger_store.write(batch)
-                else:
-                    start = int.from_bytes(raw, "little", signed=True)
             for source in self.stage2.values():
                 for pipe in source.pipelines:
                     pipe.set_schedule(self.gate.window_gate(pipe.query), start)

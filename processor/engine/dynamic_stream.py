@@ -35,8 +35,8 @@ from processor.config import DynamicQueryConfig
 from processor.engine.pipeline import PlanChangedError
 from processor.mechanisms.dynamic import DynamicCounter, DynamicRelease
 from processor.mechanisms.noise import NodeNoise, Pseudonymizer
-from state import keys as sk
 from state.store import Store, WriteBatch
+from state.tables import DynamicTables
 from topics.records import InvalidRecord, _text
 
 OPS = {"insert": 1, "delete": 2}
@@ -68,7 +68,8 @@ class DynamicQueryState:
         self.query = query
         self.store = store
         self.pseudonyms = pseudonyms
-        self.qid = sk.query_id(query.name)
+        self.tables = DynamicTables(store, query.name)
+        self.qid = self.tables.qid
         self._pin_plan()
         self.counter = DynamicCounter(query.plan(), query.items, noise, query.name)
         self.dropped: Counter = Counter()
@@ -76,46 +77,32 @@ class DynamicQueryState:
         self.updates_in = 0
         self.releases = 0
         self._units: dict[int, int] = {}
-        for key, value in store.scan_prefix(sk.DYNAMIC_UNITS + self.qid):
-            self._units[int.from_bytes(key[-8:], "big")] = int.from_bytes(value, "little")
-        raw = store.get(self._published_key)
-        self.published = int.from_bytes(raw, "little") if raw else 0
+        self._units.update(self.tables.units())
+        self.published = self.tables.last_published()
         self.pending: list[DynamicRelease] = []  # recomputed by the recovery, not yet published
         #: logged updates of ticks not decided yet
         self.waiting: list[LoggedUpdate] = []
         self._next_seq = 0
-        for key, value in store.scan_prefix(sk.DYNAMIC_LOG + self.qid):
-            item, op, tick = int.from_bytes(value[:4], "little"), OP_NAMES[value[4]], int.from_bytes(value[5:13], "little")
-            seq = int.from_bytes(key[-8:], "big")
-            self.waiting.append(LoggedUpdate(seq, item, op, tick))
+        for seq, item, op, tick in self.tables.log():
+            self.waiting.append(LoggedUpdate(seq, item, OP_NAMES[op], tick))
             self._next_seq = seq + 1
-        raw = store.get(self._decided_key)
-        if raw is not None:
-            released, _ = self._decide(int.from_bytes(raw, "little"))
+        decided = self.tables.last_decided()
+        if decided is not None:
+            released, _ = self._decide(decided)
             self.pending += [r for r in released if r.segment > self.published]
 
     def _pin_plan(self) -> None:
         """The state holds counters built under one plan (budget, items, ticks); resuming them
         under another would recompute released nodes under another noise scale from the same
         uniforms (docs/privacy.md, "Windows and budget"): refused."""
-        key, mine = sk.META + b"dyn-plan" + self.qid, self.query.fingerprint().encode()
-        stored = self.store.get(key)
+        mine = self.query.fingerprint().encode()
+        stored = self.tables.pinned_plan()
         if stored is None:
-            batch = WriteBatch()
-            batch.put(key, mine)
-            self.store.write(batch)
+            self.tables.pin_plan(mine)
         elif stored != mine:
             raise PlanChangedError(f"dynamic query {self.query.name!r} was started under another plan (epsilon, items, tick "
                                    f"or start changed): it must finish on the plan it was started with; use a new name or "
                                    f"a new state directory for the new plan")
-
-    @property
-    def _decided_key(self) -> bytes:
-        return sk.META + b"dyn-decided" + self.qid
-
-    @property
-    def _published_key(self) -> bytes:
-        return sk.META + b"dyn-published" + self.qid
 
     @property
     def decided(self) -> int:
@@ -174,11 +161,10 @@ class DynamicQueryState:
                 self.dropped["contribution_bound"] += 1
                 return None
             self._units[uid] = used + 1
-            batch.put(sk.DYNAMIC_UNITS + self.qid + uid.to_bytes(8, "big"), (used + 1).to_bytes(4, "little"))
+            self.tables.put_unit(batch, uid, used + 1)
         update = LoggedUpdate(self._next_seq, self.counter.index[item], op, tick)
         self._next_seq += 1
-        batch.put(sk.DYNAMIC_LOG + self.qid + update.seq.to_bytes(8, "big"),
-                  update.item.to_bytes(4, "little") + bytes([OPS[op]]) + tick.to_bytes(8, "little"))
+        self.tables.append(batch, update.seq, update.item, OPS[op], tick)
         self.waiting.append(update)
         return None
 
@@ -212,7 +198,7 @@ class DynamicQueryState:
         releases, refused = self._decide(last)
         self.pending += releases
         self.dropped["malformed"] += len(refused)
-        batch.put(self._decided_key, int(last).to_bytes(8, "little"))
+        self.tables.put_decided(batch, last)
         return [(u, ABSENT_DELETE) for u in refused]
 
     def describe(self, update: LoggedUpdate) -> bytes:
@@ -229,5 +215,5 @@ class DynamicQueryState:
         if self.pending:
             self.published = self.pending[-1].segment
             self.releases += len(self.pending)
-            batch.put(self._published_key, self.published.to_bytes(4, "little"))
+            self.tables.put_published(batch, self.published)
             self.pending = []
