@@ -87,7 +87,7 @@ class QueryBudget:
     key_selection_share: float = 0.5
     composition: str = "zcdp"  # zcdp | basic
     resolution: Optional[float] = None  # value grid for sums; counts use 1
-    levels: int = 1  # levels of a hierarchical query (docs/privacy.md, "Post-processing: hierarchical consistency"); 1: a flat histogram
+    hierarchy_depth: int = 1  # histograms of a hierarchical query, one per level (docs/privacy.md, "Post-processing: hierarchical consistency"); 1: a flat histogram
     level_shares: Optional[tuple] = None  # share of the budget per level (sum 1); None: equal
     #: what one record adds to each perturbed column, one tree per column: ONE (1: a count) or
     #: VALUE (the clamped value: bound L); None: from ``aggregate`` (count: ONE, sum: VALUE)
@@ -129,7 +129,7 @@ class PrivacyPlan:
     thresholds: tuple = field(repr=False)
     expected_stddev: float = 0.0
     level: int = 1  # which level of a hierarchical query this plan calibrates (1 = coarsest)
-    levels: int = 1
+    levels: int = 1  # the query's hierarchy depth (named ``levels`` in plans and their fingerprints)
     level_share: float = 1.0  # this level's share of the query's budget
     #: an aggregate of several columns (processor.mechanisms.aggregates): per column (kind,
     #: sigma, sigma in grid units, grid step); the fields above describe the first column.
@@ -197,12 +197,12 @@ def _check(budget: QueryBudget) -> None:
         raise BudgetError("beta", f"must be in (0, 1) or null, got {budget.beta!r}")
     if not 0 < budget.key_selection_share < 1:
         raise BudgetError("key_selection_share", f"must be in (0, 1), got {budget.key_selection_share!r}")
-    if not (isinstance(budget.levels, int) and 1 <= budget.levels <= 16):
-        raise BudgetError("levels", f"must be an integer in [1, 16], got {budget.levels!r}")
+    if not (isinstance(budget.hierarchy_depth, int) and 1 <= budget.hierarchy_depth <= 16):
+        raise BudgetError("hierarchy_depth", f"must be an integer in [1, 16], got {budget.hierarchy_depth!r}")
     if budget.level_shares is not None:
         shares = list(budget.level_shares)
-        if len(shares) != budget.levels or not all(isinstance(x, (int, float)) and math.isfinite(x) and x > 0 for x in shares):
-            raise BudgetError("level_shares", f"must be {budget.levels} positive numbers, one per level, got {shares!r}")
+        if len(shares) != budget.hierarchy_depth or not all(isinstance(x, (int, float)) and math.isfinite(x) and x > 0 for x in shares):
+            raise BudgetError("level_shares", f"must be {budget.hierarchy_depth} positive numbers, one per level, got {shares!r}")
         if abs(sum(shares) - 1.0) > 1e-9:
             raise BudgetError("level_shares", f"must add up to 1, got {sum(shares):.12g}")
     if budget.composition not in ("zcdp", "basic"):
@@ -253,7 +253,7 @@ def columns_of(budget: QueryBudget) -> tuple[str, ...]:
 
 def _level_shares(budget: QueryBudget) -> tuple[float, ...]:
     if budget.level_shares is None:
-        return (1.0 / budget.levels,) * budget.levels
+        return (1.0 / budget.hierarchy_depth,) * budget.hierarchy_depth
     return tuple(float(s) for s in budget.level_shares)
 
 
@@ -286,7 +286,7 @@ def plan_levels(budget: QueryBudget) -> tuple[PrivacyPlan, ...]:
     eps, delta, C = budget.epsilon, budget.delta, budget.contribution_bound
     h = read_levels(budget.triggers)
     share = budget.key_selection_share
-    levels = budget.levels
+    levels = budget.hierarchy_depth
     shares = _level_shares(budget)
     kinds = columns_of(budget)
     ncols = len(kinds)

@@ -65,7 +65,7 @@ def _plan_entry(query: QueryConfig, plan: PrivacyPlan) -> dict:
 
 def _human_levels(query: QueryConfig, plan: PrivacyPlan) -> list[str]:
     """The hierarchy's split: each level's share, noise and thresholds, and the free consistency step."""
-    lines = [f"  hierarchy          {query.levels} histograms, one per prefix of key_fields (coarse to fine); every record "
+    lines = [f"  hierarchy          {query.hierarchy_depth} histograms, one per prefix of key_fields (coarse to fine); every record "
              f"counts once in each; budget split by level (rho shares in zcdp, (eps, delta) shares in basic)"]
     for p in level_plans_for(query):
         taus = p.thresholds

@@ -173,7 +173,7 @@ class QueryConfig(BaseModel):
         return self
 
     @property
-    def levels(self) -> int:
+    def hierarchy_depth(self) -> int:
         """Histograms kept: one per prefix of key_fields for a hierarchy, else one."""
         return len(self.key_fields) if self.hierarchy else 1
 
@@ -195,7 +195,7 @@ class QueryConfig(BaseModel):
             key_selection_share=self.key_selection_share,
             composition=self.composition,
             resolution=self.resolution,
-            levels=self.levels,
+            hierarchy_depth=self.hierarchy_depth,
             level_shares=tuple(self.level_shares) if self.level_shares is not None else None,
         )
 
@@ -363,6 +363,17 @@ class DpstreamConfig(BaseModel):
     queries: list[QueryConfig] = Field(default_factory=list)
     dynamic: list[DynamicQueryConfig] = Field(default_factory=list)
     budget: Optional[BudgetConfig] = None
+    #: how input records are encoded (topics.decoding.DECODERS): json
+    input_format: str = "json"
+
+    @field_validator("input_format")
+    @classmethod
+    def _input_format(cls, value: str) -> str:
+        from topics.decoding import DECODERS
+
+        if value not in DECODERS:
+            raise ValueError(f"must be one of {', '.join(DECODERS)}, got {value!r}")
+        return value
 
     @model_validator(mode="after")
     def _unique_names(self) -> "DpstreamConfig":

@@ -71,3 +71,47 @@ def broker() -> str:
     yield address
     if started:
         subprocess.run([str(ROOT / "scripts" / "broker"), "stop", str(BROKER_PORT)], capture_output=True)
+
+
+# ---------------------------------------------------------------- markers (pyproject.toml: broker, slow, statistical)
+#: many-sample checks of noise distributions and calibration, tolerances stated in each test
+STATISTICAL = (
+    "tests/test_honaker_statistics.py::test_prefix_noise_is_unbiased_with_eq2_variance",
+    "tests/test_honaker_statistics.py::test_honaker_node_estimates_have_eq1_variance",
+    "tests/test_honaker_statistics.py::test_disjoint_decomposition_nodes_are_uncorrelated",
+    "tests/test_key_selection.py::test_false_release_rate_round0_without_gate",
+    "tests/test_key_selection.py::test_false_release_rate_after_a_release",
+    "tests/test_key_selection.py::test_subgaussian_single_leaf_tail_is_exact",
+    "tests/test_key_selection.py::test_subgaussian_tail_bound_holds_for_the_integer_noise",
+    "tests/test_noise.py::test_samples_follow_the_pmf_chi_square",
+    "tests/test_noise.py::test_empirical_variance_matches",
+    "tests/test_perturbation.py::test_releases_unbiased_with_prefix_variance",
+    "tests/test_dynamic.py::test_discrete_laplace_sampler_moments_and_pmf",
+    "tests/privacy/test_exact_laplace.py::test_distribution_matches_the_exact_pmf",
+    "tests/test_aggregates.py::test_count_column_noise_matches_its_declared_stddev",
+)
+#: tests over about 5 s on the 2-core CI machine (measured with --durations; the broker tests
+#: are all slow too: 23-72 s each)
+SLOW = (
+    "tests/test_kafka_worker.py",
+    "tests/test_dynamic.py::test_partitioner_matches_algorithm_2_and_respects_horizons",
+    "tests/privacy/test_replay_clock.py::test_property_chunking_and_resume_do_not_change_anything",
+    "tests/privacy/test_arrival_order.py::test_releases_do_not_depend_on_arrival_order",
+    "tests/privacy/test_arrival_order.py::test_one_user_moves_perturbation_trees_by_at_most_c_times_l",
+    "tests/privacy/test_arrival_order.py::test_hierarchy_levels_get_each_admitted_record_once",
+    "tests/privacy/test_dynamic_ticks.py::test_property_releases_up_to_t_do_not_depend_on_updates_after_t",
+    "tests/privacy/test_budget_schedule.py::test_property_one_users_records_never_change_refusals_spend_or_other_keys",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Markers from what a test uses, so a new test cannot forget them: ``broker`` for any test
+    using the broker fixture; ``statistical`` and ``slow`` from the lists above."""
+    for item in items:
+        base = item.nodeid.split("[")[0]
+        if "broker" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.broker)
+        if base in STATISTICAL:
+            item.add_marker(pytest.mark.statistical)
+        if base in SLOW or item.nodeid.split("::")[0] in SLOW:
+            item.add_marker(pytest.mark.slow)

@@ -233,7 +233,7 @@ def test_plan_bookkeeping_zcdp(T):
 
 def test_plan_bookkeeping_basic():
     plan = plan_query(QueryBudget(triggers=100, composition="basic", **DPSQLP))
-    eps, delta, C, h = plan.epsilon, plan.delta, plan.contribution_bound, plan.tree_height
+    eps, delta, C = plan.epsilon, plan.delta, plan.contribution_bound
     assert plan.epsilon_key_selection == plan.epsilon_perturbation == eps / 2
     assert plan.delta_key_selection == pytest.approx(2 * delta / 3, rel=1e-12)
     assert plan.delta_perturbation == pytest.approx(delta / 3, rel=1e-12)

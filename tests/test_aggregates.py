@@ -71,7 +71,7 @@ def test_one_column_plans_do_not_change(aggregate, clamp, kinds, composition):
     """COUNT and SUM through the column machinery: the same plan and fingerprint as before, so
     open windows of existing state directories keep their pinned plan."""
     base = dict(epsilon=1.0, delta=1e-6, triggers=48, contribution_bound=4, clamp=clamp, aggregate=aggregate,
-                composition=composition, levels=2)
+                composition=composition, hierarchy_depth=2)
     implicit, explicit = plan_levels(QueryBudget(**base)), plan_levels(QueryBudget(**base, columns=kinds))
     assert implicit == explicit and all(p.columns is None for p in implicit)
     assert plan_fingerprint(implicit) == plan_fingerprint(explicit)
@@ -101,7 +101,7 @@ def test_count_column_noise_matches_its_declared_stddev():
     n, trigger = 20_000, 5
     perturber = HierarchicalPerturber(plan, NodeNoise(TEST_SECRET, "aggregates"), "q", 0, "count", 1)
     batch = PerturbationBatch([f"k{i}" for i in range(n)], np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64),
-                              np.full((n, perturber.levels), np.iinfo(np.int64).min, dtype=np.int64))
+                              np.full((n, perturber.tree_levels), np.iinfo(np.int64).min, dtype=np.int64))
     truth = np.arange(n, dtype=np.int64) % 7
     released = np.array(perturber.release(batch, trigger, truth))
     assert released.dtype.kind == "i"  # a count is published as an integer

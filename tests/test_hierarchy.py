@@ -111,7 +111,7 @@ def test_bad_hierarchy_config_names_the_field(tmp_path, patch, field):
 def test_levels_compose_to_the_declared_budget(composition, shares):
     """Every level's Gaussian mechanisms together meet (eps, delta), checked by dp_accounting's
     RDP accountant; the thresholding term counts C keys per level."""
-    budget = QueryBudget(epsilon=6.0, delta=1e-9, triggers=100, contribution_bound=32, composition=composition, levels=3,
+    budget = QueryBudget(epsilon=6.0, delta=1e-9, triggers=100, contribution_bound=32, composition=composition, hierarchy_depth=3,
                          level_shares=shares)
     plans = plan_levels(budget)
     assert [p.level for p in plans] == [1, 2, 3] and plan_query(budget) == plans[0]
@@ -143,7 +143,7 @@ def test_levels_compose_to_the_declared_budget(composition, shares):
 
 def test_level_shares_must_match_the_levels():
     with pytest.raises(BudgetError, match="level_shares"):
-        plan_levels(QueryBudget(epsilon=1.0, delta=1e-9, triggers=4, contribution_bound=1, levels=2, level_shares=(1.0,)))
+        plan_levels(QueryBudget(epsilon=1.0, delta=1e-9, triggers=4, contribution_bound=1, hierarchy_depth=2, level_shares=(1.0,)))
 
 
 def test_plan_shows_the_split_and_the_free_consistency_step(tmp_path, capsys):

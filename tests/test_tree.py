@@ -49,7 +49,7 @@ def test_forest_matches_reference_tree_with_random_step_sizes(noise, rng, T):
     values = rng.integers(0, 5, size=T).tolist()
     expected = reference_prefix_estimates(noise, sampler, tree_id, values)
     # walk the tree in random jumps, carrying only the frontier cache
-    done, cache, prefix = 0, forest.empty_cache(1), 0
+    done, cache = 0, forest.empty_cache(1)
     ids = np.array([tree_id], dtype="S16")
     while done < T:
         upto = min(T, done + int(rng.integers(1, 6)))

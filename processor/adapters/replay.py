@@ -53,12 +53,12 @@ from processor.engine.runner import Engine, Fired, QueryRunner
 from processor.mechanisms.noise import NodeNoise, Pseudonymizer
 from state.store import PartitionStores, WriteBatch
 from state.tables import ClockState, EpochMarks, IntegerMark
+from topics.decoding import decoder_for
 from topics.records import (
     EventParser,
     InvalidRecord,
     dead_letter,
     encode_json,
-    json_object,
 )
 
 CHUNK_LINES = 50_000
@@ -294,6 +294,7 @@ class ReplayRunner:
         self._check_epoch()
         self.pipelines = [QueryPipeline(q, self.noise, self.store, self.pseudonyms) for q in config.queries]
         self.engine = Engine(self.pipelines)
+        self.decoder = decoder_for(config.input_format)
         self.parsers = [EventParser.for_query(q) for q in config.queries]
         self.dynamic = [DynamicQueryState(q, self.noise, self.pseudonyms, self.store) for q in config.dynamic]
         self.start_ms = start_ms
@@ -345,7 +346,7 @@ class ReplayRunner:
         parser = self.parsers[q]
 
         def parse(raw: bytes, line_no: int, obj=None) -> Optional[_Held]:
-            event = parser.from_mapping(obj) if obj is not None else parser.parse(raw)
+            event = parser.from_mapping(obj if obj is not None else self.decoder.decode([raw])[0])
             if isinstance(event, InvalidRecord):
                 return None
             return _Held(line_no, raw, event.ts, int(self.pseudonyms.users([event.user])[0]), event)
@@ -353,14 +354,13 @@ class ReplayRunner:
 
     def _update_parser(self, dyn: DynamicQueryState) -> Callable[[bytes, int], Optional[_Held]]:
         def parse(raw: bytes, line_no: int, obj=None) -> Optional[_Held]:
-            obj = json_object(raw) if obj is None else obj
-            parsed = dyn.parse(obj)
-            if isinstance(parsed, InvalidRecord):
+            obj = self.decoder.decode([raw])[0] if obj is None else obj
+            update = dyn.parse(obj)
+            if isinstance(update, InvalidRecord):
                 return None
-            _, _, _, ts, unit = parsed
             # the privacy unit: the unit field's value, or else the update itself (one line)
-            who = int(self.pseudonyms.users([unit])[0]) if unit is not None else -line_no
-            return _Held(line_no, raw, ts, who, obj)
+            who = int(self.pseudonyms.users([update.unit])[0]) if update.unit is not None else -line_no
+            return _Held(line_no, raw, update.ts, who, obj)
         return parse
 
     # -------------------------------------------------------------- meta
@@ -475,7 +475,7 @@ class ReplayRunner:
                 f"{summary.triggers_fired:,} triggers fired, {summary.releases:,} releases")
 
     def _process_chunk(self, chunk, summary, dead_letters, until_ms) -> WriteBatch:
-        parsed = [json_object(raw) for _, raw in chunk]
+        parsed = self.decoder.decode([raw for _, raw in chunk])  # once for every query
         seq = chunk[0][0]
         batch = WriteBatch()
         for q, (pipe, parser, clock) in enumerate(zip(self.pipelines, self.parsers, self.clocks)):

@@ -60,13 +60,13 @@ from processor.engine.runner import Fired, QueryRunner
 from processor.mechanisms.noise import NodeNoise, Pseudonymizer
 from state.store import PartitionStores, Store, WriteBatch
 from state.tables import IntegerMark
+from topics.decoding import decoder_for
 from topics.kafka import DEAD_LETTER_TOPIC, repartition_topic
 from topics.records import (
     EventParser,
     InvalidRecord,
     dead_letter,
     encode_json,
-    json_object,
     release_key,
 )
 
@@ -226,6 +226,7 @@ class DpstreamWorker:
         self.stores = PartitionStores(self.state_dir, block_cache_mb, write_buffer_mb)
         self.stage1: dict[tuple[str, int], SourcePartition] = {}
         self.stage2: dict[tuple[str, int], SourcePartition] = {}
+        self.decoder = decoder_for(config.input_format)
         self.parsers = {q.name: EventParser.for_query(q) for q in config.queries}
         self._plans = {q.name: plan_for(q) for q in config.queries}
         by_topic = defaultdict(list)
@@ -326,7 +327,7 @@ class DpstreamWorker:
         if not records:
             return None
         result = StageOneResult(source, WriteBatch(), records[-1].offset)
-        parsed = [json_object(r.value) for r in records]
+        parsed = self.decoder.decode([r.value for r in records])  # once for every query
         misplaced = self._misplaced(topic, partition, records)
         for runner in source.runners:
             pipe, q = runner.pipeline, runner.query
@@ -424,8 +425,7 @@ class DpstreamWorker:
         if not records:
             return []
         batch, messages = WriteBatch(), []
-        for r in records:
-            obj = json_object(r.value)
+        for r, obj in zip(records, self.decoder.decode([r.value for r in records])):
             for st in self.dynamic_states[key]:
                 reason = st.apply(obj, batch, clock_ms=r.timestamp)
                 if reason is not None:

@@ -26,10 +26,9 @@ since the same updates meet the same noise.
 """
 from __future__ import annotations
 
-import math
 from collections import Counter
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Mapping, Optional, Union
 
 from processor.config import DynamicQueryConfig
 from processor.engine.pipeline import PlanChangedError
@@ -37,7 +36,7 @@ from processor.mechanisms.dynamic import DynamicCounter, DynamicRelease
 from processor.mechanisms.noise import NodeNoise, Pseudonymizer
 from state.store import Store, WriteBatch
 from state.tables import DynamicTables
-from topics.records import InvalidRecord, _text
+from topics.records import InvalidRecord, Update, UpdateParser
 
 OPS = {"insert": 1, "delete": 2}
 OP_NAMES = {1: "insert", 2: "delete"}
@@ -72,6 +71,7 @@ class DynamicQueryState:
         self.qid = self.tables.qid
         self._pin_plan()
         self.counter = DynamicCounter(query.plan(), query.items, noise, query.name)
+        self.parser = UpdateParser(query, query.items)
         self.dropped: Counter = Counter()
         self.refused = False  # the budget ledger refused this query: it does not run
         self.updates_in = 0
@@ -109,30 +109,9 @@ class DynamicQueryState:
         """Every tick <= this has been decided."""
         return self.counter.decided
 
-    def parse(self, obj: Union[dict, InvalidRecord]) -> Union[tuple[str, str, int, int, Optional[str]], InvalidRecord]:
-        """(item, op, tick, event time, unit) of a valid record."""
-        if isinstance(obj, InvalidRecord):
-            return obj
-        q = self.query
-        item = _text(obj.get(q.item_field), q.item_field)
-        if isinstance(item, InvalidRecord):
-            return item
-        if item not in self.counter.index:
-            return InvalidRecord(f"field {q.item_field!r} is not in the query's declared items")
-        op = obj.get(q.op_field)
-        if op not in OPS:
-            return InvalidRecord(f"field {q.op_field!r} must be 'insert' or 'delete'")
-        ts = obj.get(q.time_field)
-        if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts != int(ts):
-            return InvalidRecord(f"field {q.time_field!r} must be an integer (epoch milliseconds)")
-        if ts < q.start:
-            return InvalidRecord(f"field {q.time_field!r} is before the query's start")
-        unit = None
-        if q.unit_field is not None:
-            unit = _text(obj.get(q.unit_field), q.unit_field)
-            if isinstance(unit, InvalidRecord):
-                return unit
-        return item, op, (int(ts) - q.start) // q.tick_ms + 1, int(ts), unit
+    def parse(self, obj: Union[Mapping, InvalidRecord]) -> Union[Update, InvalidRecord]:
+        """The update a decoded record holds (topics.records.UpdateParser), or why it is invalid."""
+        return self.parser.from_mapping(obj)
 
     def apply(self, obj: Union[dict, InvalidRecord], batch: WriteBatch, clock_ms: Optional[int] = None) -> Optional[str]:
         """One record: log it in ``batch`` for its tick to be decided later, or return why it is
@@ -147,7 +126,7 @@ class DynamicQueryState:
         if isinstance(parsed, InvalidRecord):
             self.dropped["malformed"] += 1
             return parsed.reason
-        item, op, tick, ts, unit = parsed
+        item, op, tick, ts, unit = parsed.item, parsed.op, parsed.tick, parsed.ts, parsed.unit
         if tick <= self.counter.decided:
             self.dropped["late"] += 1
             return "late: its time is in an already decided tick"

@@ -48,6 +48,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from accountant.calibration import tree_levels
 from accountant.plan import plan_fingerprint
 from processor.config import QueryConfig, level_plans_for, parse_duration_ms
 from processor.mechanisms.aggregates import aggregate_named
@@ -263,8 +264,8 @@ class QueryPipeline:
         self.plans = level_plans_for(query)
         self.plan = self.plans[0]  # shared terms: C, L, grid, mu, the query's (epsilon, delta)
         self.fingerprint = plan_fingerprint(self.plans)
-        self.depth = query.levels
-        if self.depth > 1 and pseudonyms is None:
+        self.hierarchy_depth = query.hierarchy_depth
+        if self.hierarchy_depth > 1 and pseudonyms is None:
             raise ValueError(f"query {query.name}: a hierarchy needs the pseudonymizer for its level keys")
         self.pseudonyms = pseudonyms
         self.noise = noise
@@ -272,11 +273,11 @@ class QueryPipeline:
         self.schedule = Schedule(query)
         self.stats = PipelineStats()
         plan = self.plan
-        self.levels = KeySelector(plan, noise, query.name, 0).levels
+        self.tree_levels = tree_levels(plan.triggers)  # of every tree of the query: T leaves
         self.bounder = ContributionBounder(plan.contribution_bound, plan.clamp, plan.resolution)
         assert np.dtype(TREE_ID_DTYPE) == STORED_TREE_ID, "key rows store tree ids of processor.mechanisms.noise's width"
         self.aggregate = aggregate_named(query.aggregate)
-        self.tables = QueryTables(store, query.name, self.levels, len(self.aggregate.columns))
+        self.tables = QueryTables(store, query.name, self.tree_levels, len(self.aggregate.columns))
         blank = np.zeros(1, dtype=self.tables.keys.dtype)  # a key not seen yet in the window
         blank["start"], blank["noise_max"], blank["sel_cache"], blank["pcache"] = 1, np.nan, ABSENT, ABSENT
         self._blank_row = blank
@@ -417,12 +418,12 @@ class QueryPipeline:
         rec_group, rec_trigger = group_of[admitted], trigger[admitted]
         rec_keys, rec_ids, rec_levels, rec_roots = events.keys[keep], events.key_ids[keep], np.ones(len(keep), dtype=np.int64), events.key_ids[keep]
         rec_window, rec_users, rec_slots, rec_units = window[admitted], users[admitted], assigned.slots[admitted], units[admitted]
-        if self.depth > 1:
+        if self.hierarchy_depth > 1:
             # a hierarchy: each admitted record adds one to one key of every level (the prefixes
             # of its key), record-major; the user's C slots are shared by the levels and stage 2
             # de-duplicates per (user, slot, level)
             texts, ids = self._level_keys(rec_keys)
-            d = self.depth
+            d = self.hierarchy_depth
             clash = _colliding(texts.ravel(), ids.ravel()).reshape(len(keep), d).any(axis=1)
             if clash.any():  # a level's key text collides with another's id: refuse the whole record
                 for e in keep[clash].tolist():
@@ -447,8 +448,8 @@ class QueryPipeline:
     def _level_keys(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(texts, ids), each (records, depth): the key of every level for each record's key."""
         distinct, inverse = np.unique(keys.astype(str), return_inverse=True)
-        texts = np.array([level_key_texts(k, self.depth) for k in distinct.tolist()], dtype=object).reshape(len(distinct), self.depth)
-        ids = self.pseudonyms.group_keys(texts.ravel().tolist()).reshape(len(distinct), self.depth)
+        texts = np.array([level_key_texts(k, self.hierarchy_depth) for k in distinct.tolist()], dtype=object).reshape(len(distinct), self.hierarchy_depth)
+        ids = self.pseudonyms.group_keys(texts.ravel().tolist()).reshape(len(distinct), self.hierarchy_depth)
         return texts[inverse], ids[inverse]
 
     # ------------------------------------------------------------------ stage 2 input
@@ -609,7 +610,7 @@ class QueryPipeline:
                 released += self._fire_level(self.plans[level - 1], window, trigger, all_ids[idx], sub, [names[j] for j in idx],
                                              has_data[idx], new_users[idx], batch)
                 rows[idx] = sub
-        if self.depth > 1 and released:
+        if self.hierarchy_depth > 1 and released:
             started = time.perf_counter()
             released = self._consistent(window, trigger, released, batch)
             self.stats.consistency_seconds += time.perf_counter() - started
@@ -712,7 +713,7 @@ class QueryPipeline:
                 trigger_time=self.schedule.trigger_time(window, trigger), key=key_for_output(names[j], self.query.key_fields),
                 fields=fields, epsilon=plan.epsilon, delta=plan.delta,
             )
-            if self.depth > 1:
+            if self.hierarchy_depth > 1:
                 record["level"] = plan.level
             releases.append((int(all_ids[j]), int(rows["root"][j]), record))
         self.stats.releases += len(sidx)
@@ -788,7 +789,7 @@ class QueryPipeline:
                 self.stats.consistency_updates += 1
             record["released_at"] = e["released_at"]
             record["consistent_count"] = value
-            if e["level"] < self.depth:
+            if e["level"] < self.hierarchy_depth:
                 record["consistent_other"] = rest
             out.append((key_id, e["root"], record))
             self.tables.view.put(batch, window, int(e["root"]), ViewEntry(key_id, e["level"], e["released_at"], e["count"], e["stddev"],

@@ -45,7 +45,7 @@ class SelectionBatch:
     done: np.ndarray  # leaves of the round tree already processed
     count: np.ndarray  # true unique-user count of the current round
     participations: np.ndarray  # gate statistic: sum of all rounds' counts
-    cache: np.ndarray  # (n, levels) int64 frontier noise integers Fz at `done` (processor.mechanisms.tree)
+    cache: np.ndarray  # (n, tree_levels) int64 frontier noise integers Fz at `done` (processor.mechanisms.tree)
     _tree_ids: np.ndarray | None = field(default=None, repr=False)
     #: an upper bound (float, with a guard for rounding) on max over the round's future leaves
     #: p > (leaf when computed) of N_p - tau_p; NaN: unknown. Only ever used to *skip* a scan
@@ -57,11 +57,11 @@ class SelectionBatch:
             self.noise_max = np.full(len(self.keys), np.nan)
 
     @classmethod
-    def new(cls, keys: Sequence[str], levels: int) -> "SelectionBatch":
+    def new(cls, keys: Sequence[str], tree_levels: int) -> "SelectionBatch":
         n = len(keys)
         zeros = np.zeros(n, dtype=np.int64)
         return cls(list(keys), zeros.copy(), np.ones(n, dtype=np.int64), zeros.copy(), zeros.copy(), zeros.copy(),
-                   np.full((n, levels), ABSENT, dtype=np.int64))
+                   np.full((n, tree_levels), ABSENT, dtype=np.int64))
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -96,11 +96,11 @@ class KeySelector:
         self.noise = noise
 
     @property
-    def levels(self) -> int:
-        return self.forest.levels
+    def tree_levels(self) -> int:
+        return self.forest.tree_levels
 
     def new_batch(self, keys: Sequence[str]) -> SelectionBatch:
-        return SelectionBatch.new(keys, self.levels)
+        return SelectionBatch.new(keys, self.tree_levels)
 
     def tree_ids(self, batch: SelectionBatch) -> np.ndarray:
         """Ids of each key's current round tree (entries left empty are derived now)."""

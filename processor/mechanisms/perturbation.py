@@ -35,13 +35,13 @@ class PerturbationBatch:
     keys: list
     released_units: np.ndarray  # exact sum (grid units) of everything released so far
     done: np.ndarray  # last leaf (trigger) released, 0 if none
-    cache: np.ndarray  # (n, levels) int64 frontier noise integers Fz at `done` (processor.mechanisms.tree)
+    cache: np.ndarray  # (n, tree_levels) int64 frontier noise integers Fz at `done` (processor.mechanisms.tree)
     _tree_ids: np.ndarray | None = field(default=None, repr=False)
 
     @classmethod
-    def new(cls, keys: Sequence[str], levels: int) -> "PerturbationBatch":
+    def new(cls, keys: Sequence[str], tree_levels: int) -> "PerturbationBatch":
         n = len(keys)
-        return cls(list(keys), np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64), np.full((n, levels), ABSENT, dtype=np.int64))
+        return cls(list(keys), np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64), np.full((n, tree_levels), ABSENT, dtype=np.int64))
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -69,11 +69,11 @@ class HierarchicalPerturber:
         self.noise = noise
 
     @property
-    def levels(self) -> int:
-        return self.forest.levels
+    def tree_levels(self) -> int:
+        return self.forest.tree_levels
 
     def new_batch(self, keys: Sequence[str]) -> PerturbationBatch:
-        return PerturbationBatch.new(keys, self.levels)
+        return PerturbationBatch.new(keys, self.tree_levels)
 
     def tree_ids(self, batch: PerturbationBatch) -> np.ndarray:
         if batch._tree_ids is None:

@@ -80,7 +80,7 @@ class NoisePrefix:
         """N of entry i as an exact fraction."""
         tree, leaf = self._tree[i:i + 1], int(self._leaf[i])
         total = Fraction(0)
-        for level in range(self._walk.levels):
+        for level in range(self._walk.tree_levels):
             if (leaf >> level) & 1:
                 fz = int(self._walk._lookup(level, tree, np.array([(leaf >> level) - 1]))[0])
                 total += Fraction(fz, honaker_denominator(level))
@@ -130,7 +130,7 @@ class ForestWalk:
     def __init__(self, forest: "HonakerForest", cache: np.ndarray, done: np.ndarray, upto: np.ndarray):
         self._forest = forest
         self._cache = cache
-        self.levels = forest.levels
+        self.tree_levels = forest.tree_levels
         self.done = done
         self.upto = upto
         self._levels: list[_Level] = []
@@ -155,7 +155,7 @@ class ForestWalk:
         leaf = np.asarray(leaf, dtype=np.int64)
         whole = np.zeros(len(leaf), dtype=np.int64)
         frac = np.zeros(len(leaf), dtype=np.float64)
-        for level in range(self.levels):
+        for level in range(self.tree_levels):
             sel = np.nonzero((leaf >> level) & 1)[0]
             if len(sel):
                 fz = self._lookup(level, tree[sel], (leaf[sel] >> level) - 1)
@@ -171,9 +171,9 @@ class ForestWalk:
     def cache_at(self, leaf: np.ndarray) -> np.ndarray:
         """Frontier caches (``Fz`` per level, :data:`ABSENT` where the leaf's bit is 0) at ``leaf``."""
         n = len(leaf)
-        cache = np.full((n, self.levels), ABSENT, dtype=np.int64)
+        cache = np.full((n, self.tree_levels), ABSENT, dtype=np.int64)
         tree = np.arange(n)
-        for level in range(self.levels):
+        for level in range(self.tree_levels):
             sel = np.nonzero((leaf >> level) & 1)[0]
             if len(sel):
                 cache[sel, level] = self._lookup(level, tree[sel], (leaf[sel] >> level) - 1)
@@ -193,12 +193,12 @@ class HonakerForest:
 
     def __init__(self, capacity: int, sampler: DiscreteGaussian, noise: NodeNoise):
         self.capacity = int(capacity)
-        self.levels = tree_levels(self.capacity)
+        self.tree_levels = tree_levels(self.capacity)
         self.sampler = sampler
         self.noise = noise
 
     def empty_cache(self, n: int) -> np.ndarray:
-        return np.full((n, self.levels), ABSENT, dtype=np.int64)
+        return np.full((n, self.tree_levels), ABSENT, dtype=np.int64)
 
     def walk(self, trees: np.ndarray, done: np.ndarray, upto: np.ndarray, cache: np.ndarray) -> ForestWalk:
         """Compute the nodes of each tree completing in (done, upto]; ``cache`` is at ``done``."""
@@ -209,7 +209,7 @@ class HonakerForest:
         n = len(done)
         walk = ForestWalk(self, np.asarray(cache, dtype=np.int64), done, upto)
         ordinal = np.arange(n)
-        for level in range(self.levels):
+        for level in range(self.tree_levels):
             start = done >> level
             count = np.maximum((upto >> level) - start, 0)
             offsets = np.zeros(n + 1, dtype=np.int64)
