@@ -44,10 +44,9 @@ from accountant.calibration import (
     cks_delta,
     cks_epsilon,
     cks_rho,
-    prefix_variance_factor,
-    read_levels,
     tail_multiplier,
 )
+from accountant.counters import BINARY_TREE, counter_calibration
 
 #: Upper bound on the total-variation distance between one node's sampled integer noise and the
 #: exact discrete Gaussian. The sampler (processor.mechanisms.noise) asserts its tables meet it.
@@ -92,6 +91,8 @@ class QueryBudget:
     #: what one record adds to each perturbed column, one tree per column: ONE (1: a count) or
     #: VALUE (the clamped value: bound L); None: from ``aggregate`` (count: ONE, sum: VALUE)
     columns: Optional[tuple] = None
+    #: the continual counter behind key selection and perturbation (accountant.counters)
+    counter: str = "binary_tree"
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,9 @@ class PrivacyPlan:
     #: sigma, sigma in grid units, grid step); the fields above describe the first column.
     #: None for one column (then left out of the fingerprint: plans of one column keep theirs)
     columns: Optional[tuple] = None
+    #: the continual counter (accountant.counters); None: the binary tree (then left out of the
+    #: fingerprint, as plans before counters were named)
+    counter: Optional[str] = None
     conversion: str = "zCDP -> (eps, delta): Canonne-Kamath-Steinke 2020 Prop. 12 (optimal)"
 
     @property
@@ -284,7 +288,13 @@ def plan_levels(budget: QueryBudget) -> tuple[PrivacyPlan, ...]:
     """
     _check(budget)
     eps, delta, C = budget.epsilon, budget.delta, budget.contribution_bound
-    h = read_levels(budget.triggers)
+    try:
+        counter = counter_calibration(budget.counter)
+    except ValueError as err:
+        raise BudgetError("counter", str(err).split(": ", 1)[1]) from None
+    # h: squared sensitivity of the counter's read values to one increment (the binary tree: one
+    # complete node per level, floor(lg T) + 1); the samplers' term counts the values touched
+    h = counter.sensitivity_sq(budget.triggers)
     share = budget.key_selection_share
     levels = budget.hierarchy_depth
     shares = _level_shares(budget)
@@ -389,11 +399,12 @@ def plan_levels(budget: QueryBudget) -> tuple[PrivacyPlan, ...]:
             epsilon_spent=eps_spent,
             delta_spent=delta_spent,
             tail_multiplier=z,
-            thresholds=tuple(z * sigma_k * math.sqrt(prefix_variance_factor(r)) for r in range(1, budget.triggers + 1)),
-            expected_stddev=sigma_m * math.sqrt(prefix_variance_factor(budget.triggers)),
+            thresholds=tuple(z * sigma_k * math.sqrt(counter.step_variance(r, budget.triggers)) for r in range(1, budget.triggers + 1)),
+            expected_stddev=sigma_m * math.sqrt(counter.step_variance(budget.triggers, budget.triggers)),
             level=level,
             levels=levels,
             level_share=s,
             columns=tuple(columns) if ncols > 1 else None,
+            counter=None if counter is BINARY_TREE else counter.name,
         ))
     return tuple(plans)

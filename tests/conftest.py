@@ -89,6 +89,7 @@ STATISTICAL = (
     "tests/test_dynamic.py::test_discrete_laplace_sampler_moments_and_pmf",
     "tests/privacy/test_exact_laplace.py::test_distribution_matches_the_exact_pmf",
     "tests/test_aggregates.py::test_count_column_noise_matches_its_declared_stddev",
+    "tests/test_counters.py::test_declared_step_variance_matches_the_noise",
 )
 #: tests over about 5 s on the 2-core CI machine (measured with --durations; the broker tests
 #: are all slow too: 23-72 s each)

@@ -101,7 +101,7 @@ def test_count_column_noise_matches_its_declared_stddev():
     n, trigger = 20_000, 5
     perturber = HierarchicalPerturber(plan, NodeNoise(TEST_SECRET, "aggregates"), "q", 0, "count", 1)
     batch = PerturbationBatch([f"k{i}" for i in range(n)], np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64),
-                              np.full((n, perturber.tree_levels), np.iinfo(np.int64).min, dtype=np.int64))
+                              perturber.counter.empty_state(n))
     truth = np.arange(n, dtype=np.int64) % 7
     released = np.array(perturber.release(batch, trigger, truth))
     assert released.dtype.kind == "i"  # a count is published as an integer

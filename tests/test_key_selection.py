@@ -25,7 +25,7 @@ def _leaf1_exceedance(selector, count=None):
     """Exact P[count + N_1 > mu + tau_1] for the table sampler (N_1 = one leaf's integer noise);
     count defaults to mu (the worst case a false release allows)."""
     count = selector.mu if count is None else count
-    sampler = selector.forest.sampler
+    sampler = selector.counter.sampler
     x = np.arange(-sampler.bound, sampler.bound + 1)
     return float(sampler.pmf(x)[count + x > selector.mu + selector.plan.thresholds[0]].sum())
 
@@ -166,7 +166,7 @@ def test_round_restart(noise):
 
     # round 1's leaf 1 is trigger 6; with no new users q_hat is that tree's N_1 alone
     step = selector.step(batch, 6, np.zeros(n))
-    forest = HonakerForest(plan.triggers, selector.forest.sampler, noise)
+    forest = HonakerForest(plan.triggers, selector.counter.sampler, noise)
     walk = forest.walk(ids_round1, np.zeros(n, dtype=np.int64), np.ones(n, dtype=np.int64), forest.empty_cache(n))
     n1_round1 = walk.prefix_noise(np.arange(n), np.ones(n, dtype=np.int64))
     np.testing.assert_array_equal(step.noisy_count, n1_round1)
@@ -174,7 +174,7 @@ def test_round_restart(noise):
     # q = sum p(x)^2; allow 5.5 sd of Binomial(n, q))
     walk0 = forest.walk(ids_round0, np.zeros(n, dtype=np.int64), np.ones(n, dtype=np.int64), forest.empty_cache(n))
     n1_round0 = walk0.prefix_noise(np.arange(n), np.ones(n, dtype=np.int64))
-    sampler = selector.forest.sampler
+    sampler = selector.counter.sampler
     x = np.arange(-sampler.bound, sampler.bound + 1)
     q = float(np.sum(sampler.pmf(x) ** 2))
     equal = int(np.sum(n1_round0 == n1_round1))

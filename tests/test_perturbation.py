@@ -63,7 +63,7 @@ def test_releases_unbiased_with_prefix_variance(noise, kind):
     rng = np.random.default_rng(41)
     deltas = _deltas(plan, T, n, rng)
     releases = _run(perturber, [f"k{i}" for i in range(n)], deltas, range(1, T + 1))
-    unit_var = perturber.forest.sampler.variance  # exact variance of one node's noise, units^2
+    unit_var = perturber.counter.sampler.variance  # exact variance of one node's noise, units^2
     assert unit_var == pytest.approx(plan.sigma_perturbation_units**2, rel=1e-9)
     for trigger, (values, exact) in releases.items():
         error = values - exact

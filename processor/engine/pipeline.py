@@ -48,16 +48,16 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from accountant.calibration import tree_levels
+from accountant.counters import BINARY_TREE
 from accountant.plan import plan_fingerprint
 from processor.config import QueryConfig, level_plans_for, parse_duration_ms
 from processor.mechanisms.aggregates import aggregate_named
 from processor.mechanisms.bounding import ContributionBounder, key_histories
 from processor.mechanisms.consistency import solve as solve_consistency
+from processor.mechanisms.counters import counter_for
 from processor.mechanisms.key_selection import KeySelector, SelectionBatch
 from processor.mechanisms.noise import TREE_ID_DTYPE, NodeNoise, Pseudonymizer
 from processor.mechanisms.perturbation import HierarchicalPerturber, PerturbationBatch
-from processor.mechanisms.tree import ABSENT
 from state.store import Store, WriteBatch
 from state.tables import (
     AMEND_ENTRY,
@@ -273,13 +273,19 @@ class QueryPipeline:
         self.schedule = Schedule(query)
         self.stats = PipelineStats()
         plan = self.plan
-        self.tree_levels = tree_levels(plan.triggers)  # of every tree of the query: T leaves
+        # every counter of the query (key selection and perturbation) has T steps; its state is
+        # what the key rows carry per stream (processor.mechanisms.counters)
+        counter = counter_for(plan.counter or BINARY_TREE.name, plan.triggers, 1.0, noise)
+        self.counter_state_width = counter.state_width
         self.bounder = ContributionBounder(plan.contribution_bound, plan.clamp, plan.resolution)
         assert np.dtype(TREE_ID_DTYPE) == STORED_TREE_ID, "key rows store tree ids of processor.mechanisms.noise's width"
         self.aggregate = aggregate_named(query.aggregate)
-        self.tables = QueryTables(store, query.name, self.tree_levels, len(self.aggregate.columns))
+        self.tables = QueryTables(store, query.name, self.counter_state_width, len(self.aggregate.columns))
         blank = np.zeros(1, dtype=self.tables.keys.dtype)  # a key not seen yet in the window
-        blank["start"], blank["noise_max"], blank["sel_cache"], blank["pcache"] = 1, np.nan, ABSENT, ABSENT
+        blank["start"], blank["noise_max"] = 1, np.nan
+        for name in blank.dtype.names:  # every counter stream's state before its first step
+            if name.startswith(("sel_cache", "pcache")):
+                blank[name] = counter.empty_state(1)
         self._blank_row = blank
         #: With a budget ledger, windows open on the public schedule (:meth:`set_schedule`,
         #: :meth:`open_due`): the gate charges a window as the clock reaches it, data or not,

@@ -26,9 +26,11 @@ from typing import Sequence
 
 import numpy as np
 
+from accountant.counters import BINARY_TREE
 from accountant.plan import PrivacyPlan
-from processor.mechanisms.noise import TREE_ID_DTYPE, NodeNoise, discrete_gaussian
-from processor.mechanisms.tree import ABSENT, HonakerForest
+from processor.mechanisms.counters import counter_for
+from processor.mechanisms.noise import TREE_ID_DTYPE, NodeNoise
+from processor.mechanisms.tree import ABSENT
 
 SELECT_KIND = "select"
 #: Bound on (tree, leaf) pairs materialized at once while scanning the future.
@@ -92,15 +94,16 @@ class KeySelector:
         self.triggers = plan.triggers
         self.mu = plan.key_threshold
         self.release_at = plan.key_threshold + np.asarray(plan.thresholds)  # mu + tau_r, index r-1
-        self.forest = HonakerForest(plan.triggers, discrete_gaussian(plan.sigma_key_selection), noise)
+        # one counter stream per (key, round), fed with users new to the round (sensitivity 1)
+        self.counter = counter_for(plan.counter or BINARY_TREE.name, plan.triggers, plan.sigma_key_selection, noise)
         self.noise = noise
 
     @property
-    def tree_levels(self) -> int:
-        return self.forest.tree_levels
+    def state_width(self) -> int:
+        return self.counter.state_width
 
     def new_batch(self, keys: Sequence[str]) -> SelectionBatch:
-        return SelectionBatch.new(keys, self.tree_levels)
+        return SelectionBatch.new(keys, self.state_width)
 
     def tree_ids(self, batch: SelectionBatch) -> np.ndarray:
         """Ids of each key's current round tree (entries left empty are derived now)."""
@@ -133,12 +136,12 @@ class KeySelector:
         noisy = np.full(len(batch), np.nan)
         if len(idx):
             ids = self.tree_ids(batch)[idx]
-            walk = self.forest.walk(ids, batch.done[idx], leaf[idx], batch.cache[idx])
+            walk = self.counter.walk(ids, batch.done[idx], leaf[idx], batch.cache[idx])
             # q_hat = count + N, compared with mu + tau exactly (processor.mechanisms.tree)
             prefix = walk.prefix(np.arange(len(idx)), leaf[idx])
             selected[idx] = prefix.exceeds(batch.count[idx], self.release_at[leaf[idx] - 1])
             noisy[idx] = batch.count[idx] + prefix.approx()
-            batch.cache[idx] = walk.cache_at(leaf[idx])
+            batch.cache[idx] = walk.state_at(leaf[idx])
             batch.done[idx] = leaf[idx]
         if selected.any():
             self._start_next_round(batch, selected, trigger)
@@ -149,7 +152,7 @@ class KeySelector:
         batch.start[selected] = trigger + 1
         batch.done[selected] = 0
         batch.count[selected] = 0
-        batch.cache[selected] = ABSENT
+        batch.cache[selected] = self.counter.empty_state(int(selected.sum()))
         batch.noise_max[selected] = np.nan
         if batch._tree_ids is not None:
             batch._tree_ids[selected] = b""
@@ -190,7 +193,7 @@ class KeySelector:
             base = cumulative[lo - 1] if lo else 0
             hi = max(int(np.searchsorted(cumulative, base + PREDICTION_CHUNK, side="right")), lo + 1)
             part = candidates[lo:hi]
-            walk = self.forest.walk(ids[part], batch.done[part], last_leaf[part], batch.cache[part])
+            walk = self.counter.walk(ids[part], batch.done[part], last_leaf[part], batch.cache[part])
             tree, leaf = walk.future()
             prefix = walk.prefix(tree, leaf)
             threshold = self.release_at[leaf - 1]

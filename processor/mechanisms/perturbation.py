@@ -22,10 +22,11 @@ from typing import Sequence
 
 import numpy as np
 
-from accountant.calibration import prefix_variance_factor
+from accountant.counters import BINARY_TREE
 from accountant.plan import PrivacyPlan
-from processor.mechanisms.noise import NodeNoise, discrete_gaussian
-from processor.mechanisms.tree import ABSENT, HonakerForest
+from processor.mechanisms.counters import counter_for
+from processor.mechanisms.noise import NodeNoise
+from processor.mechanisms.tree import ABSENT
 
 
 @dataclass
@@ -65,15 +66,15 @@ class HierarchicalPerturber:
         else:
             kind, self.sigma, sigma_units, self.resolution = plan.columns[column_index]
             self.integer = kind == "one"
-        self.forest = HonakerForest(plan.triggers, discrete_gaussian(sigma_units), noise)
+        self.counter = counter_for(plan.counter or BINARY_TREE.name, plan.triggers, sigma_units, noise)
         self.noise = noise
 
     @property
-    def tree_levels(self) -> int:
-        return self.forest.tree_levels
+    def state_width(self) -> int:
+        return self.counter.state_width
 
     def new_batch(self, keys: Sequence[str]) -> PerturbationBatch:
-        return PerturbationBatch.new(keys, self.tree_levels)
+        return PerturbationBatch.new(keys, self.state_width)
 
     def tree_ids(self, batch: PerturbationBatch) -> np.ndarray:
         if batch._tree_ids is None:
@@ -90,10 +91,10 @@ class HierarchicalPerturber:
             raise ValueError("a key was already released at or after this trigger")
         delta_units = np.asarray(delta_units, dtype=np.int64)
         leaf = np.full(len(batch), trigger, dtype=np.int64)
-        walk = self.forest.walk(self.tree_ids(batch), batch.done, leaf, batch.cache)
+        walk = self.counter.walk(self.tree_ids(batch), batch.done, leaf, batch.cache)
         prefix = walk.prefix(np.arange(len(batch)), leaf)
         batch.released_units += delta_units
-        batch.cache = walk.cache_at(leaf)
+        batch.cache = walk.state_at(leaf)
         batch.done[:] = trigger
         return prefix.rounded(batch.released_units)
 
@@ -110,4 +111,4 @@ class HierarchicalPerturber:
 
     def stddev(self, trigger: int) -> float:
         """Standard deviation of a release at ``trigger`` (value units), from the accountant."""
-        return self.sigma * prefix_variance_factor(trigger) ** 0.5
+        return self.sigma * self.counter.calibration.step_variance(trigger, self.plan.triggers) ** 0.5

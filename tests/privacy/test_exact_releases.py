@@ -45,6 +45,7 @@ from accountant.calibration import (
 from accountant.plan import SAMPLER_TV_BOUND, QueryBudget, plan_query
 from processor.adapters.replay import ReplayRunner
 from processor.config import DpstreamConfig, QueryConfig
+from processor.mechanisms.counters import BinaryTreeCounter
 from processor.mechanisms.key_selection import SELECT_KIND, KeySelector, SelectionBatch
 from processor.mechanisms.noise import (
     TREE_ID_DTYPE,
@@ -282,7 +283,7 @@ def test_rounding_and_threshold_at_a_half_integer_to_within_1e_17(side, whole_sh
     plan = plan_query(QueryBudget(epsilon=1.0, delta=1e-6, triggers=4, contribution_bound=1))
     big = dataclasses.replace(plan, triggers=CRAFT_CAPACITY)
     perturber = HierarchicalPerturber(big, NOISE, "craft", 0)
-    perturber.forest = forest
+    perturber.counter = BinaryTreeCounter.over(forest)
     pb = PerturbationBatch(["k"], np.array([base], dtype=np.int64), np.array([CRAFT_LEAF - 1]), row[None, :].copy(), stub_ids(1))
     units = perturber.release_units(pb, CRAFT_LEAF, np.zeros(1, dtype=np.int64))
     assert int(units[0]) == expected_round
@@ -292,7 +293,7 @@ def test_rounding_and_threshold_at_a_half_integer_to_within_1e_17(side, whole_sh
     thresholds[CRAFT_LEAF - 1] = float(half) - 1.0
     sel_plan = dataclasses.replace(plan, triggers=CRAFT_CAPACITY, key_threshold=1.0, thresholds=tuple(thresholds.tolist()))
     selector = KeySelector(sel_plan, NOISE, "craft", 0)
-    selector.forest = forest
+    selector.counter = BinaryTreeCounter.over(forest)
     assert selector.release_at[CRAFT_LEAF - 1] == float(half)
     sb = SelectionBatch(["k"], np.zeros(1, dtype=np.int64), np.ones(1, dtype=np.int64), np.array([CRAFT_LEAF - 1]),
                         np.array([base], dtype=np.int64), np.array([10 ** 6], dtype=np.int64), row[None, :].copy(), stub_ids(1))
@@ -354,9 +355,9 @@ def _product_releases(trigger: int, S: int) -> np.ndarray:
     n = len(next(iter(z.values())))
     plan = plan_query(QueryBudget(epsilon=1.0, delta=1e-6, triggers=4, contribution_bound=1))
     perturber = HierarchicalPerturber(plan, NOISE, "enum", 0)
-    perturber.forest = HonakerForest(4, discrete_gaussian(ENUM_SIGMA), StubNoise({nid(*name): z[name] for name in names}))
+    perturber.counter = BinaryTreeCounter.over(HonakerForest(4, discrete_gaussian(ENUM_SIGMA), StubNoise({nid(*name): z[name] for name in names})))
     batch = PerturbationBatch(list(range(n)), np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64),
-                              perturber.forest.empty_cache(n), stub_ids(n))
+                              perturber.counter.empty_state(n), stub_ids(n))
     return perturber.release_units(batch, trigger, np.full(n, S, dtype=np.int64))
 
 
@@ -453,7 +454,7 @@ def _exact_round_prefix(selector: KeySelector, key: str, round_: int, leaf: int)
     """N at ``leaf`` of the key's round tree, from a fresh walk (exactness of the walk itself is
     checked against the Fraction reference above)."""
     ids = NOISE.tree_ids_for(selector.query, selector.window_start, SELECT_KIND, [key], [round_])
-    walk = selector.forest.walk(ids, np.zeros(1, dtype=np.int64), np.array([leaf]), selector.forest.empty_cache(1))
+    walk = selector.counter.walk(ids, np.zeros(1, dtype=np.int64), np.array([leaf]), selector.counter.empty_state(1))
     return walk.prefix(np.zeros(1, dtype=np.int64), np.array([leaf])).exact(0)
 
 
