@@ -117,6 +117,19 @@ class CommittedCache:
             self._trim()
         batch.on_commit(learn)
 
+    def read_through(self, store: Store, table: bytes, qid: bytes, window: int, ids: list[int]) -> list[Optional[bytes]]:
+        """Values of ``ids`` in a window's table: cached ones from memory, the others read from
+        the store in one batch (and remembered). ``None``: not stored."""
+        found = self.lookup(window, ids)
+        missing = [j for j, v in enumerate(found) if v is None]
+        if missing:
+            miss_ids = [ids[j] for j in missing]
+            stored = store.get_many(sk.fixed_keys(sk.window_prefix(table, qid, window), np.array(miss_ids, dtype=np.uint64)))
+            self.remember(window, miss_ids, stored)
+            for j, v in zip(missing, stored):
+                found[j] = v
+        return found
+
     def drop_window(self, window: int) -> None:
         self._size -= len(self._windows.pop(window, {}))
 
@@ -168,16 +181,7 @@ class UserStates:
         """States of the groups ``(windows[g], users[g])`` (absent: nothing admitted yet)."""
         values: list[Optional[bytes]] = [None] * len(users)
         for w, lo, hi in _runs(windows):
-            ids = _ids_le(users[lo:hi])
-            found = self.cache.lookup(w, ids)
-            missing = [j for j, v in enumerate(found) if v is None]
-            if missing:
-                miss_ids = [ids[j] for j in missing]
-                stored = self.store.get_many(sk.fixed_keys(sk.window_prefix(sk.USERS, self.qid, w), np.array(miss_ids, dtype=np.uint64)))
-                self.cache.remember(w, miss_ids, stored)
-                for j, v in zip(missing, stored):
-                    found[j] = v
-            values[lo:hi] = found
+            values[lo:hi] = self.cache.read_through(self.store, sk.USERS, self.qid, w, _ids_le(users[lo:hi]))
         return _parse_user_states(values)
 
     def write(self, batch: WriteBatch, windows: np.ndarray, users: np.ndarray, admitted: np.ndarray, changed: np.ndarray,
@@ -336,14 +340,7 @@ class KeyRows:
         """Rows of ``ids`` (``blank``, a one-row array, for a key not stored) and their texts
         (``None`` if not stored)."""
         id_list = _ids_le(ids)
-        values = self.cache.lookup(window, id_list)
-        missing = [j for j, v in enumerate(values) if v is None]
-        if missing:
-            miss_ids = [id_list[j] for j in missing]
-            stored = self.store.get_many(sk.fixed_keys(sk.window_prefix(sk.KEYS, self.qid, window), np.array(miss_ids, dtype=np.uint64)))
-            self.cache.remember(window, miss_ids, stored)
-            for j, v in zip(missing, stored):
-                values[j] = v
+        values = self.cache.read_through(self.store, sk.KEYS, self.qid, window, id_list)
         width = self.dtype.itemsize
         rows = np.repeat(np.asarray(blank, dtype=self.dtype).reshape(1), len(id_list))
         present = [j for j, v in enumerate(values) if v is not None]
