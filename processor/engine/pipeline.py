@@ -520,23 +520,24 @@ class QueryPipeline:
     def _register_key_texts(self, records: BoundedRecords, batch: WriteBatch) -> tuple[BoundedRecords, list[tuple[str, str]]]:
         """The first text seen in a window under a key id owns the id; records of another text
         under the same id (a 64-bit pseudonym collision) are refused, never merged with it."""
-        pairs = np.empty(len(records), dtype=[("w", "<i8"), ("k", "<u8")])
-        pairs["w"], pairs["k"] = records.window, records.key_ids
-        distinct, first, inverse = np.unique(pairs, return_index=True, return_inverse=True)
-        texts = records.keys[first]
-        owners = np.empty(len(distinct), dtype=object)
-        dw = distinct["w"]
-        for w in np.unique(dw).tolist():
-            at = np.nonzero(dw == w)[0]
-            ids = distinct["k"][at].tolist()
+        owner_of = np.empty(len(records), dtype=object)  # per record: the text owning its key id
+        windows = np.unique(records.window)
+        for w in windows.tolist():
+            at = np.nonzero(records.window == w)[0] if len(windows) > 1 else np.arange(len(records))
+            # distinct ids of the window (a uint64 sort: far cheaper than a structured one)
+            distinct, first, inverse = np.unique(records.key_ids[at], return_index=True, return_inverse=True)
+            ids = distinct.tolist()
+            texts = records.keys[at[first]]
             known = self.tables.names.owners(w, ids)
             new = [j for j, owner in enumerate(known) if owner is None]
             if new:  # first seen here: the text owns the id
-                self.tables.names.register(batch, w, [ids[j] for j in new], [texts[at[j]] for j in new])
+                self.tables.names.register(batch, w, [ids[j] for j in new], [texts[j] for j in new])
                 for j in new:
-                    known[j] = texts[at[j]]
-            owners[at] = known
-        bad = np.asarray(owners[inverse.ravel()] != records.keys, dtype=bool)
+                    known[j] = texts[j]
+            owners = np.empty(len(ids), dtype=object)
+            owners[:] = known
+            owner_of[at] = owners[inverse.ravel()]
+        bad = np.asarray(owner_of != records.keys, dtype=bool)
         if not bad.any():
             return records, []
         reason = "key id collision: another key text holds this key's 64-bit id in the window"
