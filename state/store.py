@@ -26,11 +26,12 @@ class WriteBatch:
     they never hold a value the store does not (a batch abandoned by a crash or an error leaves
     them as they were)."""
 
-    __slots__ = ("ops", "_on_commit")
+    __slots__ = ("ops", "_on_commit", "has_deletes")
 
     def __init__(self) -> None:
         self.ops: dict[bytes, Optional[bytes]] = {}
         self._on_commit: list[Callable[[], None]] = []
+        self.has_deletes = False  # lets a backend skip looking for deletes in a batch of puts
 
     def on_commit(self, callback: Callable[[], None]) -> None:
         self._on_commit.append(callback)
@@ -49,6 +50,7 @@ class WriteBatch:
 
     def delete(self, key: bytes) -> None:
         self.ops[key] = None
+        self.has_deletes = True
 
     def __len__(self) -> int:
         return len(self.ops)
@@ -196,9 +198,8 @@ class RocksDBStore(Store):
 
         rb = RocksBatch(raw_mode=True)
         ops = batch.ops
-        deleted = [k for k, v in ops.items() if v is None]
-        if deleted:
-            for key in deleted:
+        if batch.has_deletes:
+            for key in [k for k, v in ops.items() if v is None]:
                 rb.delete(key)
             ops = {k: v for k, v in ops.items() if v is not None}
         deque(map(rb.put, ops.keys(), ops.values()), maxlen=0)  # the puts, without a Python loop
