@@ -154,6 +154,103 @@ class CommittedCache:
                 return
 
 
+class _WindowRows:
+    """One window's cached key rows: ``ids`` sorted with the ``slots`` that hold their rows and
+    texts in append-only arrays (a new key appends; a known key is overwritten in place)."""
+
+    def __init__(self, dtype: np.dtype):
+        self.ids = np.zeros(0, dtype=np.uint64)
+        self.slots = np.zeros(0, dtype=np.int64)
+        self.rows = np.zeros(0, dtype=dtype)
+        self.names = np.zeros(0, dtype=object)
+        self.used = 0
+
+    def find(self, ids: np.ndarray) -> np.ndarray:
+        """The slot of each id, -1 where not cached."""
+        if not len(self.ids):
+            return np.full(len(ids), -1, dtype=np.int64)
+        pos = np.minimum(np.searchsorted(self.ids, ids), len(self.ids) - 1)
+        return np.where(self.ids[pos] == ids, self.slots[pos], -1)
+
+    def append(self, ids: np.ndarray, rows: np.ndarray, names: np.ndarray) -> None:
+        """Add keys not cached yet (``ids`` distinct)."""
+        n = len(ids)
+        if self.used + n > len(self.rows):  # grow by doubling: amortized O(1) per key
+            size = max(2 * len(self.rows), self.used + n, 1024)
+            grown = np.zeros(size, dtype=self.rows.dtype)
+            grown[:self.used] = self.rows[:self.used]
+            grown_names = np.empty(size, dtype=object)
+            grown_names[:self.used] = self.names[:self.used]
+            self.rows, self.names = grown, grown_names
+        slots = np.arange(self.used, self.used + n, dtype=np.int64)
+        self.rows[slots], self.names[slots] = rows, names
+        self.used += n
+        order = np.argsort(ids, kind="stable")
+        pos = np.searchsorted(self.ids, ids[order])
+        self.ids = np.insert(self.ids, pos, ids[order])
+        self.slots = np.insert(self.slots, pos, slots[order])
+
+
+class KeyRowCache:
+    """Committed key rows (and their texts) of the open windows, in memory and columnar, bounded
+    to ``capacity`` rows.
+
+    Stage 2 reads and writes the rows of every key it looks at on each trigger; keeping them as
+    one structured array per window turns a trigger's reads into one vectorized search instead of
+    a RocksDB read and a parse per key. Like :class:`CommittedCache` it holds committed values
+    only (it learns a batch's rows once the batch is written), so evicting or losing it never
+    changes what is read. Over capacity the oldest windows go first; a window that alone exceeds
+    the capacity stops caching new keys (they are read from the store).
+    """
+
+    def __init__(self, dtype: np.dtype, capacity: int):
+        self.dtype = dtype
+        self.capacity = int(capacity)
+        self._windows: dict[int, _WindowRows] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return sum(w.used for w in self._windows.values())
+
+    def lookup(self, window: int, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(hit mask, their rows, their texts) for ``ids``."""
+        cached = self._windows.get(window)
+        if cached is None:
+            self.misses += len(ids)
+            return np.zeros(len(ids), dtype=bool), np.zeros(0, dtype=self.dtype), np.zeros(0, dtype=object)
+        slots = cached.find(ids)
+        hit = slots >= 0
+        slots = slots[hit]
+        self.hits += len(slots)
+        self.misses += len(ids) - len(slots)
+        return hit, cached.rows[slots], cached.names[slots]
+
+    def upsert(self, window: int, ids: np.ndarray, rows: np.ndarray, names: np.ndarray) -> None:
+        """Rows just committed or read from the store (``ids`` distinct)."""
+        cached = self._windows.get(window)
+        if cached is None:
+            cached = self._windows[window] = _WindowRows(self.dtype)
+        slots = cached.find(ids)
+        known = slots >= 0
+        cached.rows[slots[known]] = rows[known]
+        new = np.nonzero(~known)[0]
+        room = self.capacity - len(self)
+        if len(new) > room:
+            for old in sorted(self._windows):  # oldest windows first, never this one
+                if old < window and len(new) > room:
+                    room += self._windows.pop(old).used
+            new = new[:max(room, 0)]
+        if len(new):
+            cached.append(ids[new], rows[new], names[new])
+
+    def drop_window(self, window: int) -> None:
+        self._windows.pop(window, None)
+
+    def clear(self) -> None:
+        self._windows.clear()
+
+
 def _ids_le(values: np.ndarray) -> list[int]:
     return np.asarray(values, dtype=np.uint64).tolist()
 
@@ -329,68 +426,127 @@ class KeyNames:
 
 class KeyRows:
     """Table ``k``: per (window, key id) the key's fixed row (:func:`key_row_dtype`) followed by
-    its key text."""
+    its key text. Committed rows are kept in memory too (:class:`KeyRowCache`)."""
 
     def __init__(self, store: Store, qid: bytes, tree_levels: int, columns: int = 1, cache_entries: int = KEY_CACHE_ENTRIES):
         self.store, self.qid = store, qid
         self.dtype = key_row_dtype(tree_levels, columns)
-        self.cache = CommittedCache(cache_entries)
+        self.cache = KeyRowCache(self.dtype, cache_entries)
 
     def load(self, window: int, ids: np.ndarray, blank: np.ndarray) -> tuple[np.ndarray, list[Optional[str]]]:
         """Rows of ``ids`` (``blank``, a one-row array, for a key not stored) and their texts
         (``None`` if not stored)."""
-        id_list = _ids_le(ids)
-        values = self.cache.read_through(self.store, sk.KEYS, self.qid, window, id_list)
-        width = self.dtype.itemsize
-        rows = np.repeat(np.asarray(blank, dtype=self.dtype).reshape(1), len(id_list))
-        present = [j for j, v in enumerate(values) if v is not None]
-        if present:
-            rows[present] = np.frombuffer(b"".join(values[j][:width] for j in present), dtype=self.dtype)
-        return rows, [None if v is None else v[width:].decode() for v in values]
+        ids = np.asarray(ids, dtype=np.uint64)
+        rows = np.repeat(np.asarray(blank, dtype=self.dtype).reshape(1), len(ids))
+        names = np.full(len(ids), None, dtype=object)
+        hit, cached_rows, cached_names = self.cache.lookup(window, ids)
+        rows[hit], names[hit] = cached_rows, cached_names
+        miss = np.nonzero(~hit)[0]
+        if len(miss):
+            values = self.store.get_many(sk.fixed_keys(sk.window_prefix(sk.KEYS, self.qid, window), ids[miss]))
+            width = self.dtype.itemsize
+            present = [j for j, v in enumerate(values) if v is not None]
+            if present:
+                found = miss[present]
+                rows[found] = np.frombuffer(b"".join(values[j][:width] for j in present), dtype=self.dtype)
+                names[found] = [values[j][width:].decode() for j in present]
+                self.cache.upsert(window, ids[found], rows[found], names[found])
+        return rows, names.tolist()
 
     def write(self, batch: WriteBatch, window: int, ids: np.ndarray, rows: np.ndarray, names: list[str]) -> None:
+        ids = np.asarray(ids, dtype=np.uint64)
         prefix = sk.window_prefix(sk.KEYS, self.qid, window)
         raw, width = rows.tobytes(), self.dtype.itemsize
         values = [raw[j * width:(j + 1) * width] + name.encode() for j, name in enumerate(names)]
-        batch.put_many(sk.fixed_keys(prefix, np.asarray(ids, dtype=np.uint64)), values)
-        self.cache.learn_on_commit(batch, window, _ids_le(ids), values)
+        batch.put_many(sk.fixed_keys(prefix, ids), values)
+        committed_rows, committed_names = rows.copy(), np.array(names, dtype=object)
+        batch.on_commit(lambda: self.cache.upsert(window, ids, committed_rows, committed_names))
 
     def count(self, window: int) -> int:
         return sum(1 for _ in self.store.scan_prefix(sk.window_prefix(sk.KEYS, self.qid, window)))
 
 
 class PredictionIndex:
-    """Table ``p``: which keys must be looked at at a trigger (key id under its trigger; empty value)."""
+    """Table ``p``: which keys must be looked at at a trigger (key id under its trigger; empty value).
+
+    The index of a window is mirrored in memory once first used (:class:`_IndexMirror`: the
+    trigger each key is indexed under), so taking a trigger's keys is a vectorized selection, not
+    a RocksDB scan; the mirror learns a batch's changes once the batch is written."""
 
     def __init__(self, store: Store, qid: bytes):
         self.store, self.qid = store, qid
+        self._mirrors: dict[int, _IndexMirror] = {}
+
+    def _mirror(self, window: int) -> "_IndexMirror":
+        mirror = self._mirrors.get(window)
+        if mirror is None:
+            prefix = sk.window_prefix(sk.PREDICTIONS, self.qid, window)
+            keys = [k for k, _ in self.store.scan_prefix(prefix)]
+            triggers = np.array([int.from_bytes(k[len(prefix):len(prefix) + 4], "big") for k in keys], dtype=np.int64)
+            mirror = self._mirrors[window] = _IndexMirror(sk.suffix_u64(keys, len(prefix) + 4), triggers)
+        return mirror
 
     def at(self, window: int, trigger: int) -> np.ndarray:
-        """Key ids indexed under the trigger."""
-        prefix = sk.trigger_prefix(sk.PREDICTIONS, self.qid, window, trigger)
-        return sk.suffix_u64([k for k, _ in self.store.scan_prefix(prefix)], len(prefix))
+        """Key ids indexed under the trigger, in id order."""
+        return self._mirror(window).at(trigger)
 
     def take(self, window: int, trigger: int, batch: WriteBatch) -> np.ndarray:
         """Key ids indexed under the trigger, deleted in ``batch``."""
         ids = self.at(window, trigger)
         prefix = sk.trigger_prefix(sk.PREDICTIONS, self.qid, window, trigger)
-        for i in ids.tolist():
-            batch.delete(prefix + i.to_bytes(8, "big"))
+        for key in sk.fixed_keys(prefix, ids):
+            batch.delete(key)
+        mirror = self._mirror(window)
+        batch.on_commit(lambda: mirror.set(ids, np.zeros(len(ids), dtype=np.int64)))
         return ids
 
     def move(self, batch: WriteBatch, window: int, ids: np.ndarray, old: np.ndarray, new: np.ndarray, now: int) -> None:
         """Re-index keys from trigger ``old`` to ``new`` (0: not indexed); entries at or before
         ``now`` were already taken."""
         prefix = sk.window_prefix(sk.PREDICTIONS, self.qid, window)
+        ids = np.asarray(ids, dtype=np.uint64)
         old, new = np.asarray(old, dtype=np.int64), np.asarray(new, dtype=np.int64)
         stale = np.nonzero((old > now) & (old != new))[0]
         if len(stale):
-            for key in sk.fixed_keys(prefix, old[stale].astype(np.uint32), np.asarray(ids, dtype=np.uint64)[stale]):
+            for key in sk.fixed_keys(prefix, old[stale].astype(np.uint32), ids[stale]):
                 batch.delete(key)
         fresh = np.nonzero((new > 0) & (new != old))[0]
         if len(fresh):
-            for key in sk.fixed_keys(prefix, new[fresh].astype(np.uint32), np.asarray(ids, dtype=np.uint64)[fresh]):
+            for key in sk.fixed_keys(prefix, new[fresh].astype(np.uint32), ids[fresh]):
                 batch.put(key, b"")
+        changed = np.union1d(stale, fresh)
+        if len(changed):
+            mirror = self._mirror(window)
+            moved_ids, moved_to = ids[changed], new[changed]
+            batch.on_commit(lambda: mirror.set(moved_ids, moved_to))
+
+    def drop_window(self, window: int) -> None:
+        self._mirrors.pop(window, None)
+
+
+class _IndexMirror:
+    """A window's prediction index in memory: per key id (sorted), the trigger it is indexed
+    under (0: none). A key is indexed under one trigger at a time."""
+
+    def __init__(self, ids: np.ndarray, triggers: np.ndarray):
+        order = np.argsort(ids, kind="stable")
+        self.ids, self.triggers = ids[order], triggers[order]
+
+    def at(self, trigger: int) -> np.ndarray:
+        return self.ids[self.triggers == trigger]
+
+    def set(self, ids: np.ndarray, triggers: np.ndarray) -> None:
+        if not len(ids):
+            return
+        pos = np.minimum(np.searchsorted(self.ids, ids), max(len(self.ids) - 1, 0))
+        known = (self.ids[pos] == ids) if len(self.ids) else np.zeros(len(ids), dtype=bool)
+        self.triggers[pos[known]] = triggers[known]
+        new = np.nonzero(~known & (triggers > 0))[0]
+        if len(new):
+            order = new[np.argsort(ids[new], kind="stable")]
+            at = np.searchsorted(self.ids, ids[order])
+            self.ids = np.insert(self.ids, at, ids[order])
+            self.triggers = np.insert(self.triggers, at, triggers[order])
 
 
 class Journal:
@@ -557,6 +713,7 @@ class QueryTables:
         self.users.cache.drop_window(window)
         self.names.drop_window(window)
         self.keys.cache.drop_window(window)
+        self.predictions.drop_window(window)
 
 
 class IntegerMark:
