@@ -155,13 +155,14 @@ class CommittedCache:
 
 
 class _WindowRows:
-    """One window's cached key rows: ``ids`` sorted with the ``slots`` that hold their rows and
-    texts in append-only arrays (a new key appends; a known key is overwritten in place)."""
+    """One window's cached keys: ``ids`` sorted with the ``slots`` that hold their rows (if the
+    cache has a row type) and texts in append-only arrays (a new key appends; a known key is
+    overwritten in place)."""
 
-    def __init__(self, dtype: np.dtype):
+    def __init__(self, dtype: Optional[np.dtype]):
         self.ids = np.zeros(0, dtype=np.uint64)
         self.slots = np.zeros(0, dtype=np.int64)
-        self.rows = np.zeros(0, dtype=dtype)
+        self.rows = None if dtype is None else np.zeros(0, dtype=dtype)
         self.names = np.zeros(0, dtype=object)
         self.used = 0
 
@@ -175,15 +176,19 @@ class _WindowRows:
     def append(self, ids: np.ndarray, rows: np.ndarray, names: np.ndarray) -> None:
         """Add keys not cached yet (``ids`` distinct)."""
         n = len(ids)
-        if self.used + n > len(self.rows):  # grow by doubling: amortized O(1) per key
-            size = max(2 * len(self.rows), self.used + n, 1024)
-            grown = np.zeros(size, dtype=self.rows.dtype)
-            grown[:self.used] = self.rows[:self.used]
+        if self.used + n > len(self.names):  # grow by doubling: amortized O(1) per key
+            size = max(2 * len(self.names), self.used + n, 1024)
             grown_names = np.empty(size, dtype=object)
             grown_names[:self.used] = self.names[:self.used]
-            self.rows, self.names = grown, grown_names
+            self.names = grown_names
+            if self.rows is not None:
+                grown = np.zeros(size, dtype=self.rows.dtype)
+                grown[:self.used] = self.rows[:self.used]
+                self.rows = grown
         slots = np.arange(self.used, self.used + n, dtype=np.int64)
-        self.rows[slots], self.names[slots] = rows, names
+        self.names[slots] = names
+        if self.rows is not None:
+            self.rows[slots] = rows
         self.used += n
         order = np.argsort(ids, kind="stable")
         pos = np.searchsorted(self.ids, ids[order])
@@ -192,18 +197,18 @@ class _WindowRows:
 
 
 class KeyRowCache:
-    """Committed key rows (and their texts) of the open windows, in memory and columnar, bounded
-    to ``capacity`` rows.
+    """Committed key rows (``dtype``; ``None``: none) and key texts of the open windows, in
+    memory and columnar, bounded to ``capacity`` keys.
 
     Stage 2 reads and writes the rows of every key it looks at on each trigger; keeping them as
     one structured array per window turns a trigger's reads into one vectorized search instead of
-    a RocksDB read and a parse per key. Like :class:`CommittedCache` it holds committed values
+    a RocksDB read and a parse per key (and a key-text check into one search). Like :class:`CommittedCache` it holds committed values
     only (it learns a batch's rows once the batch is written), so evicting or losing it never
     changes what is read. Over capacity the oldest windows go first; a window that alone exceeds
     the capacity stops caching new keys (they are read from the store).
     """
 
-    def __init__(self, dtype: np.dtype, capacity: int):
+    def __init__(self, dtype: Optional[np.dtype], capacity: int):
         self.dtype = dtype
         self.capacity = int(capacity)
         self._windows: dict[int, _WindowRows] = {}
@@ -213,27 +218,27 @@ class KeyRowCache:
     def __len__(self) -> int:
         return sum(w.used for w in self._windows.values())
 
-    def lookup(self, window: int, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(hit mask, their rows, their texts) for ``ids``."""
+    def lookup(self, window: int, ids: np.ndarray) -> tuple[np.ndarray, Optional[np.ndarray], np.ndarray]:
+        """(hit mask, their rows (``None`` without a row type), their texts) for ``ids``."""
         cached = self._windows.get(window)
         if cached is None:
-            self.misses += len(ids)
-            return np.zeros(len(ids), dtype=bool), np.zeros(0, dtype=self.dtype), np.zeros(0, dtype=object)
+            cached = _WindowRows(self.dtype)
         slots = cached.find(ids)
         hit = slots >= 0
         slots = slots[hit]
         self.hits += len(slots)
         self.misses += len(ids) - len(slots)
-        return hit, cached.rows[slots], cached.names[slots]
+        return hit, None if cached.rows is None else cached.rows[slots], cached.names[slots]
 
-    def upsert(self, window: int, ids: np.ndarray, rows: np.ndarray, names: np.ndarray) -> None:
-        """Rows just committed or read from the store (``ids`` distinct)."""
+    def upsert(self, window: int, ids: np.ndarray, rows: Optional[np.ndarray], names: np.ndarray) -> None:
+        """Keys just committed or read from the store (``ids`` distinct)."""
         cached = self._windows.get(window)
         if cached is None:
             cached = self._windows[window] = _WindowRows(self.dtype)
         slots = cached.find(ids)
         known = slots >= 0
-        cached.rows[slots[known]] = rows[known]
+        if rows is not None:
+            cached.rows[slots[known]] = rows[known]
         new = np.nonzero(~known)[0]
         room = self.capacity - len(self)
         if len(new) > room:
@@ -242,7 +247,7 @@ class KeyRowCache:
                     room += self._windows.pop(old).used
             new = new[:max(room, 0)]
         if len(new):
-            cached.append(ids[new], rows[new], names[new])
+            cached.append(ids[new], None if rows is None else rows[new], names[new])
 
     def drop_window(self, window: int) -> None:
         self._windows.pop(window, None)
@@ -378,45 +383,51 @@ class Amendments:
 
 class KeyNames:
     """Table ``t``: the key text that owns each 64-bit key id in a window (the first one seen: a
-    different text under the same id is a collision, refused by the pipeline)."""
+    different text under the same id is a collision, refused by the pipeline). Committed owners
+    are kept in memory too (:class:`KeyRowCache` without rows)."""
 
     def __init__(self, store: Store, qid: bytes, cache_entries: int = KEY_CACHE_ENTRIES):
         self.store, self.qid = store, qid
-        self.cache = CommittedCache(cache_entries)
+        self.cache = KeyRowCache(None, cache_entries)
         #: owners registered in batches not yet committed, so a later batch of the same run
         #: sees them before they are written
         self._staged: dict[tuple[int, int], str] = {}
 
     def owners(self, window: int, ids: list[int]) -> list[Optional[str]]:
-        found = [self._staged.get((window, i)) for i in ids]
-        todo = [j for j, v in enumerate(found) if v is None]
-        if todo:
-            cached = self.cache.lookup(window, [ids[j] for j in todo])
-            missing = [j for j, v in zip(todo, cached) if v is None]
-            for j, v in zip(todo, cached):
-                if v is not None:
-                    found[j] = v.decode()
-            if missing:
-                prefix = sk.window_prefix(sk.KEY_NAMES, self.qid, window)
-                stored = self.store.get_many([prefix + int(ids[j]).to_bytes(8, "big") for j in missing])
-                self.cache.remember(window, [ids[j] for j in missing], stored)
-                for j, v in zip(missing, stored):
-                    found[j] = None if v is None else v.decode()
-        return found
+        """The owning text of each id (distinct), ``None`` where the id has none yet."""
+        id_array = np.asarray(ids, dtype=np.uint64)
+        found = np.full(len(ids), None, dtype=object)
+        hit, _, texts = self.cache.lookup(window, id_array)
+        found[hit] = texts
+        miss = np.nonzero(~hit)[0]
+        if len(miss) and self._staged:
+            staged = [self._staged.get((window, i)) for i in id_array[miss].tolist()]
+            found[miss] = staged
+            miss = miss[[s is None for s in staged]]
+        if len(miss):
+            stored = self.store.get_many(sk.fixed_keys(sk.window_prefix(sk.KEY_NAMES, self.qid, window), id_array[miss]))
+            present = [j for j, v in enumerate(stored) if v is not None]
+            if present:
+                texts = np.empty(len(present), dtype=object)
+                texts[:] = [stored[j].decode() for j in present]
+                found[miss[present]] = texts
+                self.cache.upsert(window, id_array[miss[present]], None, texts)
+        return found.tolist()
 
     def register(self, batch: WriteBatch, window: int, ids: list[int], texts: list[str]) -> None:
         prefix = sk.window_prefix(sk.KEY_NAMES, self.qid, window)
-        values = [t.encode() for t in texts]
-        for i, t, v in zip(ids, texts, values):
-            batch.put(prefix + int(i).to_bytes(8, "big"), v)
-            self._staged[(window, i)] = t
+        id_array = np.asarray(ids, dtype=np.uint64)
+        batch.put_many(sk.fixed_keys(prefix, id_array), [t.encode() for t in texts])
         staged = self._staged
+        staged.update(((window, i), t) for i, t in zip(id_array.tolist(), texts))
+        committed = np.empty(len(texts), dtype=object)
+        committed[:] = texts
 
-        def unstage() -> None:
-            for i in ids:
+        def commit() -> None:
+            for i in id_array.tolist():
                 staged.pop((window, i), None)
-        batch.on_commit(unstage)
-        self.cache.learn_on_commit(batch, window, list(ids), values)
+            self.cache.upsert(window, id_array, None, committed)
+        batch.on_commit(commit)
 
     def drop_window(self, window: int) -> None:
         self.cache.drop_window(window)
