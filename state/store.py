@@ -26,7 +26,7 @@ class WriteBatch:
     they never hold a value the store does not (a batch abandoned by a crash or an error leaves
     them as they were)."""
 
-    __slots__ = ("ops", "_on_commit", "has_deletes")
+    __slots__ = ("ops", "_on_commit", "has_deletes", "__weakref__")
 
     def __init__(self) -> None:
         self.ops: dict[bytes, Optional[bytes]] = {}

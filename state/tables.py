@@ -8,8 +8,8 @@ the tables hold bytes, integers and arrays, and import nothing of ours outside `
 Every write goes into a :class:`state.store.WriteBatch`; nothing reaches the store until the
 caller writes the batch together with its input position (a commit point: docs/architecture.md,
 "State"). The user, key-row and key-name tables keep a bounded cache of *committed* values in
-memory (:class:`CommittedCache`): a read of a cached key costs a dictionary lookup instead of a
-RocksDB point read, and since the cache learns a value only once its batch is written
+memory (:class:`CommittedCache`, columnar arrays per window): a batch's reads of cached ids cost
+one vectorized search instead of a RocksDB point read and a parse per id, and since the cache learns a value only once its batch is written
 (``WriteBatch.on_commit``), evicting an entry, dropping the cache or crashing never loses or
 invents state. Every batch the drivers write is a commit point, so this is the same as a
 write-behind cache flushed at each commit (Kafka Streams' record cache), without a second copy of
@@ -20,7 +20,8 @@ read as this one).
 """
 from __future__ import annotations
 
-import itertools
+import functools
+import weakref
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -71,89 +72,6 @@ def key_row_dtype(tree_levels: int, columns: int = 1) -> np.dtype:
     return np.dtype(fields)
 
 
-class CommittedCache:
-    """Committed values of one table, per window and 64-bit id, bounded to ``capacity`` entries.
-
-    Values enter only through :meth:`learn_on_commit` (when their batch has been written) or
-    :meth:`remember` (read from the store), so every cached value equals the store's. Over
-    capacity, the oldest windows' earliest cached entries go first.
-    """
-
-    def __init__(self, capacity: int):
-        self.capacity = int(capacity)
-        self._windows: dict[int, dict[int, bytes]] = {}
-        self._size = 0
-        self.hits = 0
-        self.misses = 0
-
-    def __len__(self) -> int:
-        return self._size
-
-    def lookup(self, window: int, ids: list[int]) -> list[Optional[bytes]]:
-        entries = self._windows.get(window)
-        if entries is None:
-            self.misses += len(ids)
-            return [None] * len(ids)
-        found = list(map(entries.get, ids))
-        missing = found.count(None)
-        self.misses += missing
-        self.hits += len(ids) - missing
-        return found
-
-    def remember(self, window: int, ids: list[int], values: list[Optional[bytes]]) -> None:
-        """Values just read from the store (``None``: absent, not cached)."""
-        entries = self._windows.setdefault(window, {})
-        before = len(entries)
-        entries.update((i, v) for i, v in zip(ids, values) if v is not None)
-        self._size += len(entries) - before
-        self._trim()
-
-    def learn_on_commit(self, batch: WriteBatch, window: int, ids: list[int], values: list[bytes]) -> None:
-        def learn() -> None:
-            entries = self._windows.setdefault(window, {})
-            before = len(entries)
-            entries.update(zip(ids, values))
-            self._size += len(entries) - before
-            self._trim()
-        batch.on_commit(learn)
-
-    def read_through(self, store: Store, table: bytes, qid: bytes, window: int, ids: list[int]) -> list[Optional[bytes]]:
-        """Values of ``ids`` in a window's table: cached ones from memory, the others read from
-        the store in one batch (and remembered). ``None``: not stored."""
-        found = self.lookup(window, ids)
-        missing = [j for j, v in enumerate(found) if v is None]
-        if missing:
-            miss_ids = [ids[j] for j in missing]
-            stored = store.get_many(sk.fixed_keys(sk.window_prefix(table, qid, window), np.array(miss_ids, dtype=np.uint64)))
-            self.remember(window, miss_ids, stored)
-            for j, v in zip(missing, stored):
-                found[j] = v
-        return found
-
-    def drop_window(self, window: int) -> None:
-        self._size -= len(self._windows.pop(window, {}))
-
-    def clear(self) -> None:
-        self._windows.clear()
-        self._size = 0
-
-    def _trim(self) -> None:
-        if self._size <= self.capacity:
-            return
-        excess = self._size - self.capacity + self.capacity // 4  # free a quarter at once: amortized
-        for window in sorted(self._windows):  # oldest windows first
-            entries = self._windows[window]
-            doomed = list(itertools.islice(entries, excess))
-            for i in doomed:
-                del entries[i]
-            self._size -= len(doomed)
-            excess -= len(doomed)
-            if not entries:
-                del self._windows[window]
-            if excess <= 0:
-                return
-
-
 class _WindowRows:
     """One window's cached keys: ``ids`` sorted with the ``slots`` that hold their rows (if the
     cache has a row type) and texts in append-only arrays (a new key appends; a known key is
@@ -196,16 +114,18 @@ class _WindowRows:
         self.slots = np.insert(self.slots, pos, slots[order])
 
 
-class KeyRowCache:
-    """Committed key rows (``dtype``; ``None``: none) and key texts of the open windows, in
-    memory and columnar, bounded to ``capacity`` keys.
+class CommittedCache:
+    """Committed values of one table per window and 64-bit id, in memory and columnar, bounded
+    to ``capacity`` ids: a fixed row (``dtype``; ``None``: none) and a variable part (a key's
+    text, a user state's bytes).
 
-    Stage 2 reads and writes the rows of every key it looks at on each trigger; keeping them as
-    one structured array per window turns a trigger's reads into one vectorized search instead of
-    a RocksDB read and a parse per key (and a key-text check into one search). Like :class:`CommittedCache` it holds committed values
-    only (it learns a batch's rows once the batch is written), so evicting or losing it never
-    changes what is read. Over capacity the oldest windows go first; a window that alone exceeds
-    the capacity stops caching new keys (they are read from the store).
+    Stage 1 reads the state of every user in a micro-batch and stage 2 the row of every key it
+    looks at, on every trigger. Keeping them as arrays per window makes a batch's reads one
+    vectorized search (no RocksDB read, no per-key dictionary work) while RocksDB stays the
+    truth: values enter only once their batch has been written (``WriteBatch.on_commit``) or as
+    read from the store, so evicting an entry, dropping the cache or crashing never loses or
+    invents state. Over capacity the oldest windows go first; a window that alone exceeds the
+    capacity stops caching new ids (they are read from the store).
     """
 
     def __init__(self, dtype: Optional[np.dtype], capacity: int):
@@ -237,6 +157,7 @@ class KeyRowCache:
             cached = self._windows[window] = _WindowRows(self.dtype)
         slots = cached.find(ids)
         known = slots >= 0
+        cached.names[slots[known]] = names[known]
         if rows is not None:
             cached.rows[slots[known]] = rows[known]
         new = np.nonzero(~known)[0]
@@ -256,10 +177,6 @@ class KeyRowCache:
         self._windows.clear()
 
 
-def _ids_le(values: np.ndarray) -> list[int]:
-    return np.asarray(values, dtype=np.uint64).tolist()
-
-
 @dataclass
 class UserStateColumns:
     """Stage-1 states of a batch of (window, user) groups, parsed."""
@@ -277,14 +194,27 @@ class UserStates:
 
     def __init__(self, store: Store, qid: bytes, cache_entries: int = USER_CACHE_ENTRIES):
         self.store, self.qid = store, qid
-        self.cache = CommittedCache(cache_entries)
+        self.cache = CommittedCache(None, cache_entries)
 
     def read(self, windows: np.ndarray, users: np.ndarray) -> UserStateColumns:
         """States of the groups ``(windows[g], users[g])`` (absent: nothing admitted yet)."""
-        values: list[Optional[bytes]] = [None] * len(users)
+        values = np.full(len(users), None, dtype=object)
+        users = np.asarray(users, dtype=np.uint64)
         for w, lo, hi in _runs(windows):
-            values[lo:hi] = self.cache.read_through(self.store, sk.USERS, self.qid, w, _ids_le(users[lo:hi]))
-        return _parse_user_states(values)
+            ids = users[lo:hi]
+            hit, _, cached = self.cache.lookup(w, ids)
+            part = values[lo:hi]
+            part[hit] = cached
+            miss = np.nonzero(~hit)[0]
+            if len(miss):
+                stored = self.store.get_many(sk.fixed_keys(sk.window_prefix(sk.USERS, self.qid, w), ids[miss]))
+                present = [j for j, v in enumerate(stored) if v is not None]
+                if present:
+                    found = np.empty(len(present), dtype=object)
+                    found[:] = [stored[j] for j in present]
+                    part[miss[present]] = found
+                    self.cache.upsert(w, ids[miss[present]], None, found)
+        return _parse_user_states(values.tolist())
 
     def write(self, batch: WriteBatch, windows: np.ndarray, users: np.ndarray, admitted: np.ndarray, changed: np.ndarray,
               full: np.ndarray, entry_group: np.ndarray, entry_key: np.ndarray, entry_trigger: np.ndarray) -> None:
@@ -307,7 +237,9 @@ class UserStates:
             values = [heads[2 * g:2 * g + 2] + raw[a:b] for g, a, b in zip(groups, starts, ends)]
             user_ids = np.asarray(users, dtype=np.uint64)[groups]
             batch.put_many(sk.fixed_keys(sk.window_prefix(sk.USERS, self.qid, w), user_ids), values)
-            self.cache.learn_on_commit(batch, w, user_ids.tolist(), values)
+            committed = np.empty(len(values), dtype=object)
+            committed[:] = values
+            batch.on_commit(functools.partial(self.cache.upsert, w, user_ids, None, committed))
 
 
 def _runs(windows: np.ndarray) -> Iterator[tuple[int, int, int]]:
@@ -384,26 +316,28 @@ class Amendments:
 class KeyNames:
     """Table ``t``: the key text that owns each 64-bit key id in a window (the first one seen: a
     different text under the same id is a collision, refused by the pipeline). Committed owners
-    are kept in memory too (:class:`KeyRowCache` without rows)."""
+    are kept in memory too (:class:`CommittedCache` without rows)."""
 
     def __init__(self, store: Store, qid: bytes, cache_entries: int = KEY_CACHE_ENTRIES):
         self.store, self.qid = store, qid
-        self.cache = KeyRowCache(None, cache_entries)
-        #: owners registered in batches not yet committed, so a later batch of the same run
-        #: sees them before they are written
-        self._staged: dict[tuple[int, int], str] = {}
+        self.cache = CommittedCache(None, cache_entries)
+        #: owners registered in a batch not yet written, per batch: a later call with the same
+        #: batch sees them; another batch does not, and an abandoned batch's vanish with it
+        self._staged: weakref.WeakKeyDictionary[WriteBatch, dict[tuple[int, int], str]] = weakref.WeakKeyDictionary()
 
-    def owners(self, window: int, ids: list[int]) -> list[Optional[str]]:
-        """The owning text of each id (distinct), ``None`` where the id has none yet."""
+    def owners(self, window: int, ids: list[int], batch: Optional[WriteBatch] = None) -> list[Optional[str]]:
+        """The owning text of each id (distinct), ``None`` where the id has none yet (counting
+        what ``batch`` registered)."""
         id_array = np.asarray(ids, dtype=np.uint64)
         found = np.full(len(ids), None, dtype=object)
         hit, _, texts = self.cache.lookup(window, id_array)
         found[hit] = texts
         miss = np.nonzero(~hit)[0]
-        if len(miss) and self._staged:
-            staged = [self._staged.get((window, i)) for i in id_array[miss].tolist()]
-            found[miss] = staged
-            miss = miss[[s is None for s in staged]]
+        staged = self._staged.get(batch) if batch is not None else None
+        if len(miss) and staged:
+            mine = [staged.get((window, i)) for i in id_array[miss].tolist()]
+            found[miss] = mine
+            miss = miss[[s is None for s in mine]]
         if len(miss):
             stored = self.store.get_many(sk.fixed_keys(sk.window_prefix(sk.KEY_NAMES, self.qid, window), id_array[miss]))
             present = [j for j, v in enumerate(stored) if v is not None]
@@ -418,31 +352,29 @@ class KeyNames:
         prefix = sk.window_prefix(sk.KEY_NAMES, self.qid, window)
         id_array = np.asarray(ids, dtype=np.uint64)
         batch.put_many(sk.fixed_keys(prefix, id_array), [t.encode() for t in texts])
-        staged = self._staged
-        staged.update(((window, i), t) for i, t in zip(id_array.tolist(), texts))
+        if batch not in self._staged:
+            self._staged[batch] = {}
+            batch.on_commit(lambda: self._staged.pop(batch, None))
+        self._staged[batch].update(((window, i), t) for i, t in zip(id_array.tolist(), texts))
         committed = np.empty(len(texts), dtype=object)
         committed[:] = texts
-
-        def commit() -> None:
-            for i in id_array.tolist():
-                staged.pop((window, i), None)
-            self.cache.upsert(window, id_array, None, committed)
-        batch.on_commit(commit)
+        batch.on_commit(functools.partial(self.cache.upsert, window, id_array, None, committed))
 
     def drop_window(self, window: int) -> None:
         self.cache.drop_window(window)
-        for k in [k for k in self._staged if k[0] == window]:
-            del self._staged[k]
+        for staged in self._staged.values():
+            for k in [k for k in staged if k[0] == window]:
+                del staged[k]
 
 
 class KeyRows:
     """Table ``k``: per (window, key id) the key's fixed row (:func:`key_row_dtype`) followed by
-    its key text. Committed rows are kept in memory too (:class:`KeyRowCache`)."""
+    its key text. Committed rows are kept in memory too (:class:`CommittedCache`)."""
 
     def __init__(self, store: Store, qid: bytes, tree_levels: int, columns: int = 1, cache_entries: int = KEY_CACHE_ENTRIES):
         self.store, self.qid = store, qid
         self.dtype = key_row_dtype(tree_levels, columns)
-        self.cache = KeyRowCache(self.dtype, cache_entries)
+        self.cache = CommittedCache(self.dtype, cache_entries)
 
     def load(self, window: int, ids: np.ndarray, blank: np.ndarray) -> tuple[np.ndarray, list[Optional[str]]]:
         """Rows of ``ids`` (``blank``, a one-row array, for a key not stored) and their texts

@@ -9,7 +9,12 @@ import pytest
 
 from accountant.counters import BINARY_TREE, COUNTERS, counter_calibration
 from accountant.plan import BudgetError, QueryBudget, plan_query
-from processor.mechanisms.counters import COUNTER_TYPES, BinaryTreeCounter, ContinualCounter, counter_for
+from processor.mechanisms.counters import (
+    COUNTER_TYPES,
+    BinaryTreeCounter,
+    ContinualCounter,
+    counter_for,
+)
 from processor.mechanisms.noise import NodeNoise
 from tests.conftest import TEST_SECRET
 

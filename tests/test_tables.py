@@ -106,14 +106,39 @@ def test_reads_through_the_cache_equal_reads_of_the_store(steps, capacity):
             assert getattr(cached, field).tolist() == getattr(fresh, field).tolist()
 
 
-def test_committed_cache_drops_a_window():
-    cache = CommittedCache(10)
-    batch = WriteBatch()
-    cache.learn_on_commit(batch, 5, [1, 2], [b"a", b"b"])
-    MemoryStore().write(batch)
-    assert cache.lookup(5, [1, 2]) == [b"a", b"b"]
+def _texts(*values):
+    out = np.empty(len(values), dtype=object)
+    out[:] = values
+    return out
+
+
+def test_committed_cache_finds_ids_in_any_order_and_overwrites_in_place():
+    dtype = np.dtype([("n", "<i8")])
+    cache = CommittedCache(dtype, 100)
+    rows = np.zeros(3, dtype=dtype)
+    rows["n"] = [30, 10, 20]
+    cache.upsert(5, np.array([30, 10, 20], dtype=np.uint64), rows, _texts("c", "a", "b"))
+    rows2 = np.zeros(2, dtype=dtype)
+    rows2["n"] = [11, 40]
+    cache.upsert(5, np.array([10, 40], dtype=np.uint64), rows2, _texts("a", "d"))  # one known, one new
+    hit, found, texts = cache.lookup(5, np.array([40, 99, 20, 10, 30], dtype=np.uint64))
+    assert hit.tolist() == [True, False, True, True, True]
+    assert found["n"].tolist() == [40, 20, 11, 30] and texts.tolist() == ["d", "b", "a", "c"]
+    assert not cache.lookup(6, np.array([10], dtype=np.uint64))[0].any()  # windows are apart
     cache.drop_window(5)
-    assert cache.lookup(5, [1, 2]) == [None, None] and len(cache) == 0
+    assert not cache.lookup(5, np.array([10], dtype=np.uint64))[0].any() and len(cache) == 0
+
+
+def test_committed_cache_evicts_old_windows_first_and_never_exceeds_its_bound():
+    cache = CommittedCache(None, 10)
+    cache.upsert(1, np.arange(6, dtype=np.uint64), None, _texts(*"abcdef"))
+    cache.upsert(2, np.arange(6, dtype=np.uint64), None, _texts(*"ghijkl"))  # window 1 makes room
+    assert not cache.lookup(1, np.arange(6, dtype=np.uint64))[0].any()
+    assert cache.lookup(2, np.arange(6, dtype=np.uint64))[0].all()
+    cache.upsert(2, np.arange(6, 20, dtype=np.uint64), None, _texts(*"mnopqrstuvwxyz"))  # over the bound alone
+    assert len(cache) == 10
+    hit, _, texts = cache.lookup(2, np.arange(20, dtype=np.uint64))
+    assert hit.sum() == 10 and texts.tolist()[:6] == list("ghijkl")
 
 
 def test_query_tables_layouts_round_trip(tmp_path):
@@ -167,3 +192,50 @@ def test_epoch_marks():
     assert marks.get() is None
     marks.put("fp", "label")
     assert marks.get() == ("fp", b"3", "label") and marks.label() == "label"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.lists(st.tuples(st.integers(0, 15), st.integers(0, 8)), max_size=10)),
+                min_size=1, max_size=20), st.integers(1, 40))
+def test_key_rows_names_and_prediction_index_in_memory_equal_the_store(steps, capacity):
+    """Stage 2's tables kept in memory (key rows, key owners, the prediction index) under any
+    sequence of written and abandoned trigger batches, with a tiny cache: every read equals what
+    fresh tables read from the store. A step fires the next trigger: (commit?, [(key id, next
+    visit)]); an abandoned step's trigger fires again."""
+    store = MemoryStore()
+    tables = QueryTables(store, "q", tree_levels=2, key_cache_entries=capacity)
+    blank = np.zeros(1, dtype=tables.keys.dtype)
+    predicted = {}  # committed: key id -> trigger indexed under
+    fired = 0
+    for commit, moves in steps:
+        now = fired + 1
+        batch = WriteBatch()
+        taken = tables.predictions.take(0, now, batch)
+        plan = dict(moves)  # one entry per key id, the last wins
+        ids = np.array(sorted(set(plan) | set(taken.tolist())), dtype=np.uint64)
+        rows, names = tables.keys.load(0, ids, blank)
+        owners = tables.names.owners(0, ids.tolist())
+        new_owner = [j for j, o in enumerate(owners) if o is None]
+        tables.names.register(batch, 0, [int(ids[j]) for j in new_owner], [f"k{int(ids[j])}" for j in new_owner])
+        old = np.array([predicted.get(int(i), 0) for i in ids], dtype=np.int64)
+        new = np.array([max(plan.get(int(i), 0), 0) for i in ids], dtype=np.int64)
+        new = np.where(new > now, new, 0)  # the next visit is after this trigger, or none
+        rows["count"] += now
+        rows["predicted"] = new
+        tables.predictions.move(batch, 0, ids, old, new, now)
+        tables.keys.write(batch, 0, ids, rows, [n or f"k{int(i)}" for n, i in zip(names, ids.tolist())])
+        if commit:
+            store.write(batch)
+            fired = now
+            predicted.update({int(i): int(t) for i, t in zip(ids, new)})
+            for i in taken.tolist():
+                if predicted.get(i) == now:
+                    predicted[i] = 0
+        fresh = QueryTables(store, "q", tree_levels=2)
+        all_ids = np.arange(16, dtype=np.uint64)
+        for trigger in range(1, 9):
+            assert tables.predictions.at(0, trigger).tolist() == fresh.predictions.at(0, trigger).tolist()
+            assert fresh.predictions.at(0, trigger).tolist() == sorted(i for i, t in predicted.items() if t == trigger)
+        mine, fresh_rows = tables.keys.load(0, all_ids, blank), fresh.keys.load(0, all_ids, blank)
+        assert mine[0].tobytes() == fresh_rows[0].tobytes() and mine[1] == fresh_rows[1]
+        assert tables.names.owners(0, all_ids.tolist()) == fresh.names.owners(0, all_ids.tolist())

@@ -528,7 +528,7 @@ class QueryPipeline:
             distinct, first, inverse = np.unique(records.key_ids[at], return_index=True, return_inverse=True)
             ids = distinct.tolist()
             texts = records.keys[at[first]]
-            known = self.tables.names.owners(w, ids)
+            known = self.tables.names.owners(w, ids, batch)
             new = [j for j, owner in enumerate(known) if owner is None]
             if new:  # first seen here: the text owns the id
                 self.tables.names.register(batch, w, [ids[j] for j in new], [texts[j] for j in new])
