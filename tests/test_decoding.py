@@ -4,7 +4,7 @@ field and never quote the content; the config refuses an unknown input format by
 import json
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
@@ -76,3 +76,50 @@ def test_input_format_is_validated_by_name():
         DpstreamConfig(queries=[{"name": "q", "epsilon": 1.0, "delta": 1e-6}], input_format="avro")
     with pytest.raises(ValueError, match="input_format"):
         decoder_for("csv")
+
+
+#: values that parsing must refuse or convert, per field kind (half of all edits), and anything else
+_EDGES = ["x" * 4097, "", -1, 1 << 53, 1 << 70, float("inf"), float("nan"), 2.0, 2.5, True, None, 7]
+_FIELD = st.one_of(st.sampled_from(_EDGES), st.sampled_from(_EDGES), st.sampled_from(_EDGES), st.one_of(st.text(max_size=6), st.integers(-3, 1 << 54), st.floats(), st.booleans(),
+                                                      st.lists(st.integers(), max_size=2)))
+_PLAIN = st.fixed_dictionaries({"u": st.text(min_size=1, max_size=6), "k": st.text(min_size=1, max_size=6), "ts": st.integers(0, 1 << 40),
+                                "v": st.one_of(st.integers(-100, 100), st.floats(-1e6, 1e6))})
+_EDIT = st.tuples(st.integers(0, 11), st.sampled_from(["u", "k", "ts", "v", "k2"]), st.one_of(st.just("drop"), _FIELD, _FIELD, _FIELD))
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(_PLAIN, min_size=1, max_size=12), st.lists(_EDIT, max_size=2), st.sampled_from([False, False, False, True]), st.sampled_from([("k",), ("k", "k2")]),
+       st.sampled_from([None, "v"]))
+@example([{"u": "a", "k": "b", "ts": 5, "v": 1}, {"u": "c", "k": "d", "ts": 6, "v": 2.5}], [(1, "ts", -1)], False, ("k",), "v")
+@example([{"u": "a", "k": "b", "ts": 5, "v": 1}, {"u": "c", "k": "d", "ts": 6, "v": 2.5}], [(1, "ts", 1 << 53)], False, ("k",), "v")
+@example([{"u": "a", "k": "b", "ts": 5, "v": 1}, {"u": "c", "k": "d", "ts": 6, "v": 2.5}], [(1, "ts", 1 << 70)], False, ("k",), "v")
+@example([{"u": "a", "k": "b", "ts": 5, "v": 1}, {"u": "c", "k": "d", "ts": 6, "v": 2.5}], [(1, "ts", 2.0)], False, ("k",), "v")
+@example([{"u": "a", "k": "b", "ts": 5, "v": 1}, {"u": "c", "k": "d", "ts": 6, "v": 2.5}], [(1, "k", "x" * 4097)], False, ("k",), "v")
+@example([{"u": "a", "k": "b", "ts": 5, "v": 1}, {"u": "c", "k": "d", "ts": 6, "v": 2.5}], [(1, "u", "")], False, ("k",), "v")
+@example([{"u": "a", "k": "b", "ts": 5, "v": 1}, {"u": "c", "k": "d", "ts": 6, "v": 2.5}], [(1, "u", 7)], False, ("k",), "v")
+@example([{"u": "a", "k": "b", "ts": 5, "v": 1}, {"u": "c", "k": "d", "ts": 6, "v": 2.5}], [(1, "v", float("inf"))], False, ("k",), "v")
+@example([{"u": "a", "k": "b", "ts": 5, "v": 1}, {"u": "c", "k": "d", "ts": 6, "v": 2.5}], [(1, "v", float("nan"))], False, ("k",), "v")
+@example([{"u": "a", "k": "b", "ts": 5, "v": 1}, {"u": "c", "k": "d", "ts": 6, "v": 2.5}], [(1, "v", True)], False, ("k",), "v")
+@example([{"u": "a", "k": "b", "ts": 5, "v": 1}, {"u": "c", "k": "d", "ts": 6, "v": 2.5}], [(1, "v", "3")], False, ("k",), "v")
+@example([{"u": "a", "k": "b", "ts": 5, "v": 1}, {"u": "c", "k": "d", "ts": 6, "v": 2.5}], [(1, "k", None)], False, ("k",), "v")
+def test_batch_parsing_equals_parsing_each_record(plain, edits, undecodable, key_fields, value_field):
+    """EventParser.parse_batch (the worker's per-batch path) gives the same events and the same
+    reasons as parsing each record alone: plain batches, and batches where one field of a record
+    is missing, of another type, empty, too long, non-finite or out of range, or a record did
+    not decode."""
+    objs = [{**o, "k2": o["k"] + "/"} for o in plain]
+    for at, name, value in edits:
+        if value == "drop":
+            objs[at % len(objs)].pop(name, None)
+        else:
+            objs[at % len(objs)][name] = value
+    if undecodable:
+        objs.insert(len(objs) // 2, InvalidRecord("not valid JSON"))
+    parser = EventParser("u", key_fields, value_field, "ts")
+    batch = parser.parse_batch(objs)
+    one_by_one = [parser.from_mapping(o) for o in objs]
+    expect_events = [(i, e) for i, e in enumerate(one_by_one) if not isinstance(e, InvalidRecord)]
+    assert batch.index.tolist() == [i for i, _ in expect_events]
+    assert batch.users == [e.user for _, e in expect_events] and batch.keys == [e.key for _, e in expect_events]
+    assert batch.values.tolist() == [e.value for _, e in expect_events] and batch.ts.tolist() == [e.ts for _, e in expect_events]
+    assert batch.invalid == {i: e.reason for i, e in enumerate(one_by_one) if isinstance(e, InvalidRecord)}

@@ -64,7 +64,6 @@ from topics.decoding import decoder_for
 from topics.kafka import DEAD_LETTER_TOPIC, repartition_topic
 from topics.records import (
     EventParser,
-    InvalidRecord,
     dead_letter,
     encode_json,
     release_key,
@@ -332,41 +331,44 @@ class DpstreamWorker:
         for runner in source.runners:
             pipe, q = runner.pipeline, runner.query
             parser = self.parsers[q.name]
-            users, keys, values, ts, clock, origin = [], [], [], [], [], []
-            malformed = wrong = 0
 
             def reject(r, reason: str) -> None:
                 result.invalid[(q.name, reason)] += 1
                 body = {"query": q.name, **dead_letter(reason, r.value or b"", f"{topic}/{partition}@{r.offset}")}
                 result.messages.append(Message(DEAD_LETTER_TOPIC, encode_json(body)))
 
-            for i, (r, obj) in enumerate(zip(records, parsed)):
-                event = obj if isinstance(obj, InvalidRecord) else parser.from_mapping(obj)
-                if not isinstance(event, InvalidRecord) and r.key != event.user.encode():
+            parsed_events = parser.parse_batch(parsed)  # per batch: columns, not one object per record
+            refused = dict(parsed_events.invalid)
+            malformed = len(refused)
+            user_texts = parsed_events.users
+            for j, i in enumerate(parsed_events.index.tolist()):
+                if records[i].key != user_texts[j].encode():
                     # stage 1 counts a user's contributions in one partition's state: a record
                     # not keyed by its user could be counted in another partition too
-                    event = InvalidRecord(f"message key must be the {q.user_field!r} field (input is partitioned by user)")
-                if isinstance(event, InvalidRecord):
-                    reject(r, event.reason)
+                    refused[i] = f"message key must be the {q.user_field!r} field (input is partitioned by user)"
                     malformed += 1
-                    continue
-                if i in misplaced:
-                    reject(r, misplaced[i])
+            wrong = 0
+            for i, reason in misplaced.items():
+                if i not in refused:
+                    refused[i] = reason
                     wrong += 1
-                    continue
-                users.append(event.user)
-                keys.append(event.key)
-                values.append(event.value)
-                ts.append(event.ts)
-                clock.append(r.timestamp)
-                origin.append(r)
+            for i in sorted(refused):
+                reject(records[i], refused[i])
             pipe.stats.events_in += malformed + wrong
             pipe.stats.dropped["malformed"] += malformed
             pipe.stats.dropped["wrong_partition"] += wrong
-            if not ts:
+            keep = [j for j, i in enumerate(parsed_events.index.tolist()) if i not in refused] if refused else None
+            take = (lambda column: column) if keep is None else (lambda column: [column[j] for j in keep])
+            users, keys = take(user_texts), take(parsed_events.keys)
+            rows = parsed_events.index if keep is None else parsed_events.index[keep]
+            values = parsed_events.values if keep is None else parsed_events.values[keep]
+            ts = parsed_events.ts if keep is None else parsed_events.ts[keep]
+            origin = [records[i] for i in rows.tolist()]
+            clock = [r.timestamp for r in origin]
+            if not len(ts):
                 continue
             events = EventColumns(self.pseudonyms.users(users), np.array(keys, dtype=object), self.pseudonyms.group_keys(keys),
-                                  np.array(values, dtype=np.float64), np.array(ts, dtype=np.int64))
+                                  np.asarray(values, dtype=np.float64), np.asarray(ts, dtype=np.int64))
             stage_one = runner.stage_one(events, np.array(clock, dtype=np.int64), result.batch)
             bounded = stage_one.records
             for e, reason in stage_one.refused:  # future events and key id collisions (counted by stage 1)

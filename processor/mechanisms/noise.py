@@ -289,10 +289,12 @@ class Pseudonymizer:
         return "Pseudonymizer()"
 
     def users(self, users: Iterable[str]) -> np.ndarray:
+        """Keyed pseudonyms of user ids (BLAKE2b keyed, 64 bits); a user's records usually come
+        together, so each distinct id of the batch is hashed once."""
+        users = users if isinstance(users, list) else list(users)
         key = self._user_key
-        return np.fromiter(
-            (int.from_bytes(hashlib.blake2b(u.encode(), key=key, digest_size=8).digest(), "little") for u in users), dtype=np.uint64
-        )
+        distinct = {u: int.from_bytes(hashlib.blake2b(u.encode(), key=key, digest_size=8).digest(), "little") for u in dict.fromkeys(users)}
+        return np.fromiter(map(distinct.__getitem__, users), dtype=np.uint64, count=len(users))
 
     def integer_users(self, ids: np.ndarray) -> np.ndarray:
         """Vectorized pseudonyms for integer user ids (AES on the id)."""
