@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import operator
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence, Union
 
@@ -121,23 +122,22 @@ class EventParser:
                           invalid)
 
     def _plain_batch(self, objs: Sequence) -> Optional["EventBatch"]:
-        if not objs or not all(type(o) is dict for o in objs):
+        if not objs or set(map(type, objs)) != {dict}:
             return None
-        get = [o.get for o in objs]
-        columns = [[g(name) for g in get] for name in (self.user_field, *self.key_fields)]
+        try:  # a missing field: parsed record by record, for its reason
+            columns = [list(map(operator.itemgetter(name), objs)) for name in (self.user_field, *self.key_fields)]
+            times = list(map(operator.itemgetter(self.time_field), objs))
+            raw = None if self.value_field is None else list(map(operator.itemgetter(self.value_field), objs))
+        except KeyError:
+            return None
         for column in columns:  # exactly what _text accepts unchanged: non-empty strings, not too long
             if set(map(type, column)) != {str} or min(map(len, column)) == 0 or max(map(len, column)) > MAX_FIELD_CHARS:
                 return None
-        times = [g(self.time_field) for g in get]
-        if set(map(type, times)) != {int}:
-            return None
-        ts = np.array(times, dtype=object)
-        if not ((ts >= 0) & (ts < 1 << 53)).all():
+        if set(map(type, times)) != {int} or min(times) < 0 or max(times) >= 1 << 53:
             return None
         if self.value_field is None:
             values = np.ones(len(objs), dtype=np.float64)
         else:
-            raw = [g(self.value_field) for g in get]
             if not set(map(type, raw)) <= {int, float}:
                 return None
             values = np.array([float(v) for v in raw], dtype=np.float64)
@@ -145,7 +145,7 @@ class EventParser:
                 return None
         users, parts = columns[0], columns[1:]
         keys = parts[0] if len(parts) == 1 else [key_text(list(k)) for k in zip(*parts)]
-        return EventBatch(np.arange(len(objs), dtype=np.int64), users, keys, values, ts.astype(np.int64), {})
+        return EventBatch(np.arange(len(objs), dtype=np.int64), users, keys, values, np.array(times, dtype=np.int64), {})
 
 
 @dataclass
