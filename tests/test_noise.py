@@ -18,6 +18,7 @@ from processor.mechanisms.noise import (
     DiscreteGaussian,
     NodeNoise,
     NoiseSecretError,
+    Pseudonymizer,
     TreeIdentity,
     discrete_gaussian,
     load_noise_secret,
@@ -312,3 +313,23 @@ def test_repr_does_not_contain_the_secret():
     for attr in ("_aes_key", "_id_key"):
         assert getattr(nn, attr).hex() not in text
     assert "run-7" in text
+
+
+def test_pseudonyms_are_keyed_pure_functions_whatever_the_memo_holds(monkeypatch):
+    """Key and user pseudonyms depend on the secret and the text only: the same under another
+    batching, when the key memo overflows in the middle of a batch that repeats known keys, and
+    different under another secret."""
+    import processor.mechanisms.noise as noise
+
+    monkeypatch.setattr(noise, "KEY_PSEUDONYM_MEMO", 5)
+    texts = [f"k{i}" for i in range(12)]
+    alone = [int(Pseudonymizer(TEST_SECRET).group_keys([t])[0]) for t in texts]
+    pseudo = Pseudonymizer(TEST_SECRET)
+    assert pseudo.group_keys(texts[:4]).tolist() == alone[:4]
+    # known keys k0..k3 again with enough new ones to overflow the memo
+    assert pseudo.group_keys(texts[:4] + texts[4:9] + texts[:2]).tolist() == alone[:9] + alone[:2]
+    assert pseudo.group_keys(texts).tolist() == alone
+    assert Pseudonymizer(b"another secret, 32 bytes long..!").group_keys(texts).tolist() != alone
+    users = ["u1", "u2", "u1", "u3", "u2"]
+    one_by_one = [int(Pseudonymizer(TEST_SECRET).users([u])[0]) for u in users]
+    assert Pseudonymizer(TEST_SECRET).users(users).tolist() == one_by_one and one_by_one[0] == one_by_one[2]

@@ -310,9 +310,11 @@ class Pseudonymizer:
         pseudonym is a pure function of the secret and the text)."""
         keys = keys if isinstance(keys, list) else list(keys)
         memo, secret = self._key_memo, self._group_key
-        missing = [k for k in dict.fromkeys(keys) if k not in memo]
+        distinct = dict.fromkeys(keys)
+        missing = [k for k in distinct if k not in memo]
         if len(memo) + len(missing) > KEY_PSEUDONYM_MEMO:
-            memo.clear()
+            memo.clear()  # forget the others, never this batch's own keys
+            missing = list(distinct)
         for k in missing:
             memo[k] = int.from_bytes(hashlib.blake2b(k.encode(), key=secret, digest_size=8).digest(), "little")
         return np.fromiter(map(memo.__getitem__, keys), dtype=np.uint64, count=len(keys))
