@@ -39,7 +39,7 @@ import numpy as np
 from scipy.stats import norm
 
 from accountant.calibration import cks_rho
-from processor.bench.report import machine, summary
+from processor.bench.report import machine, pss_gb, summary
 from processor.config import QueryConfig
 from processor.engine.pipeline import EventColumns, QueryPipeline
 from processor.engine.runner import QueryRunner
@@ -87,7 +87,8 @@ def run_dpsqlp_bench(users: int = 10_000_000, keys: int = 1_000_000, triggers: i
     for name in ("pipeline_seconds", "wall_seconds", "fire_seconds_median"):
         report[name] = statistics.median(r[name] for r in reports)
     report["peak_rss_gb"] = max(r["peak_rss_gb"] for r in reports)
-    report["timing"] = {name: summary([r[name] for r in reports]) for name in ("pipeline_seconds", "wall_seconds", "peak_rss_gb")}
+    report["peak_pss_gb"] = max(r["peak_pss_gb"] for r in reports)
+    report["timing"] = {name: summary([r[name] for r in reports]) for name in ("pipeline_seconds", "wall_seconds", "peak_rss_gb", "peak_pss_gb")}
     report["machine"] = machine()
     if runs > 1:
         print(f"median of {runs} runs: pipeline {report['pipeline_seconds']:.1f} s, wall {report['wall_seconds']:.1f} s; "
@@ -139,6 +140,7 @@ def _dpsqlp_once(users: int, keys: int, triggers: int, seed: int, epsilon: float
     curve = {"trigger": [], "DP-SQLP": [], "Baseline 1": [], "Baseline 2": []}
     fire_seconds = []
     t_pipe = 0.0
+    peak_pss = 0.0  # sampled after every trigger, both processes together
 
     def bound_trigger(stage1: QueryRunner, stage1_store, i):
         """Stage 1 (by user) for micro-batch i: what the repartition topic would carry."""
@@ -193,6 +195,7 @@ def _dpsqlp_once(users: int, keys: int, triggers: int, seed: int, epsilon: float
         curve["DP-SQLP"].append(_errors(truth_so_far, estimate, released))
         curve["Baseline 1"].append(_errors(truth_so_far, b1_estimate, b1_keep))
         curve["Baseline 2"].append(_errors(truth_so_far, b2_sum, b2_released))
+        peak_pss = max(peak_pss, pss_gb([os.getpid(), *([feeder.pid] if feeder else [])]))
         if i % max(1, triggers // 10) == 0:
             p(f"  trigger {i}/{triggers}: {released.sum():,} keys released so far, pipeline {t_pipe:.0f} s")
     results = {
@@ -213,7 +216,7 @@ def _dpsqlp_once(users: int, keys: int, triggers: int, seed: int, epsilon: float
         "epsilon": epsilon, "delta": delta, "seed": seed, "state": state, "processes": processes, "results": results,
         "paper": {m: dict(zip(("keys", "linf", "l1", "l2"), v)) for m, v in PAPER.get(triggers, {}).items()},
         "pipeline_seconds": t_pipe, "fire_seconds_median": float(np.median(fire_seconds)), "fire_seconds_max": float(np.max(fire_seconds)),
-        "wall_seconds": time.perf_counter() - t_start, "peak_rss_gb": peak_gb,
+        "wall_seconds": time.perf_counter() - t_start, "peak_rss_gb": peak_gb, "peak_pss_gb": peak_pss,
         "dropped": dict(stats.dropped), "releases": stats.releases,
         "baseline_sigma": sigma_q, "baseline_threshold": threshold_q, "curve": curve,
     }
@@ -229,7 +232,8 @@ def _dpsqlp_once(users: int, keys: int, triggers: int, seed: int, epsilon: float
     p(f"\nDP-SQLP keeps {results['DP-SQLP']['keys'] / b1:.1f}x Baseline 1's keys; l2 ratio DP-SQLP / Baseline 1 = "
       f"{results['DP-SQLP']['l2'] / results['Baseline 1']['l2']:.3f}")
     p(f"pipeline {t_pipe:.1f} s with {processes} process(es) (median trigger {report['fire_seconds_median']:.2f} s), wall {report['wall_seconds']:.1f} s, "
-      f"peak RSS {peak_gb:.2f} GB; dropped {dict(stats.dropped)}")
+      f"peak RSS {peak_gb:.2f} GB (summed over processes; proportional set size {peak_pss:.2f} GB, copy-on-write pages counted "
+      f"once); dropped {dict(stats.dropped)}")
     store.close()
     tmp.cleanup()
     return report
@@ -261,6 +265,10 @@ class _StageOneProcess:
         self._queue.close()
         self._queue.join_thread()
         os._exit(0)
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
 
     def next(self):
         return self._queue.get()

@@ -25,6 +25,20 @@ def machine() -> dict:
     return info
 
 
+def pss_gb(pids: Sequence[int]) -> float:
+    """Proportional set size of these processes together, in GB: a page shared by k processes
+    counts 1/k in each, so memory shared copy-on-write is counted once (summed RSS counts it in
+    every process that touched it). 0 where /proc/<pid>/smaps_rollup is not available."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as fh:
+                total += next((int(line.split()[1]) for line in fh if line.startswith("Pss:")), 0)
+        except OSError:
+            pass
+    return total / 1024 ** 2
+
+
 def summary(values: Sequence[float]) -> dict:
     """Median, minimum, maximum and all values of repeated runs."""
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": list(values)}
