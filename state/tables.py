@@ -72,24 +72,42 @@ def key_row_dtype(tree_levels: int, columns: int = 1) -> np.dtype:
     return np.dtype(fields)
 
 
+class _SortedIds:
+    """64-bit ids kept sorted, each with the slot that holds its values in append-only arrays
+    elsewhere: a batch of ids is found with one ``searchsorted``."""
+
+    def __init__(self) -> None:
+        self.ids = np.zeros(0, dtype=np.uint64)
+        self.slots = np.zeros(0, dtype=np.int64)
+
+    def find(self, ids: np.ndarray) -> np.ndarray:
+        """The slot of each id, -1 where absent."""
+        if not len(self.ids):
+            return np.full(len(ids), -1, dtype=np.int64)
+        pos = np.minimum(np.searchsorted(self.ids, ids), len(self.ids) - 1)
+        return np.where(self.ids[pos] == ids, self.slots[pos], -1)
+
+    def add(self, ids: np.ndarray, slots: np.ndarray) -> None:
+        """Index ids not present yet (distinct) under their slots."""
+        order = np.argsort(ids, kind="stable")
+        pos = np.searchsorted(self.ids, ids[order])
+        self.ids = np.insert(self.ids, pos, ids[order])
+        self.slots = np.insert(self.slots, pos, slots[order])
+
+
 class _WindowRows:
-    """One window's cached keys: ``ids`` sorted with the ``slots`` that hold their rows (if the
-    cache has a row type) and texts in append-only arrays (a new key appends; a known key is
+    """One window's cached keys: their rows (if the cache has a row type) and variable parts in
+    append-only arrays, found through a :class:`_SortedIds` (a new key appends; a known key is
     overwritten in place)."""
 
     def __init__(self, dtype: Optional[np.dtype]):
-        self.ids = np.zeros(0, dtype=np.uint64)
-        self.slots = np.zeros(0, dtype=np.int64)
+        self.index = _SortedIds()
         self.rows = None if dtype is None else np.zeros(0, dtype=dtype)
         self.names = np.zeros(0, dtype=object)
         self.used = 0
 
     def find(self, ids: np.ndarray) -> np.ndarray:
-        """The slot of each id, -1 where not cached."""
-        if not len(self.ids):
-            return np.full(len(ids), -1, dtype=np.int64)
-        pos = np.minimum(np.searchsorted(self.ids, ids), len(self.ids) - 1)
-        return np.where(self.ids[pos] == ids, self.slots[pos], -1)
+        return self.index.find(ids)
 
     def append(self, ids: np.ndarray, rows: np.ndarray, names: np.ndarray) -> None:
         """Add keys not cached yet (``ids`` distinct)."""
@@ -108,10 +126,7 @@ class _WindowRows:
         if self.rows is not None:
             self.rows[slots] = rows
         self.used += n
-        order = np.argsort(ids, kind="stable")
-        pos = np.searchsorted(self.ids, ids[order])
-        self.ids = np.insert(self.ids, pos, ids[order])
-        self.slots = np.insert(self.slots, pos, slots[order])
+        self.index.add(ids, slots)
 
 
 class CommittedCache:
@@ -170,6 +185,37 @@ class CommittedCache:
         if len(new):
             cached.append(ids[new], None if rows is None else rows[new], names[new])
 
+    def read_through(self, store: Store, prefix: bytes, window: int, ids: np.ndarray,
+                     text: bool) -> tuple[np.ndarray, Optional[np.ndarray], np.ndarray]:
+        """(found mask, rows, variable parts) of ``ids`` (distinct) in a window's table under
+        ``prefix``: cached ones from memory, the others read from the store in one batch (and
+        cached). A stored value is the row's bytes, then the variable part (decoded as UTF-8 if
+        ``text``). Rows (if the cache has a row type) and parts are full length, zero and None
+        where not found."""
+        ids = np.asarray(ids, dtype=np.uint64)
+        hit, cached_rows, cached_parts = self.lookup(window, ids)
+        rows = None if self.dtype is None else np.zeros(len(ids), dtype=self.dtype)
+        parts = np.full(len(ids), None, dtype=object)
+        parts[hit] = cached_parts
+        if rows is not None:
+            rows[hit] = cached_rows
+        found = hit.copy()
+        miss = np.nonzero(~hit)[0]
+        if len(miss):
+            stored = store.get_many(sk.fixed_keys(prefix, ids[miss]))
+            present = [j for j, v in enumerate(stored) if v is not None]
+            if present:
+                at = miss[present]
+                width = 0 if self.dtype is None else self.dtype.itemsize
+                read = np.empty(len(present), dtype=object)
+                read[:] = [stored[j][width:].decode() if text else stored[j][width:] for j in present]
+                parts[at] = read
+                if rows is not None:
+                    rows[at] = np.frombuffer(b"".join(stored[j][:width] for j in present), dtype=self.dtype)
+                found[at] = True
+                self.upsert(window, ids[at], None if rows is None else rows[at], read)
+        return found, rows, parts
+
     def drop_window(self, window: int) -> None:
         self._windows.pop(window, None)
 
@@ -201,19 +247,7 @@ class UserStates:
         values = np.full(len(users), None, dtype=object)
         users = np.asarray(users, dtype=np.uint64)
         for w, lo, hi in _runs(windows):
-            ids = users[lo:hi]
-            hit, _, cached = self.cache.lookup(w, ids)
-            part = values[lo:hi]
-            part[hit] = cached
-            miss = np.nonzero(~hit)[0]
-            if len(miss):
-                stored = self.store.get_many(sk.fixed_keys(sk.window_prefix(sk.USERS, self.qid, w), ids[miss]))
-                present = [j for j, v in enumerate(stored) if v is not None]
-                if present:
-                    found = np.empty(len(present), dtype=object)
-                    found[:] = [stored[j] for j in present]
-                    part[miss[present]] = found
-                    self.cache.upsert(w, ids[miss[present]], None, found)
+            values[lo:hi] = self.cache.read_through(self.store, sk.window_prefix(sk.USERS, self.qid, w), w, users[lo:hi], text=False)[2]
         return _parse_user_states(values.tolist())
 
     def write(self, batch: WriteBatch, windows: np.ndarray, users: np.ndarray, admitted: np.ndarray, changed: np.ndarray,
@@ -329,23 +363,16 @@ class KeyNames:
         """The owning text of each id (distinct), ``None`` where the id has none yet (counting
         what ``batch`` registered)."""
         id_array = np.asarray(ids, dtype=np.uint64)
-        found = np.full(len(ids), None, dtype=object)
-        hit, _, texts = self.cache.lookup(window, id_array)
-        found[hit] = texts
-        miss = np.nonzero(~hit)[0]
         staged = self._staged.get(batch) if batch is not None else None
-        if len(miss) and staged:
-            mine = [staged.get((window, i)) for i in id_array[miss].tolist()]
-            found[miss] = mine
-            miss = miss[[s is None for s in mine]]
-        if len(miss):
-            stored = self.store.get_many(sk.fixed_keys(sk.window_prefix(sk.KEY_NAMES, self.qid, window), id_array[miss]))
-            present = [j for j, v in enumerate(stored) if v is not None]
-            if present:
-                texts = np.empty(len(present), dtype=object)
-                texts[:] = [stored[j].decode() for j in present]
-                found[miss[present]] = texts
-                self.cache.upsert(window, id_array[miss[present]], None, texts)
+        if not staged:
+            return self.cache.read_through(self.store, sk.window_prefix(sk.KEY_NAMES, self.qid, window), window, id_array, text=True)[2].tolist()
+        # the batch's own registrations first (they are not in the store yet), then the store
+        found = np.empty(len(id_array), dtype=object)
+        found[:] = [staged.get((window, i)) for i in id_array.tolist()]
+        rest = np.nonzero(np.equal(found, None))[0]
+        if len(rest):
+            found[rest] = self.cache.read_through(self.store, sk.window_prefix(sk.KEY_NAMES, self.qid, window), window, id_array[rest],
+                                                  text=True)[2]
         return found.tolist()
 
     def register(self, batch: WriteBatch, window: int, ids: list[int], texts: list[str]) -> None:
@@ -379,21 +406,8 @@ class KeyRows:
     def load(self, window: int, ids: np.ndarray, blank: np.ndarray) -> tuple[np.ndarray, list[Optional[str]]]:
         """Rows of ``ids`` (``blank``, a one-row array, for a key not stored) and their texts
         (``None`` if not stored)."""
-        ids = np.asarray(ids, dtype=np.uint64)
-        rows = np.repeat(np.asarray(blank, dtype=self.dtype).reshape(1), len(ids))
-        names = np.full(len(ids), None, dtype=object)
-        hit, cached_rows, cached_names = self.cache.lookup(window, ids)
-        rows[hit], names[hit] = cached_rows, cached_names
-        miss = np.nonzero(~hit)[0]
-        if len(miss):
-            values = self.store.get_many(sk.fixed_keys(sk.window_prefix(sk.KEYS, self.qid, window), ids[miss]))
-            width = self.dtype.itemsize
-            present = [j for j, v in enumerate(values) if v is not None]
-            if present:
-                found = miss[present]
-                rows[found] = np.frombuffer(b"".join(values[j][:width] for j in present), dtype=self.dtype)
-                names[found] = [values[j][width:].decode() for j in present]
-                self.cache.upsert(window, ids[found], rows[found], names[found])
+        found, rows, names = self.cache.read_through(self.store, sk.window_prefix(sk.KEYS, self.qid, window), window, ids, text=True)
+        rows[~found] = np.asarray(blank, dtype=self.dtype).reshape(1)
         return rows, names.tolist()
 
     def write(self, batch: WriteBatch, window: int, ids: np.ndarray, rows: np.ndarray, names: list[str]) -> None:
@@ -468,28 +482,26 @@ class PredictionIndex:
 
 
 class _IndexMirror:
-    """A window's prediction index in memory: per key id (sorted), the trigger it is indexed
-    under (0: none). A key is indexed under one trigger at a time."""
+    """A window's prediction index in memory: per key id, the trigger it is indexed under (0:
+    none). A key is indexed under one trigger at a time."""
 
     def __init__(self, ids: np.ndarray, triggers: np.ndarray):
-        order = np.argsort(ids, kind="stable")
-        self.ids, self.triggers = ids[order], triggers[order]
+        self.index = _SortedIds()
+        self.triggers = np.asarray(triggers, dtype=np.int64)
+        self.index.add(np.asarray(ids, dtype=np.uint64), np.arange(len(ids), dtype=np.int64))
 
     def at(self, trigger: int) -> np.ndarray:
-        return self.ids[self.triggers == trigger]
+        """Ids indexed under ``trigger``, in id order."""
+        return self.index.ids[self.triggers[self.index.slots] == trigger]
 
     def set(self, ids: np.ndarray, triggers: np.ndarray) -> None:
-        if not len(ids):
-            return
-        pos = np.minimum(np.searchsorted(self.ids, ids), max(len(self.ids) - 1, 0))
-        known = (self.ids[pos] == ids) if len(self.ids) else np.zeros(len(ids), dtype=bool)
-        self.triggers[pos[known]] = triggers[known]
+        slots = self.index.find(ids)
+        known = slots >= 0
+        self.triggers[slots[known]] = triggers[known]
         new = np.nonzero(~known & (triggers > 0))[0]
         if len(new):
-            order = new[np.argsort(ids[new], kind="stable")]
-            at = np.searchsorted(self.ids, ids[order])
-            self.ids = np.insert(self.ids, at, ids[order])
-            self.triggers = np.insert(self.triggers, at, triggers[order])
+            self.index.add(ids[new], np.arange(len(self.triggers), len(self.triggers) + len(new), dtype=np.int64))
+            self.triggers = np.concatenate([self.triggers, triggers[new]])
 
 
 class Journal:

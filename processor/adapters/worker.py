@@ -357,18 +357,15 @@ class DpstreamWorker:
             pipe.stats.events_in += malformed + wrong
             pipe.stats.dropped["malformed"] += malformed
             pipe.stats.dropped["wrong_partition"] += wrong
-            keep = [j for j, i in enumerate(parsed_events.index.tolist()) if i not in refused] if refused else None
-            take = (lambda column: column) if keep is None else (lambda column: [column[j] for j in keep])
-            users, keys = take(user_texts), take(parsed_events.keys)
-            rows = parsed_events.index if keep is None else parsed_events.index[keep]
-            values = parsed_events.values if keep is None else parsed_events.values[keep]
-            ts = parsed_events.ts if keep is None else parsed_events.ts[keep]
-            origin = [records[i] for i in rows.tolist()]
+            keep = np.array([j for j, i in enumerate(parsed_events.index.tolist()) if i not in refused], dtype=np.int64)
+            users, keys = [user_texts[j] for j in keep.tolist()], [parsed_events.keys[j] for j in keep.tolist()]
+            values, ts = parsed_events.values[keep], parsed_events.ts[keep]
+            origin = [records[i] for i in parsed_events.index[keep].tolist()]
             clock = [r.timestamp for r in origin]
             if not len(ts):
                 continue
             events = EventColumns(self.pseudonyms.users(users), np.array(keys, dtype=object), self.pseudonyms.group_keys(keys),
-                                  np.asarray(values, dtype=np.float64), np.asarray(ts, dtype=np.int64))
+                                  values, ts)
             stage_one = runner.stage_one(events, np.array(clock, dtype=np.int64), result.batch)
             bounded = stage_one.records
             for e, reason in stage_one.refused:  # future events and key id collisions (counted by stage 1)
