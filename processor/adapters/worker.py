@@ -357,7 +357,7 @@ class DpstreamWorker:
             pipe.stats.events_in += malformed + wrong
             pipe.stats.dropped["malformed"] += malformed
             pipe.stats.dropped["wrong_partition"] += wrong
-            keep = np.array([j for j, i in enumerate(parsed_events.index.tolist()) if i not in refused], dtype=np.int64)
+            keep = np.flatnonzero(~np.isin(parsed_events.index, np.fromiter(refused, dtype=np.int64, count=len(refused))))
             users, keys = [user_texts[j] for j in keep.tolist()], [parsed_events.keys[j] for j in keep.tolist()]
             values, ts = parsed_events.values[keep], parsed_events.ts[keep]
             origin = [records[i] for i in parsed_events.index[keep].tolist()]
