@@ -11,8 +11,7 @@ are big-endian so scans come back in trigger order. Group-by keys and users appe
 | ``b`` pending micro-batch (stage 2 input) | trigger (4), seq (8) | packed bounded records |
 | ``a`` predecessor amendments (stage 2 input) | trigger (4), seq (8) | packed (key u64, user u64, trigger u32) |
 | ``t`` key texts seen in a window | key | key text (a different text under the same id is a collision) |
-| ``k`` key state | key | fixed row + key text |
-| ``p`` prediction / visit index | trigger (4), key | empty |
+| ``k`` key state | key | fixed row (its ``predicted`` column is the prediction / visit index) |
 | ``j`` release journal | trigger (4), key | release record JSON |
 | ``g`` window progress | (none) | last fired trigger (u32), status (u8: 1 open, 2 refused), plan fingerprint (16) |
 | ``h`` published view of a hierarchy (consistency) | root (8), key | level, trigger of the noisy value, noisy value, stddev, published consistent value and remainder; then key text |
@@ -33,7 +32,6 @@ PENDING = b"b"
 AMENDS = b"a"
 KEY_NAMES = b"t"
 KEYS = b"k"
-PREDICTIONS = b"p"
 JOURNAL = b"j"
 PROGRESS = b"g"
 HIERARCHY_VIEW = b"h"
@@ -41,7 +39,7 @@ META = b"m"
 DYNAMIC_LOG = b"d"
 DYNAMIC_UNITS = b"n"
 
-WINDOW_TABLES = (USERS, PENDING, AMENDS, KEY_NAMES, KEYS, PREDICTIONS, HIERARCHY_VIEW)
+WINDOW_TABLES = (USERS, PENDING, AMENDS, KEY_NAMES, KEYS, HIERARCHY_VIEW)
 
 
 def query_id(name: str) -> bytes:

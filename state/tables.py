@@ -32,8 +32,9 @@ from state.store import Store, WriteBatch
 
 #: Version of the state layout. 3: 16-byte tree ids, exact integer frontier caches, user states
 #: per (key, trigger), predecessor amendments, the key-text registry, window status and plan
-#: fingerprint in the progress table.
-STATE_FORMAT = b"3"
+#: fingerprint in the progress table. 4: key rows are the fixed row only (the text is in the
+#: key-text table) and the prediction index is their ``predicted`` column (no table of its own).
+STATE_FORMAT = b"4"
 
 #: window status in the progress table
 WINDOW_OPEN, WINDOW_REFUSED = 1, 2
@@ -395,52 +396,64 @@ class KeyNames:
 
 
 class KeyRows:
-    """Table ``k``: per (window, key id) the key's fixed row (:func:`key_row_dtype`) followed by
-    its key text. Committed rows are kept in memory too (:class:`CommittedCache`)."""
+    """Table ``k``: per (window, key id) the key's fixed row (:func:`key_row_dtype`); its text is
+    in the key-text table (:class:`KeyNames`). Committed rows are kept in memory too
+    (:class:`CommittedCache`)."""
 
     def __init__(self, store: Store, qid: bytes, tree_levels: int, columns: int = 1, cache_entries: int = KEY_CACHE_ENTRIES):
         self.store, self.qid = store, qid
         self.dtype = key_row_dtype(tree_levels, columns)
         self.cache = CommittedCache(self.dtype, cache_entries)
 
-    def load(self, window: int, ids: np.ndarray, blank: np.ndarray) -> tuple[np.ndarray, list[Optional[str]]]:
-        """Rows of ``ids`` (``blank``, a one-row array, for a key not stored) and their texts
-        (``None`` if not stored)."""
-        found, rows, names = self.cache.read_through(self.store, sk.window_prefix(sk.KEYS, self.qid, window), window, ids, text=True)
-        rows[~found] = np.asarray(blank, dtype=self.dtype).reshape(1)
-        return rows, names.tolist()
+    def prefix(self, window: int) -> bytes:
+        return sk.window_prefix(sk.KEYS, self.qid, window)
 
-    def write(self, batch: WriteBatch, window: int, ids: np.ndarray, rows: np.ndarray, names: list[str]) -> None:
+    def load(self, window: int, ids: np.ndarray, blank: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Rows of ``ids`` (``blank``, a one-row array, for a key not stored) and whether each was stored."""
+        found, rows, _ = self.cache.read_through(self.store, self.prefix(window), window, ids, text=False)
+        rows[~found] = np.asarray(blank, dtype=self.dtype).reshape(1)
+        return rows, found
+
+    def write(self, batch: WriteBatch, window: int, ids: np.ndarray, rows: np.ndarray) -> None:
         ids = np.asarray(ids, dtype=np.uint64)
-        prefix = sk.window_prefix(sk.KEYS, self.qid, window)
         raw, width = rows.tobytes(), self.dtype.itemsize
-        values = [raw[j * width:(j + 1) * width] + name.encode() for j, name in enumerate(names)]
-        batch.put_many(sk.fixed_keys(prefix, ids), values)
-        committed_rows, committed_names = rows.copy(), np.array(names, dtype=object)
-        batch.on_commit(lambda: self.cache.upsert(window, ids, committed_rows, committed_names))
+        batch.put_many(sk.fixed_keys(self.prefix(window), ids), [raw[i:i + width] for i in range(0, len(raw), width)])
+        committed_rows, no_parts = rows.copy(), np.full(len(ids), b"", dtype=object)
+        batch.on_commit(lambda: self.cache.upsert(window, ids, committed_rows, no_parts))
+
+    def scan(self, window: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, rows) of every stored key of the window, in id order."""
+        prefix = self.prefix(window)
+        keys, values = [], []
+        for key, value in self.store.scan_prefix(prefix):
+            keys.append(key)
+            values.append(value)
+        rows = np.frombuffer(b"".join(values), dtype=self.dtype) if values else np.zeros(0, dtype=self.dtype)
+        return sk.suffix_u64(keys, len(prefix)), rows
 
     def count(self, window: int) -> int:
-        return sum(1 for _ in self.store.scan_prefix(sk.window_prefix(sk.KEYS, self.qid, window)))
+        return sum(1 for _ in self.store.scan_prefix(self.prefix(window)))
 
 
 class PredictionIndex:
-    """Table ``p``: which keys must be looked at at a trigger (key id under its trigger; empty value).
+    """Which keys must be looked at at a trigger: the key rows' ``predicted`` column (0: none),
+    with no table of its own (it used to be one, and its puts and deletes were half of stage 2's
+    writes). Entries at or before the window's last fired trigger are spent: triggers fire in
+    order, so they are never asked for again.
 
-    The index of a window is mirrored in memory once first used (:class:`_IndexMirror`: the
-    trigger each key is indexed under), so taking a trigger's keys is a vectorized selection, not
-    a RocksDB scan; the mirror learns a batch's changes once the batch is written."""
+    The index of a window is mirrored in memory once first used (:class:`_IndexMirror`, built by
+    one scan of the key rows), so taking a trigger's keys is a vectorized selection, not a RocksDB
+    scan; the mirror learns a batch's changes once the batch is written, as the row cache does."""
 
-    def __init__(self, store: Store, qid: bytes):
-        self.store, self.qid = store, qid
+    def __init__(self, keys: KeyRows):
+        self.keys = keys
         self._mirrors: dict[int, _IndexMirror] = {}
 
     def _mirror(self, window: int) -> "_IndexMirror":
         mirror = self._mirrors.get(window)
         if mirror is None:
-            prefix = sk.window_prefix(sk.PREDICTIONS, self.qid, window)
-            keys = [k for k, _ in self.store.scan_prefix(prefix)]
-            triggers = np.array([int.from_bytes(k[len(prefix):len(prefix) + 4], "big") for k in keys], dtype=np.int64)
-            mirror = self._mirrors[window] = _IndexMirror(sk.suffix_u64(keys, len(prefix) + 4), triggers)
+            ids, rows = self.keys.scan(window)
+            mirror = self._mirrors[window] = _IndexMirror(ids, rows["predicted"].astype(np.int64))
         return mirror
 
     def at(self, window: int, trigger: int) -> np.ndarray:
@@ -448,30 +461,20 @@ class PredictionIndex:
         return self._mirror(window).at(trigger)
 
     def take(self, window: int, trigger: int, batch: WriteBatch) -> np.ndarray:
-        """Key ids indexed under the trigger, deleted in ``batch``."""
+        """Key ids indexed under the trigger. The caller writes all of their rows in ``batch``,
+        with a new ``predicted`` (:meth:`move`)."""
         ids = self.at(window, trigger)
-        prefix = sk.trigger_prefix(sk.PREDICTIONS, self.qid, window, trigger)
-        for key in sk.fixed_keys(prefix, ids):
-            batch.delete(key)
         mirror = self._mirror(window)
         batch.on_commit(lambda: mirror.set(ids, np.zeros(len(ids), dtype=np.int64)))
         return ids
 
     def move(self, batch: WriteBatch, window: int, ids: np.ndarray, old: np.ndarray, new: np.ndarray, now: int) -> None:
         """Re-index keys from trigger ``old`` to ``new`` (0: not indexed); entries at or before
-        ``now`` were already taken."""
-        prefix = sk.window_prefix(sk.PREDICTIONS, self.qid, window)
+        ``now`` were already taken. The store learns it from the rows' ``predicted`` column, which
+        the caller sets to ``new`` and writes in ``batch``; this updates the mirror on commit."""
         ids = np.asarray(ids, dtype=np.uint64)
         old, new = np.asarray(old, dtype=np.int64), np.asarray(new, dtype=np.int64)
-        stale = np.nonzero((old > now) & (old != new))[0]
-        if len(stale):
-            for key in sk.fixed_keys(prefix, old[stale].astype(np.uint32), ids[stale]):
-                batch.delete(key)
-        fresh = np.nonzero((new > 0) & (new != old))[0]
-        if len(fresh):
-            for key in sk.fixed_keys(prefix, new[fresh].astype(np.uint32), ids[fresh]):
-                batch.put(key, b"")
-        changed = np.union1d(stale, fresh)
+        changed = np.nonzero(((old > now) & (old != new)) | ((new > 0) & (new != old)))[0]
         if len(changed):
             mirror = self._mirror(window)
             moved_ids, moved_to = ids[changed], new[changed]
@@ -654,7 +657,7 @@ class QueryTables:
         self.amends = Amendments(store, qid)
         self.names = KeyNames(store, qid, key_cache_entries)
         self.keys = KeyRows(store, qid, tree_levels, columns, key_cache_entries)
-        self.predictions = PredictionIndex(store, qid)
+        self.predictions = PredictionIndex(self.keys)
         self.journal = Journal(store, qid)
         self.progress = Progress(store, qid)
         self.schedule = ScheduleMark(store, qid)

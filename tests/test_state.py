@@ -9,7 +9,7 @@ from state.store import MemoryStore, PartitionStores, RocksDBStore, WriteBatch
 def fill(store):
     batch = WriteBatch()
     for i in range(50):
-        batch.put(sk.trigger_prefix(sk.PREDICTIONS, b"qqqq", 1000, i % 7) + i.to_bytes(8, "big"), bytes([i]))
+        batch.put(sk.trigger_prefix(sk.JOURNAL, b"qqqq", 1000, i % 7) + i.to_bytes(8, "big"), bytes([i]))
     batch.put(b"zz", b"last")
     batch.put(b"gone", b"x")
     batch.delete(b"gone")  # last write to a key wins
@@ -27,17 +27,17 @@ def test_backends_agree(store, tmp_path):
     fill(store)
     reference = MemoryStore()
     fill(reference)
-    prefix = sk.trigger_prefix(sk.PREDICTIONS, b"qqqq", 1000, 3)
+    prefix = sk.trigger_prefix(sk.JOURNAL, b"qqqq", 1000, 3)
     assert list(store.scan_prefix(prefix)) == list(reference.scan_prefix(prefix))
     assert len(list(store.scan_prefix(prefix))) == 7
     assert store.get(b"gone") is None and store.get(b"zz") == b"last"
     keys = [prefix + i.to_bytes(8, "big") for i in (3, 10, 11)]
     assert store.get_many(keys) == [bytes([3]), bytes([10]), None]
     # scans come back in key order: big-endian triggers sort numerically
-    window = sk.window_prefix(sk.PREDICTIONS, b"qqqq", 1000)
+    window = sk.window_prefix(sk.JOURNAL, b"qqqq", 1000)
     triggers = [int.from_bytes(k[len(window):len(window) + 4], "big") for k, _ in store.scan_prefix(window)]
     assert triggers == sorted(triggers) and len(triggers) == 50
-    store.delete_prefix(sk.trigger_prefix(sk.PREDICTIONS, b"qqqq", 1000, 3))
+    store.delete_prefix(sk.trigger_prefix(sk.JOURNAL, b"qqqq", 1000, 3))
     assert not list(store.scan_prefix(prefix))
     assert len(list(store.scan_prefix(window))) == 43
 

@@ -625,7 +625,7 @@ class QueryPipeline:
             self.tables.journal.put(batch, window, trigger, key_id, encode_json(record))
         releases = [record for _, _, record in released]
         # --- key states, journal and progress: one atomic write
-        self.tables.keys.write(batch, window, all_ids, rows, names)
+        self.tables.keys.write(batch, window, all_ids, rows)
         self._put_progress(batch, window, trigger, WINDOW_OPEN)
         self.store.write(batch)
         self._progress[window] = trigger
@@ -813,10 +813,12 @@ class QueryPipeline:
         return ids.copy()
 
     def _load_keys(self, window: int, ids: np.ndarray, texts: dict):
-        """Key states (fixed rows) and key texts; new keys get a fresh row."""
+        """Key states (fixed rows) and key texts; new keys get a fresh row. Every key's text was
+        registered by :meth:`accumulate` (the micro-batch's ``texts`` cover a batch not written yet)."""
         rows, stored = self.tables.keys.load(window, ids, self._blank_row)
-        self.stats.keys_tracked += stored.count(None)
-        names = [texts[i] if name is None else name for i, name in zip(ids.tolist(), stored)]
+        self.stats.keys_tracked += int(len(stored) - stored.sum())
+        owners = self.tables.names.owners(window, ids.tolist())
+        names = [texts[i] if name is None else name for i, name in zip(ids.tolist(), owners)]
         return rows, names
 
     def _plan_visits(self, window, trigger, all_ids, rows, has_data, selector, sel, batch) -> None:
