@@ -142,12 +142,18 @@ class CommittedCache:
     read from the store, so evicting an entry, dropping the cache or crashing never loses or
     invents state. Over capacity the oldest windows go first; a window that alone exceeds the
     capacity stops caching new ids (they are read from the store).
+
+    A window the store held nothing of when this cache first read it, and that has kept every id
+    committed since, is *complete*: an id missing from it has no stored value, so it is not read
+    from the store. That is most reads of a live window: every new user and new key, each of
+    which would otherwise cost a RocksDB miss.
     """
 
     def __init__(self, dtype: Optional[np.dtype], capacity: int):
         self.dtype = dtype
         self.capacity = int(capacity)
         self._windows: dict[int, _WindowRows] = {}
+        self._complete: set[int] = set()
         self.hits = 0
         self.misses = 0
 
@@ -182,6 +188,9 @@ class CommittedCache:
             for old in sorted(self._windows):  # oldest windows first, never this one
                 if old < window and len(new) > room:
                     room += self._windows.pop(old).used
+                    self._complete.discard(old)
+            if len(new) > room:  # this window no longer holds every committed id
+                self._complete.discard(window)
             new = new[:max(room, 0)]
         if len(new):
             cached.append(ids[new], None if rows is None else rows[new], names[new])
@@ -194,6 +203,7 @@ class CommittedCache:
         ``text``). Rows (if the cache has a row type) and parts are full length, zero and None
         where not found."""
         ids = np.asarray(ids, dtype=np.uint64)
+        complete = self._is_complete(store, prefix, window)
         hit, cached_rows, cached_parts = self.lookup(window, ids)
         rows = None if self.dtype is None else np.zeros(len(ids), dtype=self.dtype)
         parts = np.full(len(ids), None, dtype=object)
@@ -202,7 +212,7 @@ class CommittedCache:
             rows[hit] = cached_rows
         found = hit.copy()
         miss = np.nonzero(~hit)[0]
-        if len(miss):
+        if len(miss) and not complete:
             stored = store.get_many(sk.fixed_keys(prefix, ids[miss]))
             present = [j for j, v in enumerate(stored) if v is not None]
             if present:
@@ -217,11 +227,25 @@ class CommittedCache:
                 self.upsert(window, ids[at], None if rows is None else rows[at], read)
         return found, rows, parts
 
+    def _is_complete(self, store: Store, prefix: bytes, window: int) -> bool:
+        if window in self._complete:
+            return True
+        if window in self._windows:
+            return False  # cached from a store that held values of it: some may be missing here
+        if next(iter(store.scan_prefix(prefix)), None) is not None:
+            return False
+        # the store has nothing of the window: from here on, every committed id comes through upsert
+        self._windows[window] = _WindowRows(self.dtype)
+        self._complete.add(window)
+        return True
+
     def drop_window(self, window: int) -> None:
         self._windows.pop(window, None)
+        self._complete.discard(window)
 
     def clear(self) -> None:
         self._windows.clear()
+        self._complete.clear()
 
 
 @dataclass
@@ -253,23 +277,25 @@ class UserStates:
 
     def write(self, batch: WriteBatch, windows: np.ndarray, users: np.ndarray, admitted: np.ndarray, changed: np.ndarray,
               full: np.ndarray, entry_group: np.ndarray, entry_key: np.ndarray, entry_trigger: np.ndarray) -> None:
-        """New states of the ``changed`` groups. Entries are sorted by group; a ``full`` group
+        """New states of the ``changed`` groups. Entries are grouped by group (ascending); a ``full`` group
         (at the bound: it admits nothing more) keeps only its count."""
-        entries = np.empty(len(entry_group), dtype=USER_ENTRY)
-        entries["key"], entries["trigger"] = entry_key, entry_trigger
-        raw, width = entries.tobytes(), USER_ENTRY.itemsize
-        bounds = np.searchsorted(entry_group, np.arange(len(users) + 1)).tolist()
-        heads = np.asarray(admitted, dtype="<u2").tobytes()
-        changed = np.asarray(changed, dtype=bool)
-        # entry bytes [lo, hi) of each group; a full group keeps none
-        lo_b = np.asarray(bounds[:-1], dtype=np.int64) * width
-        hi_b = np.where(np.asarray(full, dtype=bool), lo_b, np.asarray(bounds[1:], dtype=np.int64) * width)
-        for w, lo, hi in _runs(windows):
-            groups = (lo + np.nonzero(changed[lo:hi])[0]).tolist()
-            if not groups:
+        entry_group = np.asarray(entry_group, dtype=np.int64)
+        full, changed = np.asarray(full, dtype=bool), np.asarray(changed, dtype=bool)
+        kept = ~full[entry_group]  # a full group keeps none of its entries
+        entries = np.empty(int(kept.sum()), dtype=USER_ENTRY)
+        entries["key"], entries["trigger"] = np.asarray(entry_key)[kept], np.asarray(entry_trigger)[kept]
+        # every group's value, back to back in one buffer: its u16 count inserted before its entries
+        per_group = np.bincount(entry_group[kept], minlength=len(users)) * USER_ENTRY.itemsize
+        start = np.cumsum(per_group) - per_group  # in the entries' bytes
+        heads = np.asarray(admitted, dtype="<u2").view(np.uint8)
+        buffer = np.insert(entries.view(np.uint8), np.repeat(start, 2), heads).tobytes()
+        lo = start + 2 * np.arange(len(users), dtype=np.int64)
+        hi = lo + 2 + per_group
+        for w, first, last in _runs(windows):
+            groups = first + np.nonzero(changed[first:last])[0]
+            if not len(groups):
                 continue
-            starts, ends = lo_b[groups].tolist(), hi_b[groups].tolist()
-            values = [heads[2 * g:2 * g + 2] + raw[a:b] for g, a, b in zip(groups, starts, ends)]
+            values = [buffer[a:b] for a, b in zip(lo[groups].tolist(), hi[groups].tolist())]
             user_ids = np.asarray(users, dtype=np.uint64)[groups]
             batch.put_many(sk.fixed_keys(sk.window_prefix(sk.USERS, self.qid, w), user_ids), values)
             committed = np.empty(len(values), dtype=object)
@@ -290,19 +316,14 @@ def _runs(windows: np.ndarray) -> Iterator[tuple[int, int, int]]:
 
 
 def _parse_user_states(values: list) -> UserStateColumns:
+    """Stored user states (``None``: absent) as columns: each is a u16 count, then its entries."""
+    present = [v for v in values if v]
     lengths = np.fromiter((len(v) if v else 0 for v in values), dtype=np.int64, count=len(values))
-    raw = np.frombuffer(b"".join(v for v in values if v), dtype=np.uint8)
-    starts = np.cumsum(lengths) - lengths
-    present = lengths > 0
     before = np.zeros(len(values), dtype=np.int64)
-    before[present] = raw[starts[present]].astype(np.int64) + 256 * raw[starts[present] + 1].astype(np.int64)
+    before[lengths > 0] = np.frombuffer(b"".join([v[:2] for v in present]), dtype="<u2")
     per_user = np.maximum(lengths - 2, 0) // USER_ENTRY.itemsize
     group = np.repeat(np.arange(len(values), dtype=np.int64), per_user)
-    if not len(group):
-        return UserStateColumns(before, group, np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.int64))
-    first_entry = np.cumsum(per_user) - per_user
-    entry_start = starts[group] + 2 + (np.arange(len(group)) - first_entry[group]) * USER_ENTRY.itemsize
-    entries = raw[entry_start[:, None] + np.arange(USER_ENTRY.itemsize)].copy().view(USER_ENTRY).ravel()
+    entries = np.frombuffer(b"".join([v[2:] for v in present]), dtype=USER_ENTRY)
     return UserStateColumns(before, group, entries["key"].astype(np.uint64), entries["trigger"].astype(np.int64))
 
 

@@ -12,6 +12,8 @@ from functools import lru_cache
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from accountant.calibration import read_levels
 from accountant.plan import QueryBudget, plan_query
@@ -181,33 +183,42 @@ def test_bounder_rejects_bad_bound():
 # --------------------------------------------------------------------------- key_histories
 
 
-@pytest.mark.parametrize("seed", range(40))
-def test_key_histories_match_a_plain_loop(seed):
+_U64 = st.sampled_from([0, 1, 2, 2**63 - 1, 2**63, 2**64 - 2, 2**64 - 1])  # few keys (collide often), at the u64 edges
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_key_histories_match_a_plain_loop(data):
     """Each record's predecessor (the latest earlier-arrived trigger <= its own) and amendment
     target (the earliest earlier-arrived trigger > its own) per (user, key), from the user's prior
-    state and the batch in arrival order, in any event-time order; and the new state is the set of
-    distinct (user, key, trigger)."""
+    state (a set: its entries in any order) and the batch in arrival order, in any event-time
+    order, duplicates included; and the new state is the set of distinct (user, key, trigger),
+    grouped by user."""
     from processor.mechanisms.bounding import key_histories
 
-    rng = np.random.default_rng(seed)
-    groups, n = int(rng.integers(1, 6)), int(rng.integers(0, 40))
-    state = sorted({(int(g), int(k), int(t)) for g, k, t in zip(rng.integers(0, groups, 10), rng.integers(0, 5, 10),
-                                                                rng.integers(1, 20, 10))})
-    g = rng.integers(0, groups, n)
-    k = rng.integers(0, 5, n).astype(np.uint64)
-    t = rng.integers(1, 20, n)  # arrival order is not event-time order
-    sg, sk_, st = (np.array([x[i] for x in state], dtype=np.int64) for i in range(3))
-    out = key_histories(g, k, t, sg, sk_.astype(np.uint64), st)
+    groups = data.draw(st.integers(1, 5))
+    triples = st.tuples(st.integers(0, groups - 1), _U64, st.integers(1, 20))
+    state = data.draw(st.lists(triples, max_size=25, unique=True))
+    state = data.draw(st.permutations(state))
+    state.sort(key=lambda x: x[0])  # grouped by user; within a user, any order
+    batch = data.draw(st.lists(triples, max_size=40))  # arrival order is not event-time order
+    g = np.array([x[0] for x in batch], dtype=np.int64)
+    k = np.array([x[1] for x in batch], dtype=np.uint64)
+    t = np.array([x[2] for x in batch], dtype=np.int64)
+    sg, st_ = np.array([x[0] for x in state], dtype=np.int64), np.array([x[2] for x in state], dtype=np.int64)
+    out = key_histories(g, k, t, sg, np.array([x[1] for x in state], dtype=np.uint64), st_)
     seen: dict = {}
     for a, b, c in state:
         seen.setdefault((a, b), []).append(c)
     expected_prev, expected_amend = [], []
-    for gi, ki, ti in zip(g.tolist(), k.tolist(), t.tolist()):
+    for gi, ki, ti in batch:
         earlier = seen.setdefault((gi, ki), [])
         expected_prev.append(max([x for x in earlier if x <= ti], default=0))
         expected_amend.append(min([x for x in earlier if x > ti], default=0))
         earlier.append(ti)
     np.testing.assert_array_equal(out.previous, expected_prev)
     np.testing.assert_array_equal(out.amend, expected_amend)
-    assert list(zip(out.group.tolist(), out.key.tolist(), out.trigger.tolist())) == sorted(
-        {(a, b, c) for (a, b), ts in seen.items() for c in ts})
+    entries = list(zip(out.group.tolist(), out.key.tolist(), out.trigger.tolist()))
+    assert len(entries) == len(set(entries))  # distinct
+    assert set(entries) == {(a, b, c) for (a, b), ts in seen.items() for c in ts}
+    assert out.group.tolist() == sorted(out.group.tolist())  # grouped by user

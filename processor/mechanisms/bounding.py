@@ -70,7 +70,7 @@ class KeyHistory:
 
     previous: np.ndarray  # per record: max trigger of the user's earlier-arrived records for the key with trigger <= its own (0: none)
     amend: np.ndarray  # per record: min trigger of the user's earlier-arrived records for the key with a later trigger (0: none)
-    group: np.ndarray  # updated state, sorted by (group, key, trigger): one entry per distinct (group, key, trigger)
+    group: np.ndarray  # updated state, grouped by group (ascending): one entry per distinct (group, key, trigger)
     key: np.ndarray
     trigger: np.ndarray
 
@@ -97,45 +97,70 @@ def key_histories(group_of: np.ndarray, key_ids: np.ndarray, triggers: np.ndarra
     fired: R's own trigger has not, and triggers fire in order. Every later record already has a
     predecessor at or after that trigger, so one amendment per arrival suffices, and applying
     it twice (a replayed record) changes nothing (a maximum).
+
+    The state (``state_group`` ascending; a group's entries in any order) is a set per user. The
+    earlier arrivals of a record are its user's state entries and the batch's earlier records of
+    the same user: each record is compared with every state entry of its own user (fewer than C)
+    and, after one sort of the batch, with its (user, key)'s earlier records in the batch. No
+    sort touches the state, which grows through the window while batches do not. The new state
+    keeps a group's entries and appends its new ones.
     """
-    n, n_state = len(group_of), len(state_group)
-    group = np.concatenate([np.asarray(state_group, dtype=np.int64), np.asarray(group_of, dtype=np.int64)])
-    key = np.concatenate([np.asarray(state_key, dtype=np.uint64), np.asarray(key_ids, dtype=np.uint64)])
-    trig = np.concatenate([np.asarray(state_trigger, dtype=np.int64), np.asarray(triggers, dtype=np.int64)])
-    position = np.concatenate([np.full(n_state, -1, dtype=np.int64), np.arange(n, dtype=np.int64)])
-    # order by (user, key, position): state entries (position -1) come first and records in
-    # arrival order, so a stable sort on one dense (user, key) code keeps that order within a
-    # segment (two sorts instead of lexsort's three)
-    _, key_code = np.unique(key, return_inverse=True)
-    segment_code = group * (int(key_code.max(initial=0)) + 1) + key_code.ravel()
-    order = np.argsort(segment_code, kind="stable")
-    g, k, t, pos = group[order], key[order], trig[order], position[order]
-    new_segment = np.ones(len(order), dtype=bool)
-    coded = segment_code[order]
-    new_segment[1:] = coded[1:] != coded[:-1]
-    seg_start = np.maximum.accumulate(np.where(new_segment, np.arange(len(order)), 0))
-    earlier = np.arange(len(order)) - seg_start  # elements before this one in its (user, key) segment
-    earlier[pos < 0] = 0  # state entries need no answer
+    n = len(group_of)
+    g = np.asarray(group_of, dtype=np.int64)
+    k = np.asarray(key_ids, dtype=np.uint64)
+    t = np.asarray(triggers, dtype=np.int64)
+    sg = np.asarray(state_group, dtype=np.int64)
+    sk = np.asarray(state_key, dtype=np.uint64)
+    st = np.asarray(state_trigger, dtype=np.int64)
+    big = np.iinfo(np.int64).max
     previous = np.zeros(n, dtype=np.int64)
-    amend = np.zeros(n, dtype=np.int64)
+    later = np.full(n, big, dtype=np.int64)
+    known = np.zeros(n, dtype=bool)  # (user, key, trigger) already in the state or earlier in the batch
+    if n == 0:
+        return KeyHistory(previous, np.zeros(0, dtype=np.int64), sg, sk, st)
+
+    def fold(asking: np.ndarray, ta: np.ndarray, match: np.ndarray, starts: np.ndarray, askers: np.ndarray) -> None:
+        """Fold pairs (earlier element, asking record), in runs per asker, into the answers."""
+        tb = t[asking]
+        previous[askers] = np.maximum(previous[askers], np.maximum.reduceat(np.where(match & (ta <= tb), ta, 0), starts))
+        later[askers] = np.minimum(later[askers], np.minimum.reduceat(np.where(match & (ta > tb), ta, big), starts))
+        known[askers] |= np.logical_or.reduceat(match & (ta == tb), starts)
+
+    # 1. each record against every state entry of its user (groups are dense small integers:
+    # a bincount finds each group's entries, with no search)
+    bounds = np.zeros(max(int(g.max()), int(sg.max(initial=-1))) + 2, dtype=np.int64)
+    np.cumsum(np.bincount(sg, minlength=len(bounds) - 1), out=bounds[1:])
+    if len(sg):
+        lo = bounds[g]
+        count = bounds[g + 1] - lo
+        total = int(count.sum())
+        if total:
+            asking = np.repeat(np.arange(n), count)
+            first = np.cumsum(count) - count
+            entry = lo[asking] + (np.arange(total) - first[asking])
+            askers = np.nonzero(count)[0]
+            fold(asking, st[entry], sk[entry] == k[asking], first[askers], askers)
+    # 2. each record against the earlier records of its (user, key) in the batch: order by
+    # (user, key, arrival) with one stable sort of a dense (user, key) code
+    _, key_code = np.unique(k, return_inverse=True)
+    code = g * (int(key_code.max(initial=0)) + 1) + key_code.ravel()
+    order = np.argsort(code, kind="stable")
+    coded = code[order]
+    new_segment = np.ones(n, dtype=bool)
+    new_segment[1:] = coded[1:] != coded[:-1]
+    seg_start = np.maximum.accumulate(np.where(new_segment, np.arange(n), 0))
+    earlier = np.arange(n) - seg_start  # records before this one in its (user, key) segment
     total = int(earlier.sum())
     if total:
-        b = np.repeat(np.arange(len(order)), earlier)  # the record asking
+        b = np.repeat(np.arange(n), earlier)  # the record asking, in sorted position
         first = np.cumsum(earlier) - earlier
-        a = seg_start[b] + (np.arange(total) - first[b])  # each element that arrived before it
-        ta, tb = t[a], t[b]
-        askers = np.nonzero(earlier)[0]
-        starts = first[askers]
-        prev = np.maximum.reduceat(np.where(ta <= tb, ta, 0), starts)
-        big = np.iinfo(np.int64).max
-        later = np.minimum.reduceat(np.where(ta > tb, ta, big), starts)
-        previous[pos[askers]] = prev
-        amend[pos[askers]] = np.where(later == big, 0, later)
-    # the new state: distinct (user, key, trigger), sorted; already in (user, key) order, so
-    # sort by trigger within each segment
-    segment = np.cumsum(new_segment) - 1
-    state_order = np.argsort(segment * (int(t.max(initial=0)) + 1) + t, kind="stable")
-    gs, ks, ts = g[state_order], k[state_order], t[state_order]
-    keep = np.ones(len(gs), dtype=bool)
-    keep[1:] = (gs[1:] != gs[:-1]) | (ks[1:] != ks[:-1]) | (ts[1:] != ts[:-1])
-    return KeyHistory(previous, amend, gs[keep], ks[keep], ts[keep])
+        a = seg_start[b] + (np.arange(total) - first[b])  # each record that arrived before it
+        askers_sorted = np.nonzero(earlier)[0]
+        fold(order[b], t[order[a]], np.ones(total, dtype=bool), first[askers_sorted], order[askers_sorted])
+    amend = np.where(later == big, 0, later)
+    # the new state: a group's entries, then its new (key, trigger) pairs (``order`` is by group)
+    fresh = order[~known[order]]
+    if not len(fresh):
+        return KeyHistory(previous, amend, sg, sk, st)
+    at = bounds[g[fresh] + 1]  # after the group's last entry
+    return KeyHistory(previous, amend, np.insert(sg, at, g[fresh]), np.insert(sk, at, k[fresh]), np.insert(st, at, t[fresh]))
