@@ -101,11 +101,12 @@ class _WindowRows:
     append-only arrays, found through a :class:`_SortedIds` (a new key appends; a known key is
     overwritten in place)."""
 
-    def __init__(self, dtype: Optional[np.dtype]):
+    def __init__(self, dtype: Optional[np.dtype], parts: bool = True):
         self.index = _SortedIds()
         self.rows = None if dtype is None else np.zeros(0, dtype=dtype)
-        self.names = np.zeros(0, dtype=object)
+        self.names = np.zeros(0, dtype=object) if parts else None
         self.used = 0
+        self.size = 0
 
     def find(self, ids: np.ndarray) -> np.ndarray:
         return self.index.find(ids)
@@ -113,17 +114,19 @@ class _WindowRows:
     def append(self, ids: np.ndarray, rows: np.ndarray, names: np.ndarray) -> None:
         """Add keys not cached yet (``ids`` distinct)."""
         n = len(ids)
-        if self.used + n > len(self.names):  # grow by doubling: amortized O(1) per key
-            size = max(2 * len(self.names), self.used + n, 1024)
-            grown_names = np.empty(size, dtype=object)
-            grown_names[:self.used] = self.names[:self.used]
-            self.names = grown_names
+        if self.used + n > self.size:  # grow by doubling: amortized O(1) per key
+            size = self.size = max(2 * self.size, self.used + n, 1024)
+            if self.names is not None:
+                grown_names = np.empty(size, dtype=object)
+                grown_names[:self.used] = self.names[:self.used]
+                self.names = grown_names
             if self.rows is not None:
                 grown = np.zeros(size, dtype=self.rows.dtype)
                 grown[:self.used] = self.rows[:self.used]
                 self.rows = grown
         slots = np.arange(self.used, self.used + n, dtype=np.int64)
-        self.names[slots] = names
+        if self.names is not None:
+            self.names[slots] = names
         if self.rows is not None:
             self.rows[slots] = rows
         self.used += n
@@ -149,8 +152,10 @@ class CommittedCache:
     which would otherwise cost a RocksDB miss.
     """
 
-    def __init__(self, dtype: Optional[np.dtype], capacity: int):
+    def __init__(self, dtype: Optional[np.dtype], capacity: int, parts: bool = True):
+        """``parts``: whether values have a variable part after the row (False: rows only)."""
         self.dtype = dtype
+        self.parts = parts
         self.capacity = int(capacity)
         self._windows: dict[int, _WindowRows] = {}
         self._complete: set[int] = set()
@@ -164,22 +169,24 @@ class CommittedCache:
         """(hit mask, their rows (``None`` without a row type), their texts) for ``ids``."""
         cached = self._windows.get(window)
         if cached is None:
-            cached = _WindowRows(self.dtype)
+            cached = _WindowRows(self.dtype, self.parts)
         slots = cached.find(ids)
         hit = slots >= 0
         slots = slots[hit]
         self.hits += len(slots)
         self.misses += len(ids) - len(slots)
-        return hit, None if cached.rows is None else cached.rows[slots], cached.names[slots]
+        return hit, None if cached.rows is None else cached.rows[slots], None if cached.names is None else cached.names[slots]
 
-    def upsert(self, window: int, ids: np.ndarray, rows: Optional[np.ndarray], names: np.ndarray) -> None:
-        """Keys just committed or read from the store (``ids`` distinct)."""
+    def upsert(self, window: int, ids: np.ndarray, rows: Optional[np.ndarray], names: Optional[np.ndarray]) -> None:
+        """Keys just committed or read from the store (``ids`` distinct; ``names``: their
+        variable parts, ``None`` for a cache of rows only)."""
         cached = self._windows.get(window)
         if cached is None:
-            cached = self._windows[window] = _WindowRows(self.dtype)
+            cached = self._windows[window] = _WindowRows(self.dtype, self.parts)
         slots = cached.find(ids)
         known = slots >= 0
-        cached.names[slots[known]] = names[known]
+        if self.parts:
+            cached.names[slots[known]] = names[known]
         if rows is not None:
             cached.rows[slots[known]] = rows[known]
         new = np.nonzero(~known)[0]
@@ -193,7 +200,7 @@ class CommittedCache:
                 self._complete.discard(window)
             new = new[:max(room, 0)]
         if len(new):
-            cached.append(ids[new], None if rows is None else rows[new], names[new])
+            cached.append(ids[new], None if rows is None else rows[new], names[new] if self.parts else None)
 
     def read_through(self, store: Store, prefix: bytes, window: int, ids: np.ndarray,
                      text: bool) -> tuple[np.ndarray, Optional[np.ndarray], np.ndarray]:
@@ -207,7 +214,8 @@ class CommittedCache:
         hit, cached_rows, cached_parts = self.lookup(window, ids)
         rows = None if self.dtype is None else np.zeros(len(ids), dtype=self.dtype)
         parts = np.full(len(ids), None, dtype=object)
-        parts[hit] = cached_parts
+        if self.parts:
+            parts[hit] = cached_parts
         if rows is not None:
             rows[hit] = cached_rows
         found = hit.copy()
@@ -224,7 +232,7 @@ class CommittedCache:
                 if rows is not None:
                     rows[at] = np.frombuffer(b"".join(stored[j][:width] for j in present), dtype=self.dtype)
                 found[at] = True
-                self.upsert(window, ids[at], None if rows is None else rows[at], read)
+                self.upsert(window, ids[at], None if rows is None else rows[at], read if self.parts else None)
         return found, rows, parts
 
     def _is_complete(self, store: Store, prefix: bytes, window: int) -> bool:
@@ -235,7 +243,7 @@ class CommittedCache:
         if next(iter(store.scan_prefix(prefix)), None) is not None:
             return False
         # the store has nothing of the window: from here on, every committed id comes through upsert
-        self._windows[window] = _WindowRows(self.dtype)
+        self._windows[window] = _WindowRows(self.dtype, self.parts)
         self._complete.add(window)
         return True
 
@@ -429,7 +437,7 @@ class KeyRows:
     def __init__(self, store: Store, qid: bytes, tree_levels: int, columns: int = 1, cache_entries: int = KEY_CACHE_ENTRIES):
         self.store, self.qid = store, qid
         self.dtype = key_row_dtype(tree_levels, columns)
-        self.cache = CommittedCache(self.dtype, cache_entries)
+        self.cache = CommittedCache(self.dtype, cache_entries, parts=False)
 
     def prefix(self, window: int) -> bytes:
         return sk.window_prefix(sk.KEYS, self.qid, window)
@@ -444,8 +452,8 @@ class KeyRows:
         ids = np.asarray(ids, dtype=np.uint64)
         raw, width = rows.tobytes(), self.dtype.itemsize
         batch.put_many(sk.fixed_keys(self.prefix(window), ids), [raw[i:i + width] for i in range(0, len(raw), width)])
-        committed_rows, no_parts = rows.copy(), np.full(len(ids), b"", dtype=object)
-        batch.on_commit(lambda: self.cache.upsert(window, ids, committed_rows, no_parts))
+        committed_rows = rows.copy()
+        batch.on_commit(lambda: self.cache.upsert(window, ids, committed_rows, None))
 
     def scan(self, window: int) -> tuple[np.ndarray, np.ndarray]:
         """(ids, rows) of every stored key of the window, in id order."""
