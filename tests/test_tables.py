@@ -241,3 +241,31 @@ def test_key_rows_names_and_prediction_index_in_memory_equal_the_store(steps, ca
         mine, fresh_rows = tables.keys.load(0, all_ids, blank), fresh.keys.load(0, all_ids, blank)
         assert mine[0].tobytes() == fresh_rows[0].tobytes() and mine[1].tolist() == fresh_rows[1].tolist()
         assert tables.names.owners(0, all_ids.tolist()) == fresh.names.owners(0, all_ids.tolist())
+
+
+_EDGE_IDS = st.one_of(st.integers(0, 2**64 - 1), st.sampled_from([0, 1, 2**48 - 1, 2**48, 2**63, 2**64 - 2**48, 2**64 - 2, 2**64 - 1]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.lists(_EDGE_IDS, max_size=30), min_size=1, max_size=6), st.lists(_EDGE_IDS, max_size=40),
+       st.sampled_from([0, 1, 5, 1 << 20]))
+def test_sorted_ids_find_what_was_added_with_or_without_the_bucket_directory(additions, probes, directory_from):
+    """The sorted-id index (a plain binary search, or the bucket directory large indexes use)
+    finds every added id at its slot and nothing else, in any order, ids at the 64-bit edges and
+    sharing their top bits included."""
+    import state.tables as tables
+
+    saved = tables._DIRECTORY_FROM
+    tables._DIRECTORY_FROM = directory_from
+    try:
+        index, reference = tables._SortedIds(), {}
+        for ids in additions:
+            new = [i for i in dict.fromkeys(ids) if i not in reference]
+            slots = list(range(len(reference), len(reference) + len(new)))
+            index.add(np.array(new, dtype=np.uint64), np.array(slots, dtype=np.int64))
+            reference.update(zip(new, slots))
+            asked = probes + list(reference)[::3]
+            found = index.find(np.array(asked, dtype=np.uint64)).tolist()
+            assert found == [reference.get(i, -1) for i in asked]
+    finally:
+        tables._DIRECTORY_FROM = saved
