@@ -263,13 +263,15 @@ class CommittedCache:
             if present:
                 at = miss[present]
                 width = 0 if self.dtype is None else self.dtype.itemsize
-                read = np.empty(len(present), dtype=object)
-                read[:] = [stored[j][width:].decode() if text else stored[j][width:] for j in present]
-                parts[at] = read
+                read = None
+                if self.parts:
+                    read = np.empty(len(present), dtype=object)
+                    read[:] = [stored[j][width:].decode() if text else stored[j][width:] for j in present]
+                    parts[at] = read
                 if rows is not None:
                     rows[at] = np.frombuffer(b"".join(stored[j][:width] for j in present), dtype=self.dtype)
                 found[at] = True
-                self.upsert(window, ids[at], None if rows is None else rows[at], read if self.parts else None)
+                self.upsert(window, ids[at], None if rows is None else rows[at], read)
         return found, rows, parts
 
     def _is_complete(self, store: Store, prefix: bytes, window: int) -> bool:
