@@ -7,7 +7,8 @@ are big-endian so scans come back in trigger order. Group-by keys and users appe
 
 | table | key suffix | value |
 | --- | --- | --- |
-| ``u`` user state (stage 1) | user | admitted records (u16), then per distinct (key, trigger) of them: key (u64), trigger (u32) |
+| ``v`` user-state log (stage 1) | seq (8) | the states a commit changed: count n (u32), n users (u64), n lengths (u32), the states back to back; a state is the admitted records (u16), then per distinct (key, trigger) of them: key (u64), trigger (u32) |
+| ``u`` spilled user state (stage 1) | user | a state the cache could not hold (layout as in ``v``) |
 | ``b`` pending micro-batch (stage 2 input) | trigger (4), seq (8) | packed bounded records |
 | ``a`` predecessor amendments (stage 2 input) | trigger (4), seq (8) | packed (key u64, user u64, trigger u32) |
 | ``t`` key texts seen in a window | key | key text (a different text under the same id is a collision) |
@@ -28,6 +29,7 @@ import hashlib
 import numpy as np
 
 USERS = b"u"
+USER_LOG = b"v"
 PENDING = b"b"
 AMENDS = b"a"
 KEY_NAMES = b"t"
@@ -39,7 +41,7 @@ META = b"m"
 DYNAMIC_LOG = b"d"
 DYNAMIC_UNITS = b"n"
 
-WINDOW_TABLES = (USERS, PENDING, AMENDS, KEY_NAMES, KEYS, HIERARCHY_VIEW)
+WINDOW_TABLES = (USERS, USER_LOG, PENDING, AMENDS, KEY_NAMES, KEYS, HIERARCHY_VIEW)
 
 
 def query_id(name: str) -> bytes:
