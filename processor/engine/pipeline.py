@@ -247,6 +247,37 @@ class Schedule:
         return ts > clock + self.max_skew
 
 
+def _dense_codes(ids: np.ndarray, *small: tuple[np.ndarray, int]) -> np.ndarray:
+    """One uint64 per row, equal for two rows exactly when the rows are: ``ids`` (64-bit) by
+    their rank among the distinct ids, then each ``(column, width)`` (integers in
+    ``[0, width)``) mixed in, the last one lowest (``code % width`` gives it back). At 6 * 10^5
+    rows one unstable sort of the ids and one of the codes take about a quarter of
+    ``np.lexsort`` over the same columns, whose stable merges compare row by row."""
+    ids = np.asarray(ids, dtype=np.uint64)
+    n = len(ids)
+    if not n:
+        return np.zeros(0, dtype=np.uint64)
+    order = np.argsort(ids)
+    ranked = ids[order]
+    step = np.empty(n, dtype=np.uint64)
+    step[0] = 0
+    step[1:] = ranked[1:] != ranked[:-1]
+    code = np.empty(n, dtype=np.uint64)
+    code[order] = np.cumsum(step)
+    span = int(code[order[-1]]) + 1
+    for column, width in small:
+        span *= int(width)
+        if span >= 1 << 63:
+            raise OverflowError("too many distinct rows for one 64-bit code")
+        code = code * np.uint64(width) + np.asarray(column, dtype=np.int64).astype(np.uint64)
+    return code
+
+
+def _has_repeats(codes: np.ndarray) -> bool:
+    ordered = np.sort(codes)
+    return bool(len(ordered) > 1 and (ordered[1:] == ordered[:-1]).any())
+
+
 def _colliding(texts: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """Records whose key id was already taken, in this batch, by another key text (a 64-bit
     pseudonym collision): the first text in arrival order keeps the id, later texts are refused."""
@@ -597,11 +628,9 @@ class QueryPipeline:
         delta_units = np.zeros(n, dtype=np.int64)
         np.add.at(delta_units, kidx, rec_units)
         new = np.nonzero(rec_prev < rows["start"][kidx])[0]
-        order = np.lexsort((micro.users[new], kidx[new]))
-        k_new, u_new = kidx[new][order], micro.users[new][order]
-        once = np.ones(len(order), dtype=bool)
-        once[1:] = (k_new[1:] != k_new[:-1]) | (u_new[1:] != u_new[:-1])
-        new_users = np.bincount(k_new[once], minlength=n).astype(np.int64)
+        # distinct (user, key) pairs among them, counted per key: the key is the code's low part
+        pairs = np.unique(_dense_codes(micro.users[new], (kidx[new], n)))
+        new_users = np.bincount((pairs % np.uint64(n)).astype(np.int64), minlength=n).astype(np.int64)
         rows["buffer"] += delta_units if self.aggregate.columns[0].needs_value else np.bincount(kidx, minlength=n)
         for c, column in enumerate(self.aggregate.columns[1:], 2):
             rows[f"buffer_{c}"] += delta_units if column.needs_value else np.bincount(kidx, minlength=n)
@@ -673,12 +702,14 @@ class QueryPipeline:
             return MicroBatch(none, none, empty, empty, texts, empty, none)
         rec_key, rec_user, rec_slot, rec_units, rec_prev, rec_level, rec_root = (np.concatenate([p[c] for p in parts])
                                                                                   for c in range(len(columns)))
-        # one record per (user, slot) and level: every level of a hierarchy gets each admitted record once
-        order = np.lexsort((np.arange(len(rec_user)), rec_level, rec_slot, rec_user))
-        u, sl, lv = rec_user[order], rec_slot[order], rec_level[order]
-        first = np.ones(len(order), dtype=bool)
-        first[1:] = (u[1:] != u[:-1]) | (sl[1:] != sl[:-1]) | (lv[1:] != lv[:-1])
-        keep = np.sort(order[first])
+        # one record per (user, slot) and level: every level of a hierarchy gets each admitted
+        # record once; the first copy in arrival order is kept (repeats are rare: check first)
+        codes = _dense_codes(rec_user, (rec_slot, int(rec_slot.max()) + 1), (rec_level, int(rec_level.max()) + 1))
+        if _has_repeats(codes):
+            _, first = np.unique(codes, return_index=True)  # the first occurrence of each
+            keep = np.sort(first)
+        else:
+            keep = np.arange(len(codes))
         self.stats.dropped["duplicate"] += int(len(rec_user) - len(keep))
         rec_key, rec_user, rec_prev = rec_key[keep].astype(np.uint64), rec_user[keep].astype(np.uint64), rec_prev[keep].astype(np.int64)
         if len(amend):
