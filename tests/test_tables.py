@@ -269,3 +269,24 @@ def test_sorted_ids_find_what_was_added_with_or_without_the_bucket_directory(add
             assert found == [reference.get(i, -1) for i in asked]
     finally:
         tables._DIRECTORY_FROM = saved
+
+
+def test_a_window_the_cache_dropped_before_its_batch_committed_is_read_back_whole():
+    """A batch writes windows 0 and 1 through a cache too small for them: loading window 1 for
+    the batch (a replay of its log) drops window 0, whose part of the batch then commits. The
+    cache must not come back holding window 0 with only that batch's users (its other users
+    would look new and get a fresh contribution budget): the next read replays window 0's log."""
+    store = MemoryStore()
+    users = UserStates(store, b"qqqq", cache_entries=4)
+    for window in (0, 1, 2):  # each window's commit drops the one before it from the cache
+        batch = WriteBatch()
+        _user_write(users, batch, window, [1, 2, 3], [5, 6, 7], [[(9, 1)], [(9, 1)], [(9, 1)]])
+        store.write(batch)
+    batch = WriteBatch()
+    _user_write(users, batch, 0, [4], [1], [[(9, 2)]])
+    _user_write(users, batch, 1, [1], [8], [[(9, 1), (9, 2)]])  # a user window 1's reloaded cache holds: no room needed
+    store.write(batch)
+    windows, ids = np.repeat([0, 1, 2], 4), np.tile(np.arange(1, 5, dtype=np.uint64), 3)
+    expected = [5, 6, 7, 1, 8, 6, 7, 0, 5, 6, 7, 0]
+    assert users.read(windows, ids).admitted.tolist() == expected
+    assert UserStates(store, b"qqqq").read(windows, ids).admitted.tolist() == expected
