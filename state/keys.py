@@ -12,7 +12,8 @@ are big-endian so scans come back in trigger order. Group-by keys and users appe
 | ``b`` pending micro-batch (stage 2 input) | trigger (4), seq (8) | packed bounded records |
 | ``a`` predecessor amendments (stage 2 input) | trigger (4), seq (8) | packed (key u64, user u64, trigger u32) |
 | ``t`` key texts seen in a window | key | key text (a different text under the same id is a collision) |
-| ``k`` key state | key | fixed row (its ``predicted`` column is the prediction / visit index) |
+| ``r`` key-state log (stage 2) | seq (8) | the rows a commit changed: count n (u32), n keys (u64), n fixed rows (their ``predicted`` column is the prediction / visit index) |
+| ``k`` spilled key state | key | a fixed row the cache could not hold |
 | ``j`` release journal | trigger (4), key | release record JSON |
 | ``g`` window progress | (none) | last fired trigger (u32), status (u8: 1 open, 2 refused), plan fingerprint (16) |
 | ``h`` published view of a hierarchy (consistency) | root (8), key | level, trigger of the noisy value, noisy value, stddev, published consistent value and remainder; then key text |
@@ -30,6 +31,7 @@ import numpy as np
 
 USERS = b"u"
 USER_LOG = b"v"
+KEY_LOG = b"r"
 PENDING = b"b"
 AMENDS = b"a"
 KEY_NAMES = b"t"
@@ -41,7 +43,7 @@ META = b"m"
 DYNAMIC_LOG = b"d"
 DYNAMIC_UNITS = b"n"
 
-WINDOW_TABLES = (USERS, USER_LOG, PENDING, AMENDS, KEY_NAMES, KEYS, HIERARCHY_VIEW)
+WINDOW_TABLES = (USERS, USER_LOG, PENDING, AMENDS, KEY_NAMES, KEYS, KEY_LOG, HIERARCHY_VIEW)
 
 
 def query_id(name: str) -> bytes:

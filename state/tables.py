@@ -34,8 +34,8 @@ from state.store import Store, WriteBatch
 #: per (key, trigger), predecessor amendments, the key-text registry, window status and plan
 #: fingerprint in the progress table. 4: key rows are the fixed row only (the text is in the
 #: key-text table) and the prediction index is their ``predicted`` column (no table of its own).
-#: 5: user states are a log of one blob per commit (table ``v``), spilled per user only over the
-#: cache's bound (table ``u``).
+#: 5: user states and key rows are logs of one blob per commit (tables ``v`` and ``r``), spilled
+#: per id only over the cache's bound (tables ``u`` and ``k``).
 STATE_FORMAT = b"5"
 
 #: window status in the progress table
@@ -224,6 +224,17 @@ class CommittedCache:
         """Start caching a window (empty)."""
         self._windows.setdefault(window, _WindowRows(self.dtype, self.parts))
 
+    def window_values(self, window: int) -> tuple[np.ndarray, Optional[np.ndarray], np.ndarray]:
+        """(ids, rows, parts) of every id cached for the window, in slot order."""
+        cached = self._windows.get(window)
+        if cached is None:
+            return np.zeros(0, dtype=np.uint64), None if self.dtype is None else np.zeros(0, dtype=self.dtype), np.zeros(0, dtype=object)
+        ids = np.empty(cached.used, dtype=np.uint64)
+        ids[cached.index.slots] = cached.index.ids
+        rows = None if cached.rows is None else cached.rows[:cached.used].copy()
+        parts = np.full(cached.used, None, dtype=object) if cached.names is None else cached.names[:cached.used].copy()
+        return ids, rows, parts
+
     def upsert(self, window: int, ids: np.ndarray, rows: Optional[np.ndarray], names: Optional[np.ndarray]) -> np.ndarray:
         """Keys just committed or read from the store (``ids`` distinct; ``names``: their
         variable parts, ``None`` for a cache of rows only). Returns the positions in ``ids`` of
@@ -319,73 +330,174 @@ class UserStateColumns:
     trigger: np.ndarray  # int64 per entry
 
 
-class UserStates:
-    """Stage 1's per-(window, user) states: the number of admitted records (u16), then one
-    :data:`USER_ENTRY` per distinct (key, trigger) of them (the user's key history:
-    processor.mechanisms.bounding.key_histories).
+class _WindowLog:
+    """A window table kept as a changelog: each commit writes the values it changed as **one**
+    blob (``log`` table, keyed by a sequence number per window), not one RocksDB key per id. At
+    10^7 users a stage-1 batch changes ~5 * 10^5 user states and a trigger ~10^5 key rows; one
+    memtable insert per id costs about 1 us, sorted or not, with or without the write-ahead log,
+    which was a quarter of stage 1. The table's values are the latest per id over the window's
+    blobs in order (Kafka Streams' changelog, kept in the same store).
 
-    A commit writes the batch's changed states as **one** blob in the window's log (table ``v``,
-    keyed by a sequence number per window), not one RocksDB key per user: at 10^7 users a
-    micro-batch changes ~5 * 10^5 states, and their per-key memtable inserts were a quarter of
-    stage 1's time. The log is a changelog in Kafka Streams' sense: the states of a window are
-    the latest entry per user over its blobs in order. The cache of committed states holds a
-    window's states as read from its log (replayed on first use after a start, or after the
-    cache dropped the window) plus every state committed since; a state the cache declines
-    (a window alone over the cache's bound) is also written under its user's own key (table
-    ``u``, "spilled"), so a miss in the cache is absent unless the window has spilled states.
-    """
+    The cache of committed values (:class:`CommittedCache`) holds a window's values as replayed
+    from its log (on first use after a start, or after the cache dropped the window over its
+    bound) plus every value committed since. A value the cache declines (a window alone over the
+    bound) is also written under its id's own key (``spill`` table), at once: it is committed
+    already, so writing it again is safe at any time, and the next replay writes it again if a
+    crash came first. So the cache plus the spilled keys hold every committed value, and an id
+    missing from both has none.
 
-    def __init__(self, store: Store, qid: bytes, cache_entries: int = USER_CACHE_ENTRIES):
-        self.store, self.qid = store, qid
-        self.cache = CommittedCache(None, cache_entries)
-        self._spilled: dict[int, bool] = {}  # window -> it has states under table u (loaded windows only)
-        self._next_seq: dict[int, int] = {}  # window -> sequence number of its next log blob
+    Blob: count n (u32), n ids (u64), n rows (the cache's row type, if any), and for values
+    with a variable part n lengths (u32) and the parts back to back. A spilled value is the
+    row's bytes, then the part."""
 
-    def _load(self, window: int) -> None:
-        """Make the cache hold the window's states: replay its log if the cache does not hold
-        the window (first use since this table was opened, or dropped over the cache's bound)."""
+    def __init__(self, store: Store, qid: bytes, log: bytes, spill: bytes, cache: CommittedCache):
+        self.store, self.qid, self.log, self.spill, self.cache = store, qid, log, spill, cache
+        self._spilled: dict[int, bool] = {}  # window -> it has values under the spill table (loaded windows only)
+        self._next_seq: dict[int, int] = {}  # window -> sequence number of its next blob
+
+    def load(self, window: int) -> None:
+        """Make the cache hold the window: replay its log unless the cache holds it already."""
         if self.cache.holds(window) and window in self._next_seq:
             return
         self.cache.drop_window(window)
         self.cache.hold(window)
-        spilled = next(iter(self.store.scan_prefix(sk.window_prefix(sk.USERS, self.qid, window))), None) is not None
+        spilled = next(iter(self.store.scan_prefix(sk.window_prefix(self.spill, self.qid, window))), None) is not None
         seq = -1
-        for key, blob in self.store.scan_prefix(sk.window_prefix(sk.USER_LOG, self.qid, window)):
+        for key, blob in self.store.scan_prefix(sk.window_prefix(self.log, self.qid, window)):
             seq = int.from_bytes(key[-8:], "big")
-            users, values = _unpack_user_log(blob)
-            spilled |= self._cache_or_spill(window, users, values)
+            spilled |= self._cache_or_spill(window, *self._unpack(blob))
         self._spilled[window] = spilled
         self._next_seq[window] = seq + 1
 
-    def _cache_or_spill(self, window: int, users: np.ndarray, values: np.ndarray) -> bool:
-        """Committed states into the cache; those it declines under their own keys (written now:
-        they are committed values already, so writing them again is safe at any time). True if
-        any was spilled."""
-        declined = self.cache.upsert(window, users, None, values)
+    def read(self, window: int, ids: np.ndarray) -> tuple[np.ndarray, Optional[np.ndarray], np.ndarray]:
+        """(found mask, rows, parts) of ``ids`` (distinct); rows zero and parts None where not found."""
+        self.load(window)
+        ids = np.asarray(ids, dtype=np.uint64)
+        hit, cached_rows, cached_parts = self.cache.lookup(window, ids)
+        rows = None if self.cache.dtype is None else np.zeros(len(ids), dtype=self.cache.dtype)
+        parts = np.full(len(ids), None, dtype=object)
+        if rows is not None:
+            rows[hit] = cached_rows
+        if self.cache.parts:
+            parts[hit] = cached_parts
+        found = hit.copy()
+        miss = np.nonzero(~hit)[0]
+        if len(miss) and self._spilled[window]:
+            stored = self.store.get_many(sk.fixed_keys(sk.window_prefix(self.spill, self.qid, window), ids[miss]))
+            present = [j for j, v in enumerate(stored) if v is not None]
+            if present:
+                at = miss[present]
+                spilled_rows, spilled_parts = self._split([stored[j] for j in present])
+                if rows is not None:
+                    rows[at] = spilled_rows
+                if self.cache.parts:
+                    parts[at] = spilled_parts
+                found[at] = True
+        return found, rows, parts
+
+    def scan(self, window: int) -> tuple[np.ndarray, Optional[np.ndarray], np.ndarray]:
+        """(ids, rows, parts) of every value of the window, in id order."""
+        self.load(window)
+        ids, rows, parts = self.cache.window_values(window)
+        if self._spilled[window]:
+            prefix = sk.window_prefix(self.spill, self.qid, window)
+            keys, values = [], []
+            for key, value in self.store.scan_prefix(prefix):
+                keys.append(key)
+                values.append(value)
+            spilled_ids = sk.suffix_u64(keys, len(prefix))
+            extra = np.nonzero(~np.isin(spilled_ids, ids))[0]  # where both have an id, the cache's value is the newer
+            if len(extra):
+                spilled_rows, spilled_parts = self._split([values[j] for j in extra.tolist()])
+                ids = np.concatenate([ids, spilled_ids[extra]])
+                rows = None if rows is None else np.concatenate([rows, spilled_rows])
+                parts = np.concatenate([parts, spilled_parts])
+        order = np.argsort(ids)
+        return ids[order], None if rows is None else rows[order], parts[order]
+
+    def commit(self, batch: WriteBatch, window: int, ids: np.ndarray, rows: Optional[np.ndarray], parts: Optional[np.ndarray]) -> None:
+        """Write new values of ``ids`` (distinct) in ``batch``; the cache learns them once it is written."""
+        self.load(window)
+        ids = np.asarray(ids, dtype=np.uint64)
+        seq = self._next_seq[window]
+        self._next_seq[window] = seq + 1
+        pieces = [np.array([len(ids)], dtype="<u4").tobytes(), ids.astype("<u8").tobytes()]
+        if rows is not None:
+            rows = np.array(rows, dtype=self.cache.dtype)  # a copy: the caller may change its rows after this
+            pieces.append(rows.tobytes())
+        if parts is not None:
+            pieces.append(np.fromiter(map(len, parts), dtype="<u4", count=len(parts)).tobytes())
+            pieces += parts.tolist()
+        batch.put(sk.window_prefix(self.log, self.qid, window) + int(seq).to_bytes(8, "big"), b"".join(pieces))
+        batch.on_commit(functools.partial(self._committed, window, ids, rows, parts))
+
+    def _committed(self, window: int, ids: np.ndarray, rows: Optional[np.ndarray], parts: Optional[np.ndarray]) -> None:
+        if not self.cache.holds(window) or window not in self._next_seq:
+            return  # the cache dropped the window meanwhile: its next use replays the log, this blob included
+        if self._cache_or_spill(window, ids, rows, parts):
+            self._spilled[window] = True
+
+    def _cache_or_spill(self, window: int, ids: np.ndarray, rows: Optional[np.ndarray], parts: Optional[np.ndarray]) -> bool:
+        """Committed values into the cache; those it declines under their ids' own keys. True if any was spilled."""
+        declined = self.cache.upsert(window, ids, rows, parts)
         if not len(declined):
             return False
+        width = 0 if rows is None else rows.dtype.itemsize
+        raw = b"" if rows is None else rows[declined].tobytes()
+        values = [raw[j * width:(j + 1) * width] + (b"" if parts is None else parts[d]) for j, d in enumerate(declined.tolist())]
         spill = WriteBatch()
-        spill.put_many(sk.fixed_keys(sk.window_prefix(sk.USERS, self.qid, window), users[declined]), values[declined].tolist())
+        spill.put_many(sk.fixed_keys(sk.window_prefix(self.spill, self.qid, window), ids[declined]), values)
         self.store.write(spill)
         return True
 
-    def _committed(self, window: int, users: np.ndarray, values: np.ndarray) -> None:
-        if not self.cache.holds(window) or window not in self._next_seq:
-            return  # the cache dropped the window meanwhile: its next use replays the log, this blob included
-        if self._cache_or_spill(window, users, values):
-            self._spilled[window] = True
+    def _unpack(self, blob: bytes) -> tuple[np.ndarray, Optional[np.ndarray], Optional[np.ndarray]]:
+        n = int.from_bytes(blob[:4], "little")
+        pos = 4 + 8 * n
+        ids = np.frombuffer(blob, dtype="<u8", count=n, offset=4).astype(np.uint64)
+        rows = None
+        if self.cache.dtype is not None:
+            rows = np.frombuffer(blob, dtype=self.cache.dtype, count=n, offset=pos).copy()
+            pos += n * self.cache.dtype.itemsize
+        parts = None
+        if self.cache.parts:
+            lengths = np.frombuffer(blob, dtype="<u4", count=n, offset=pos).astype(np.int64)
+            ends = pos + 4 * n + np.cumsum(lengths)
+            parts = np.empty(n, dtype=object)
+            parts[:] = [blob[a:b] for a, b in zip((ends - lengths).tolist(), ends.tolist())]
+        return ids, rows, parts
+
+    def _split(self, values: list[bytes]) -> tuple[Optional[np.ndarray], np.ndarray]:
+        """Spilled values as (rows, parts)."""
+        width = 0 if self.cache.dtype is None else self.cache.dtype.itemsize
+        rows = None if self.cache.dtype is None else np.frombuffer(b"".join(v[:width] for v in values), dtype=self.cache.dtype)
+        parts = np.full(len(values), None, dtype=object)
+        if self.cache.parts:
+            parts[:] = [v[width:] for v in values]
+        return rows, parts
+
+    def drop_window(self, window: int) -> None:
+        self.cache.drop_window(window)
+        self._spilled.pop(window, None)
+        self._next_seq.pop(window, None)
+
+
+class UserStates:
+    """Stage 1's per-(window, user) states: the number of admitted records (u16), then one
+    :data:`USER_ENTRY` per distinct (key, trigger) of them (the user's key history:
+    processor.mechanisms.bounding.key_histories). A changelog (:class:`_WindowLog`): table ``v``,
+    spilled states in table ``u``."""
+
+    def __init__(self, store: Store, qid: bytes, cache_entries: int = USER_CACHE_ENTRIES):
+        self.store, self.qid = store, qid
+        self.cache = CommittedCache(None, cache_entries)
+        self.log = _WindowLog(store, qid, sk.USER_LOG, sk.USERS, self.cache)
 
     def read(self, windows: np.ndarray, users: np.ndarray) -> UserStateColumns:
         """States of the groups ``(windows[g], users[g])`` (absent: nothing admitted yet)."""
         values = np.full(len(users), None, dtype=object)
         users = np.asarray(users, dtype=np.uint64)
         for w, lo, hi in _runs(windows):
-            self._load(w)
-            hit, _, parts = self.cache.lookup(w, users[lo:hi])
-            values[lo:hi][hit] = parts
-            miss = lo + np.nonzero(~hit)[0]
-            if len(miss) and self._spilled[w]:
-                values[miss] = self.store.get_many(sk.fixed_keys(sk.window_prefix(sk.USERS, self.qid, w), users[miss]))
+            values[lo:hi] = self.log.read(w, users[lo:hi])[2]
         return _parse_user_states(values)
 
     def write(self, batch: WriteBatch, windows: np.ndarray, users: np.ndarray, admitted: np.ndarray, changed: np.ndarray,
@@ -408,37 +520,15 @@ class UserStates:
         raw[~is_head] = entries.view(np.uint8)
         buffer = raw.tobytes()
         for w, first, last in _runs(windows):
-            self._load(w)
             groups = first + np.nonzero(changed[first:last])[0]
             if not len(groups):
                 continue
             values = np.empty(len(groups), dtype=object)
             values[:] = [buffer[a:b] for a, b in zip(lo[groups].tolist(), hi[groups].tolist())]
-            user_ids = np.asarray(users, dtype=np.uint64)[groups]
-            seq = self._next_seq[w]
-            self._next_seq[w] = seq + 1
-            lengths = (hi[groups] - lo[groups]).astype("<u4")
-            blob = b"".join([np.array([len(groups)], dtype="<u4").tobytes(), user_ids.astype("<u8").tobytes(), lengths.tobytes(),
-                             *values.tolist()])
-            batch.put(sk.window_prefix(sk.USER_LOG, self.qid, w) + int(seq).to_bytes(8, "big"), blob)
-            batch.on_commit(functools.partial(self._committed, w, user_ids, values))
+            self.log.commit(batch, w, np.asarray(users, dtype=np.uint64)[groups], None, values)
 
     def drop_window(self, window: int) -> None:
-        self.cache.drop_window(window)
-        self._spilled.pop(window, None)
-        self._next_seq.pop(window, None)
-
-
-def _unpack_user_log(blob: bytes) -> tuple[np.ndarray, np.ndarray]:
-    """(users, their state bytes as an object array) of one user-state log blob: a u32 count n,
-    n u64 users, n u32 value lengths, then the values back to back."""
-    n = int.from_bytes(blob[:4], "little")
-    users = np.frombuffer(blob, dtype="<u8", count=n, offset=4).astype(np.uint64)
-    lengths = np.frombuffer(blob, dtype="<u4", count=n, offset=4 + 8 * n).astype(np.int64)
-    ends = 4 + 12 * n + np.cumsum(lengths)
-    values = np.empty(n, dtype=object)
-    values[:] = [blob[a:b] for a, b in zip((ends - lengths).tolist(), ends.tolist())]
-    return users, values
+        self.log.drop_window(window)
 
 
 def _runs(windows: np.ndarray) -> Iterator[tuple[int, int, int]]:
@@ -560,43 +650,35 @@ class KeyNames:
 
 
 class KeyRows:
-    """Table ``k``: per (window, key id) the key's fixed row (:func:`key_row_dtype`); its text is
-    in the key-text table (:class:`KeyNames`). Committed rows are kept in memory too
-    (:class:`CommittedCache`)."""
+    """Per (window, key id) the key's fixed row (:func:`key_row_dtype`); its text is in the
+    key-text table (:class:`KeyNames`). A changelog (:class:`_WindowLog`): table ``r``, spilled
+    rows in table ``k``."""
 
     def __init__(self, store: Store, qid: bytes, tree_levels: int, columns: int = 1, cache_entries: int = KEY_CACHE_ENTRIES):
         self.store, self.qid = store, qid
         self.dtype = key_row_dtype(tree_levels, columns)
         self.cache = CommittedCache(self.dtype, cache_entries, parts=False)
-
-    def prefix(self, window: int) -> bytes:
-        return sk.window_prefix(sk.KEYS, self.qid, window)
+        self.log = _WindowLog(store, qid, sk.KEY_LOG, sk.KEYS, self.cache)
 
     def load(self, window: int, ids: np.ndarray, blank: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Rows of ``ids`` (``blank``, a one-row array, for a key not stored) and whether each was stored."""
-        found, rows, _ = self.cache.read_through(self.store, self.prefix(window), window, ids, text=False)
+        found, rows, _ = self.log.read(window, ids)
         rows[~found] = np.asarray(blank, dtype=self.dtype).reshape(1)
         return rows, found
 
     def write(self, batch: WriteBatch, window: int, ids: np.ndarray, rows: np.ndarray) -> None:
-        ids = np.asarray(ids, dtype=np.uint64)
-        raw, width = rows.tobytes(), self.dtype.itemsize
-        batch.put_many(sk.fixed_keys(self.prefix(window), ids), [raw[i:i + width] for i in range(0, len(raw), width)])
-        committed_rows = rows.copy()
-        batch.on_commit(lambda: self.cache.upsert(window, ids, committed_rows, None))
+        self.log.commit(batch, window, ids, rows, None)
 
     def scan(self, window: int) -> tuple[np.ndarray, np.ndarray]:
         """(ids, rows) of every stored key of the window, in id order."""
-        prefix = self.prefix(window)
-        keys, values = [], []
-        for key, value in self.store.scan_prefix(prefix):
-            keys.append(key)
-            values.append(value)
-        rows = np.frombuffer(b"".join(values), dtype=self.dtype) if values else np.zeros(0, dtype=self.dtype)
-        return sk.suffix_u64(keys, len(prefix)), rows
+        ids, rows, _ = self.log.scan(window)
+        return ids, rows
 
     def count(self, window: int) -> int:
-        return sum(1 for _ in self.store.scan_prefix(self.prefix(window)))
+        return len(self.scan(window)[0])
+
+    def drop_window(self, window: int) -> None:
+        self.log.drop_window(window)
 
 
 class PredictionIndex:
@@ -838,7 +920,7 @@ class QueryTables:
             self.store.delete_prefix(sk.window_prefix(table, self.qid, window))
         self.users.drop_window(window)
         self.names.drop_window(window)
-        self.keys.cache.drop_window(window)
+        self.keys.drop_window(window)
         self.predictions.drop_window(window)
 
 

@@ -273,6 +273,15 @@ def _dense_codes(ids: np.ndarray, *small: tuple[np.ndarray, int]) -> np.ndarray:
     return code
 
 
+def _distinct(values: np.ndarray) -> np.ndarray:
+    """``np.unique(values)`` for an integer array: numpy 2.4's ``unique`` takes about eight times
+    as long as its vectorized ``sort`` on 6 * 10^5 64-bit ids."""
+    ordered = np.sort(np.asarray(values))
+    first = np.ones(len(ordered), dtype=bool)
+    first[1:] = ordered[1:] != ordered[:-1]
+    return ordered[first]
+
+
 def _has_repeats(codes: np.ndarray) -> bool:
     ordered = np.sort(codes)
     return bool(len(ordered) > 1 and (ordered[1:] == ordered[:-1]).any())
@@ -610,7 +619,7 @@ class QueryPipeline:
         micro = self._take_pending(window, trigger, batch)
         rec_key, rec_prev, rec_units, texts = micro.key_ids, micro.previous, micro.units, micro.texts
         # --- keys: micro-batch + prediction index for this trigger (never all keys)
-        all_ids = np.unique(np.concatenate([rec_key, self.tables.predictions.take(window, trigger, batch)]))
+        all_ids = _distinct(np.concatenate([rec_key, self.tables.predictions.take(window, trigger, batch)]))
         n = len(all_ids)
         self.stats.keys_loaded = n
         kidx = np.searchsorted(all_ids, rec_key)
@@ -629,14 +638,14 @@ class QueryPipeline:
         np.add.at(delta_units, kidx, rec_units)
         new = np.nonzero(rec_prev < rows["start"][kidx])[0]
         # distinct (user, key) pairs among them, counted per key: the key is the code's low part
-        pairs = np.unique(_dense_codes(micro.users[new], (kidx[new], n)))
+        pairs = _distinct(_dense_codes(micro.users[new], (kidx[new], n)))
         new_users = np.bincount((pairs % np.uint64(n)).astype(np.int64), minlength=n).astype(np.int64)
         rows["buffer"] += delta_units if self.aggregate.columns[0].needs_value else np.bincount(kidx, minlength=n)
         for c, column in enumerate(self.aggregate.columns[1:], 2):
             rows[f"buffer_{c}"] += delta_units if column.needs_value else np.bincount(kidx, minlength=n)
         # --- key selection, perturbation and visit planning, each level with its own plan
         released: list[tuple[int, int, dict]] = []
-        levels = np.unique(rows["level"]).tolist()
+        levels = _distinct(rows["level"]).tolist()
         if len(levels) == 1:  # a flat query (or one level only): no per-level copies on the hot path
             released += self._fire_level(self.plans[levels[0] - 1], window, trigger, all_ids, rows, names, has_data, new_users, batch)
         else:
