@@ -161,9 +161,13 @@ class BoundedRecords:
     _COLUMNS = (("window", "<i8"), ("trigger", "<u4"), ("key_ids", "<u8"), ("users", "<u8"), ("slots", "<u2"), ("units", "<i8"),
                 ("previous", "<u4"), ("amend", "<u4"), ("levels", "<u1"), ("roots", "<u8"))
 
-    def encode(self) -> bytes:
+    def encode(self, texts: bool = True) -> bytes:
         """Wire form of stage-1 output (the repartition topic's message value): fixed-width
-        little-endian columns, then the JSON list of the distinct keys' texts."""
+        little-endian columns, then the JSON list of the distinct keys' texts (``texts=False``:
+        none, for a store that has them already: the pending micro-batches)."""
+        if not texts:
+            head = np.array([len(self), 0], dtype="<u4").tobytes()
+            return b"".join([head, *(getattr(self, name).astype(dtype).tobytes() for name, dtype in self._COLUMNS), b"[]"])
         uniq, first = np.unique(self.key_ids, return_index=True)
         texts = json.dumps([self.keys[j] for j in first.tolist()], ensure_ascii=False).encode()
         head = np.array([len(self), len(uniq)], dtype="<u4").tobytes()
@@ -542,7 +546,8 @@ class QueryPipeline:
             if not len(part):
                 continue
             w, i = int(records.window[part[0]]), int(records.trigger[part[0]])
-            self.tables.pending.append(batch, w, i, seq, records.take(part).encode())
+            # no key texts: _register_key_texts put every one in the key-text table in this batch
+            self.tables.pending.append(batch, w, i, seq, (records if len(part) == len(records) else records.take(part)).encode(texts=False))
         # amendments: an out-of-order arrival becomes the predecessor of a later micro-batch's record
         # (processor.mechanisms.bounding.key_histories); that micro-batch has not fired (triggers fire in order)
         amending = np.nonzero(records.amend > 0)[0]
@@ -854,7 +859,7 @@ class QueryPipeline:
 
     def _load_keys(self, window: int, ids: np.ndarray, texts: dict):
         """Key states (fixed rows) and key texts; new keys get a fresh row. Every key's text was
-        registered by :meth:`accumulate` (the micro-batch's ``texts`` cover a batch not written yet)."""
+        registered by :meth:`accumulate` in the batch that wrote its records (``texts``: those a pending blob carried, if any)."""
         rows, stored = self.tables.keys.load(window, ids, self._blank_row)
         self.stats.keys_tracked += int(len(stored) - stored.sum())
         owners = self.tables.names.owners(window, ids.tolist())
