@@ -7,8 +7,8 @@ are big-endian so scans come back in trigger order. Group-by keys and users appe
 
 | table | key suffix | value |
 | --- | --- | --- |
-| ``v`` user-state log (stage 1) | seq (8) | the states a commit changed: count n (u32), n users (u64), n lengths (u32), the states back to back; a state is the admitted records (u16), then per distinct (key, trigger) of them: key (u64), trigger (u32) |
-| ``u`` spilled user state (stage 1) | user | a state the cache could not hold (layout as in ``v``) |
+| ``v`` user-state log (stage 1) | seq (8) | the states a commit changed: count n (u32), n users (u64), their admitted records (n u16), the byte lengths of their entries (n u32), then the entries back to back: per distinct (key, trigger) of a user's admitted records, key (u64), trigger (u32) |
+| ``u`` spilled user state (stage 1) | user | a state the cache could not hold: admitted records (u16), then its entries |
 | ``b`` pending micro-batch (stage 2 input) | trigger (4), seq (8) | packed bounded records |
 | ``a`` predecessor amendments (stage 2 input) | trigger (4), seq (8) | packed (key u64, user u64, trigger u32) |
 | ``t`` key texts seen in a window | key | key text (a different text under the same id is a collision) |

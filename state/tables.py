@@ -481,24 +481,35 @@ class _WindowLog:
         self._next_seq.pop(window, None)
 
 
+#: a user state's fixed part: the records admitted so far
+USER_COUNT = np.dtype("<u2")
+
+
 class UserStates:
-    """Stage 1's per-(window, user) states: the number of admitted records (u16), then one
-    :data:`USER_ENTRY` per distinct (key, trigger) of them (the user's key history:
-    processor.mechanisms.bounding.key_histories). A changelog (:class:`_WindowLog`): table ``v``,
-    spilled states in table ``u``."""
+    """Stage 1's per-(window, user) states: the number of admitted records (:data:`USER_COUNT`,
+    the cache's row) and one :data:`USER_ENTRY` per distinct (key, trigger) of them (the user's
+    key history: processor.mechanisms.bounding.key_histories; the cache's variable part). A
+    changelog (:class:`_WindowLog`): table ``v``, spilled states (count, then entries) in table ``u``."""
 
     def __init__(self, store: Store, qid: bytes, cache_entries: int = USER_CACHE_ENTRIES):
         self.store, self.qid = store, qid
-        self.cache = CommittedCache(None, cache_entries)
+        self.cache = CommittedCache(USER_COUNT, cache_entries)
         self.log = _WindowLog(store, qid, sk.USER_LOG, sk.USERS, self.cache)
 
     def read(self, windows: np.ndarray, users: np.ndarray) -> UserStateColumns:
         """States of the groups ``(windows[g], users[g])`` (absent: nothing admitted yet)."""
-        values = np.full(len(users), None, dtype=object)
+        counts = np.zeros(len(users), dtype=np.int64)
+        entries = np.full(len(users), b"", dtype=object)
         users = np.asarray(users, dtype=np.uint64)
         for w, lo, hi in _runs(windows):
-            values[lo:hi] = self.log.read(w, users[lo:hi])[2]
-        return _parse_user_states(values)
+            found, rows, parts = self.log.read(w, users[lo:hi])
+            counts[lo:hi] = rows
+            entries[lo:hi][found] = parts[found]
+        # per state only C-level work (its length, one join); the rest is vectorized
+        per_user = np.fromiter(map(len, entries), dtype=np.int64, count=len(entries)) // USER_ENTRY.itemsize
+        flat = np.frombuffer(b"".join(entries), dtype=USER_ENTRY)
+        group = np.repeat(np.arange(len(users), dtype=np.int64), per_user)
+        return UserStateColumns(counts, group, flat["key"].astype(np.uint64), flat["trigger"].astype(np.int64))
 
     def write(self, batch: WriteBatch, windows: np.ndarray, users: np.ndarray, admitted: np.ndarray, changed: np.ndarray,
               full: np.ndarray, entry_group: np.ndarray, entry_key: np.ndarray, entry_trigger: np.ndarray) -> None:
@@ -509,23 +520,18 @@ class UserStates:
         kept = ~full[entry_group]  # a full group keeps none of its entries
         entries = np.empty(int(kept.sum()), dtype=USER_ENTRY)
         entries["key"], entries["trigger"] = np.asarray(entry_key)[kept], np.asarray(entry_trigger)[kept]
-        # every group's value, back to back in one buffer: its u16 count, then its entries
-        per_group = np.bincount(entry_group[kept], minlength=len(users)) * USER_ENTRY.itemsize
-        lo = np.cumsum(per_group + 2) - (per_group + 2)
-        hi = lo + 2 + per_group
-        raw = np.empty(int(hi[-1]) if len(hi) else 0, dtype=np.uint8)
-        is_head = np.zeros(len(raw), dtype=bool)
-        is_head[lo] = is_head[lo + 1] = True
-        raw[is_head] = np.asarray(admitted, dtype="<u2").view(np.uint8)
-        raw[~is_head] = entries.view(np.uint8)
-        buffer = raw.tobytes()
+        buffer = entries.tobytes()  # every group's entries, back to back
+        size = np.bincount(entry_group[kept], minlength=len(users)) * USER_ENTRY.itemsize
+        hi = np.cumsum(size)
+        lo = hi - size
+        counts = np.asarray(admitted).astype(USER_COUNT)
         for w, first, last in _runs(windows):
             groups = first + np.nonzero(changed[first:last])[0]
             if not len(groups):
                 continue
             values = np.empty(len(groups), dtype=object)
             values[:] = [buffer[a:b] for a, b in zip(lo[groups].tolist(), hi[groups].tolist())]
-            self.log.commit(batch, w, np.asarray(users, dtype=np.uint64)[groups], None, values)
+            self.log.commit(batch, w, np.asarray(users, dtype=np.uint64)[groups], counts[groups], values)
 
     def drop_window(self, window: int) -> None:
         self.log.drop_window(window)
@@ -541,23 +547,6 @@ def _runs(windows: np.ndarray) -> Iterator[tuple[int, int, int]]:
     ends = [*cut.tolist(), len(windows)]
     for lo, hi in zip(starts, ends):
         yield int(windows[lo]), lo, hi
-
-
-def _parse_user_states(values: np.ndarray) -> UserStateColumns:
-    """Stored user states (an object array; ``None``: absent) as columns: each is a u16 count,
-    then its entries. Per value only C-level work (its length, one join); the rest is vectorized."""
-    values = np.where(np.equal(values, None), b"", values)
-    lengths = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
-    raw = np.frombuffer(b"".join(values), dtype=np.uint8)
-    starts = (np.cumsum(lengths) - lengths)[lengths > 0]
-    before = np.zeros(len(values), dtype=np.int64)
-    before[lengths > 0] = raw[starts].astype(np.int64) + 256 * raw[starts + 1].astype(np.int64)
-    body = np.ones(len(raw), dtype=bool)  # every byte but the counts
-    body[starts] = body[starts + 1] = False
-    per_user = np.maximum(lengths - 2, 0) // USER_ENTRY.itemsize
-    group = np.repeat(np.arange(len(values), dtype=np.int64), per_user)
-    entries = raw[body].view(USER_ENTRY)
-    return UserStateColumns(before, group, entries["key"].astype(np.uint64), entries["trigger"].astype(np.int64))
 
 
 class PendingBatches:
