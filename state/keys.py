@@ -54,6 +54,11 @@ def window_prefix(table: bytes, qid: bytes, window_start: int) -> bytes:
     return table + qid + int(window_start).to_bytes(8, "big")
 
 
+def window_of(key: bytes) -> int:
+    """The window start of a window table's key (after the table byte and the query id)."""
+    return int.from_bytes(key[5:13], "big")
+
+
 def trigger_prefix(table: bytes, qid: bytes, window_start: int, trigger: int) -> bytes:
     return window_prefix(table, qid, window_start) + int(trigger).to_bytes(4, "big")
 

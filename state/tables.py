@@ -369,6 +369,15 @@ class _WindowLog:
         self._spilled[window] = spilled
         self._next_seq[window] = seq + 1
 
+    def windows(self) -> list[int]:
+        """Windows with a log, in order: one seek per window (no blob read beyond its first)."""
+        found, table = [], self.log + self.qid
+        start, stop = table, sk.window_prefix(self.log, self.qid, (1 << 64) - 1) + b"\xff"
+        while (first := next(iter(self.store.scan(start, stop)), None)) is not None:
+            found.append(sk.window_of(first[0]))
+            start = sk.window_prefix(self.log, self.qid, found[-1] + 1)
+        return found
+
     def read(self, window: int, ids: np.ndarray) -> tuple[np.ndarray, Optional[np.ndarray], np.ndarray]:
         """(found mask, rows, parts) of ``ids`` (distinct); rows zero and parts None where not found."""
         self.load(window)
@@ -902,6 +911,16 @@ class QueryTables:
         self.schedule = ScheduleMark(store, qid)
         self.published = PublishedMarks(store, qid)
         self.view = HierarchyView(store, qid)
+
+    def load_logs(self, latest: int = 2) -> None:
+        """Replay the changelogs (user states, key rows) of the ``latest`` windows that have one
+        into memory now, rather than in the first batch that needs them: a start may be slow, a
+        batch should not be. (A stage-1 store has user states but no window progress, so the
+        windows are found from the logs themselves; older windows, which only late records
+        could reach, still load on first use.)"""
+        for log in (self.users.log, self.keys.log):
+            for window in log.windows()[-latest:]:
+                log.load(window)
 
     def drop_window(self, window: int) -> None:
         """Delete a window's working state (journal, progress and marks stay) and its cached values."""

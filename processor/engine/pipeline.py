@@ -353,6 +353,7 @@ class QueryPipeline:
         marked = self.tables.schedule.get()
         if marked is not None:
             self._first_window, self._next_open = marked
+        self.tables.load_logs()  # at start (the worker builds its pipelines off its event loop), not in a batch
         self.stats.keys_tracked = sum(self.tables.keys.count(w) for w in self.open_windows())
 
     # ------------------------------------------------------------------ windows and progress
