@@ -309,3 +309,24 @@ def test_a_start_replays_the_latest_windows_logs_and_leaves_older_ones_for_first
     assert [restarted.users.cache.holds(w) for w in windows] == [False, False, True, True]
     state = restarted.users.read(np.repeat(windows, 2), np.tile(np.array([1, 2], dtype=np.uint64), 4))
     assert state.admitted.tolist() == [3, 4] * 4 and state.key.tolist() == [5, 6] * 4
+
+
+def test_a_window_over_the_key_cache_bound_still_scans_whole():
+    """Key rows of a window larger than the cache: the rows it could not hold are spilled under
+    their own keys, and a scan (which rebuilds the prediction index after a restart) sees them
+    all, so no key predicted for a trigger is forgotten and no key is counted twice."""
+    store = MemoryStore()
+    tables = QueryTables(store, "q", tree_levels=2, key_cache_entries=3)
+    ids = np.arange(100, 110, dtype=np.uint64)
+    rows = np.zeros(len(ids), dtype=tables.keys.dtype)
+    rows["count"], rows["predicted"] = np.arange(10), [5, 6] * 5
+    for part in (slice(0, 4), slice(4, 10)):
+        batch = WriteBatch()
+        tables.keys.write(batch, 0, ids[part], rows[part])
+        store.write(batch)
+    for reader in (tables, QueryTables(store, "q", tree_levels=2, key_cache_entries=3)):
+        assert reader.keys.count(0) == 10
+        scanned_ids, scanned = reader.keys.scan(0)
+        assert scanned_ids.tolist() == ids.tolist() and scanned["count"].tolist() == list(range(10))
+        assert reader.predictions.at(0, 5).tolist() == ids[0::2].tolist()
+        assert reader.predictions.at(0, 6).tolist() == ids[1::2].tolist()
