@@ -178,11 +178,13 @@ class RocksDBStore(Store):
         table.set_block_cache(Cache(block_cache_mb * 1024 * 1024))
         table.set_cache_index_and_filter_blocks(True)
         options.set_block_based_table_factory(table)
-        # Universal compaction: the pipeline overwrites the same user and key rows many times a
-        # window; leveled compaction rewrote each byte ~10 times (36 GB written for the 61M-record
-        # benchmark), universal compaction trades that for temporary space.
+        # Universal compaction: the pipeline overwrites the same keys many times a window (key
+        # texts, window progress; user states and key rows did so before they became changelogs:
+        # state/tables.py); leveled compaction rewrote each byte ~10 times (36 GB written for the
+        # 61M-record benchmark), universal compaction trades that for temporary space.
         options.set_compaction_style(DBCompactionStyle.universal())
-        # Large values (a micro-batch of stage-1 output can be tens of MB) live in blob files,
+        # Large values (a micro-batch of stage-1 output, or a commit's changelog blob, can be
+        # tens of MB) live in blob files,
         # the tree holding only a reference: otherwise every seek that passes such a value, live
         # or deleted but not yet compacted away, reads and checksums its whole block (30 ms per
         # seek at 10^6 keys, on every trigger). Garbage collection reclaims deleted blobs.
