@@ -256,3 +256,28 @@ def test_dense_codes_are_equal_exactly_when_rows_are(rows):
         assert codes[i] % 3 == rows[i][2]
         for j in range(len(rows)):
             assert (codes[i] == codes[j]) == (rows[i] == rows[j])
+
+
+def test_stage_two_counts_a_user_once_per_key_whatever_its_input_claims():
+    """Key selection's sensitivity is one user per key and round. Stage 1 gives a user at most one
+    record per key that is new to the round, but stage 2 reads a topic: given several records of
+    one user for one key, each claiming to be the first (different slots, no predecessor), it
+    must still count that user once, and count each other user once."""
+    from processor.engine.pipeline import BoundedRecords
+
+    pipe = QueryPipeline(small_query(), NodeNoise(TEST_SECRET, label=TEST_LABEL), MemoryStore())
+    key = np.uint64(77)
+    users = np.array([5, 5, 5, 6, 7, 7], dtype=np.uint64)
+    n = len(users)
+    ones = np.ones(n, dtype=np.int64)
+    records = BoundedRecords(np.zeros(n, dtype=np.int64) + START, ones, np.full(n, key, dtype=np.uint64),
+                             np.array(["k"] * n, dtype=object), users, np.array([1, 2, 3, 1, 1, 2]), ones,
+                             np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64), ones, np.full(n, key, dtype=np.uint64))
+    batch = WriteBatch()
+    pipe.accumulate(records, 1, batch)
+    pipe.store.write(batch)
+    pipe.fire(START, 1)
+    blank = np.zeros(1, dtype=pipe.tables.keys.dtype)
+    rows, stored = pipe.tables.keys.load(START, np.array([key], dtype=np.uint64), blank)
+    assert stored.tolist() == [True]
+    assert int(rows["participations"][0]) == 3  # users 5, 6 and 7, once each
