@@ -1,6 +1,8 @@
 """The worker's processing without a broker: the failure rules of docs/privacy.md, "Failures" under
 at-least-once delivery, exercised deterministically (the Kafka tests do it with a real broker)."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -180,3 +182,79 @@ def test_an_empty_state_directory_under_an_epoch_already_run_is_a_lost_volume(tm
     # a new epoch (another budget.epoch or another noise secret) may start on an empty directory
     other = {**mark, "budget_epoch": "2027-01"}
     make_worker(tmp_path / "lost", previous_mark=other).close()
+
+
+def _by_partition(messages) -> dict:
+    """Stage-1 output as the repartition topic holds it: per partition, in send order, with offsets."""
+    out: dict = {}
+    for m in messages:
+        if m.topic != DEAD_LETTER_TOPIC:
+            part = out.setdefault(m.partition, [])
+            part.append(Record(len(part), None, m.value, 0))
+    return out
+
+
+def test_stage_two_batches_of_many_messages_release_what_one_message_at_a_time_does(tmp_path):
+    """Stage 2 takes a fetched batch in one call; the releases, drop counts and committed offsets
+    are those of one call per message, and a batch redelivered in part applies only what is new."""
+    records = events(6000, seed=11)
+    outputs = []
+    for name in ("single", "batched"):
+        w = make_worker(tmp_path / name)
+        messages = []
+        for lo in range(0, len(records), 700):  # several stage-1 batches: several messages per partition
+            res = w.process_input("in", 0, records[lo:lo + 700])
+            res.commit()
+            messages += res.messages
+        topic = repartition_topic("clicks")
+        for p, part in _by_partition(messages).items():
+            assert len(part) > 3
+            if name == "single":
+                for r in part:
+                    w.process_repartitioned(topic, p, [r]).commit()
+            else:
+                half = len(part) // 2
+                w.process_repartitioned(topic, p, part[:half]).commit()
+                again = w.process_repartitioned(topic, p, part)  # redelivered from offset 0: only the rest applies
+                assert again.applied == len(part) - half
+                again.commit()
+                assert w.process_repartitioned(topic, p, part) is None
+            assert w.stage2[(topic, p)].last_offset == len(part) - 1
+        accumulated = sum(p.stats.accumulated for p in w.pipelines())
+        outputs.append((all_releases(w), accumulated))
+        w.close()
+    assert outputs[0][0], "the workload must release something"
+    assert outputs[0] == outputs[1]
+
+
+def test_a_key_id_collision_in_a_stage_two_batch_names_the_message_that_carried_it(tmp_path, monkeypatch):
+    from processor.mechanisms.noise import Pseudonymizer
+
+    original = Pseudonymizer.group_keys
+
+    def colliding(self, keys):  # "kz" gets k0's 64-bit id (a real collision is a 2^-64 event)
+        keys = list(keys)
+        ids = original(self, keys)
+        ids[[i for i, k in enumerate(keys) if k == "kz"]] = original(self, ["k0"])[0]
+        return ids
+
+    monkeypatch.setattr(Pseudonymizer, "group_keys", colliding)
+    w = make_worker(tmp_path / "w", repartitions=1)
+    first = events(800, seed=5)
+    assert any(b'"key":"k0"' in r.value for r in first)
+    intruders = [Record(400 + i, f"z{i}".encode(), f'{{"user_id":"z{i}","key":"kz","ts":{START + WINDOW_MS // 2 + i}}}'.encode(),
+                        START + WINDOW_MS // 2 + i) for i in range(5)]
+    messages = []
+    rest = [Record(r.offset + 5, r.key, r.value, r.timestamp) for r in first[400:]]
+    for batch in (first[:400], intruders, rest):  # kz arrives in the second stage-1 batch
+        res = w.process_input("in", 0, batch)
+        res.commit()
+        messages += res.messages
+    part = _by_partition(messages)[0]
+    assert len(part) == 3
+    result = w.process_repartitioned(repartition_topic("clicks"), 0, part)
+    letters = [m for m in result.messages if m.topic == DEAD_LETTER_TOPIC]
+    bodies = [json.loads(m.value) for m in letters]
+    assert len(bodies) == 5 and all(b["reason"].startswith("key id collision") for b in bodies)
+    assert {b["source"] for b in bodies} == {f"{repartition_topic('clicks')}/0@1"}
+    w.close()

@@ -36,7 +36,9 @@ its trigger had fired by then, ``future`` (dead-lettered) if its event time is m
 """
 from __future__ import annotations
 
+import itertools
 import json
+import operator
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -73,6 +75,9 @@ LAYOUT_FILE = "worker-layout.json"
 #: dynamic ticks decided per timer call at most: a query whose start is long past catches up
 #: over several calls instead of stalling the event loop
 DYNAMIC_TICKS_PER_STEP = 200_000
+
+
+_KEY, _VALUE, _TIMESTAMP = operator.attrgetter("key"), operator.attrgetter("value"), operator.attrgetter("timestamp")
 
 
 class RecordLike(Protocol):
@@ -322,12 +327,16 @@ class DpstreamWorker:
     def process_input(self, topic: str, partition: int, records: Sequence[RecordLike]) -> Optional[StageOneResult]:
         """Bound a batch of input records of one partition; nothing is written yet."""
         source = self.stage1[(topic, partition)]
-        records = [r for r in records if r.offset > source.last_offset]  # redelivered: already in state
+        if records and records[0].offset <= source.last_offset:
+            records = [r for r in records if r.offset > source.last_offset]  # redelivered: already in state
         if not records:
             return None
         result = StageOneResult(source, WriteBatch(), records[-1].offset)
-        parsed = self.decoder.decode([r.value for r in records])  # once for every query
-        misplaced = self._misplaced(topic, partition, records)
+        # the records' fields as columns once: per-record attribute access is much of a batch's cost
+        message_keys = list(map(_KEY, records))
+        stamps = np.fromiter(map(_TIMESTAMP, records), dtype=np.int64, count=len(records))
+        parsed = self.decoder.decode(list(map(_VALUE, records)))  # once for every query
+        misplaced = self._misplaced(topic, partition, message_keys)
         for runner in source.runners:
             pipe, q = runner.pipeline, runner.query
             parser = self.parsers[q.name]
@@ -340,13 +349,15 @@ class DpstreamWorker:
             parsed_events = parser.parse_batch(parsed)  # per batch: columns, not one object per record
             refused = dict(parsed_events.invalid)
             malformed = len(refused)
-            user_texts = parsed_events.users
-            for j, i in enumerate(parsed_events.index.tolist()):
-                if records[i].key != user_texts[j].encode():
-                    # stage 1 counts a user's contributions in one partition's state: a record
-                    # not keyed by its user could be counted in another partition too
-                    refused[i] = f"message key must be the {q.user_field!r} field (input is partitioned by user)"
-                    malformed += 1
+            index = parsed_events.index.tolist()
+            user_ids = [u.encode() for u in parsed_events.users]
+            whole = len(index) == len(records)  # every record parsed: index is 0..n-1
+            mismatch = map(operator.ne, message_keys if whole else [message_keys[i] for i in index], user_ids)
+            for j in itertools.compress(range(len(index)), mismatch):
+                # stage 1 counts a user's contributions in one partition's state: a record
+                # not keyed by its user could be counted in another partition too
+                refused[index[j]] = f"message key must be the {q.user_field!r} field (input is partitioned by user)"
+                malformed += 1
             wrong = 0
             for i, reason in misplaced.items():
                 if i not in refused:
@@ -357,20 +368,23 @@ class DpstreamWorker:
             pipe.stats.events_in += malformed + wrong
             pipe.stats.dropped["malformed"] += malformed
             pipe.stats.dropped["wrong_partition"] += wrong
-            keep = np.flatnonzero(~np.isin(parsed_events.index, np.fromiter(refused, dtype=np.int64, count=len(refused))))
-            users, keys = [user_texts[j] for j in keep.tolist()], [parsed_events.keys[j] for j in keep.tolist()]
-            values, ts = parsed_events.values[keep], parsed_events.ts[keep]
-            origin = [records[i] for i in parsed_events.index[keep].tolist()]
-            clock = [r.timestamp for r in origin]
+            if len(refused) == len(parsed_events.invalid):  # every parsed event kept
+                keep, users, keys = parsed_events.index, user_ids, parsed_events.keys
+                values, ts, kept = parsed_events.values, parsed_events.ts, parsed_events.index
+            else:
+                keep = np.flatnonzero(~np.isin(parsed_events.index, np.fromiter(refused, dtype=np.int64, count=len(refused))))
+                users, keys = [user_ids[j] for j in keep.tolist()], [parsed_events.keys[j] for j in keep.tolist()]
+                values, ts, kept = parsed_events.values[keep], parsed_events.ts[keep], parsed_events.index[keep]
             if not len(ts):
                 continue
-            events = EventColumns(self.pseudonyms.users(users), np.array(keys, dtype=object), self.pseudonyms.group_keys(keys),
+            events = EventColumns(self.pseudonyms.encoded_users(users), np.array(keys, dtype=object), self.pseudonyms.group_keys(keys),
                                   values, ts)
-            stage_one = runner.stage_one(events, np.array(clock, dtype=np.int64), result.batch)
+            stage_one = runner.stage_one(events, stamps[kept], result.batch)
             bounded = stage_one.records
             for e, reason in stage_one.refused:  # future events and key id collisions (counted by stage 1)
                 result.invalid[(q.name, reason)] += 1
-                body = {"query": q.name, **dead_letter(reason, origin[e].value or b"", f"{topic}/{partition}@{origin[e].offset}")}
+                origin = records[int(kept[e])]
+                body = {"query": q.name, **dead_letter(reason, origin.value or b"", f"{topic}/{partition}@{origin.offset}")}
                 result.messages.append(Message(DEAD_LETTER_TOPIC, encode_json(body)))
             if not len(bounded):
                 continue
@@ -382,18 +396,22 @@ class DpstreamWorker:
                 result.messages.append(Message(out_topic, bounded.take(np.nonzero(target == p)[0]).encode(), None, p))
         return result
 
-    def _misplaced(self, topic: str, partition: int, records: Sequence[RecordLike]) -> dict[int, str]:
+    def _misplaced(self, topic: str, partition: int, keys: Sequence[Optional[bytes]]) -> dict[int, str]:
         """Records keyed by a user whose key hashes to another partition (by the configured
         partitioner): counted here, the user could also be counted on that partition, up to C
-        more contributions. Returns {record index: reason}."""
+        more contributions. ``keys``: the records' message keys. Returns {record index: reason}."""
         from topics.partitioner import partition_for
 
-        keyed = [i for i, r in enumerate(records) if r.key is not None]
-        if not keyed:
+        keyed = [i for i, k in enumerate(keys) if k is not None] if None in keys else None
+        if keyed is not None:
+            keys = [keys[i] for i in keyed]
+        if not keys:
             return {}
-        expected = partition_for([records[i].key for i in keyed], self.input_partitions[topic], self.partitioner)
-        return {i: f"wrong_partition: the message key hashes ({self.partitioner}) to partition {int(p)}, not {partition}"
-                for i, p in zip(keyed, expected.tolist()) if p != partition}
+        expected = partition_for(keys, self.input_partitions[topic], self.partitioner)
+        wrong = np.flatnonzero(expected != partition)
+        at = wrong if keyed is None else np.asarray(keyed, dtype=np.int64)[wrong]
+        return {i: f"wrong_partition: the message key hashes ({self.partitioner}) to partition {p}, not {partition}"
+                for i, p in zip(at.tolist(), expected[wrong].tolist())}
 
     # ------------------------------------------------------------------ stage 2
     def process_repartitioned(self, topic: str, partition: int, records: Sequence[RecordLike]) -> Optional[StageTwoResult]:
@@ -405,12 +423,14 @@ class DpstreamWorker:
             return None
         runner = source.runners[0]
         result = StageTwoResult(source, WriteBatch(), records[-1].offset, applied=len(records))
-        for r in records:
-            # the offset is unique within the partition: pending blobs never collide, and a
-            # redelivered message (offset <= last applied) was skipped above
-            for text, reason in runner.stage_two(BoundedRecords.decode(r.value), r.offset, result.batch):
-                body = {"query": runner.query.name, **dead_letter(reason, text.encode(), f"{topic}/{partition}@{r.offset}")}
-                result.messages.append(Message(DEAD_LETTER_TOPIC, encode_json(body)))
+        decoded = [BoundedRecords.decode(r.value) for r in records]
+        # one call for the whole batch: its fixed cost (window status, key registration, one blob
+        # per (window, trigger)) is paid once, not per message. The last offset is unique within the
+        # partition, so pending blobs never collide, and the batch commits with that offset whole
+        for text, reason in runner.stage_two(BoundedRecords.concat(decoded), records[-1].offset, result.batch):
+            origin = next(r.offset for r, d in zip(records, decoded) if text in d.keys.tolist())
+            body = {"query": runner.query.name, **dead_letter(reason, text.encode(), f"{topic}/{partition}@{origin}")}
+            result.messages.append(Message(DEAD_LETTER_TOPIC, encode_json(body)))
         return result
 
     # ------------------------------------------------------------------ dynamic queries

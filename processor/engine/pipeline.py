@@ -44,7 +44,7 @@ import json
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -157,6 +157,13 @@ class BoundedRecords:
 
     def take(self, index) -> "BoundedRecords":
         return BoundedRecords(*(getattr(self, f)[index] for f in self.__dataclass_fields__))
+
+    @classmethod
+    def concat(cls, parts: Sequence["BoundedRecords"]) -> "BoundedRecords":
+        """The records of ``parts`` one after the other (arrival order kept)."""
+        if len(parts) == 1:
+            return parts[0]
+        return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in cls.__dataclass_fields__))
 
     _COLUMNS = (("window", "<i8"), ("trigger", "<u4"), ("key_ids", "<u8"), ("users", "<u8"), ("slots", "<u2"), ("units", "<i8"),
                 ("previous", "<u4"), ("amend", "<u4"), ("levels", "<u1"), ("roots", "<u8"))
