@@ -339,7 +339,7 @@ def cmd_bench_kafka(args: argparse.Namespace) -> int:
     from processor.bench.kafka import run_kafka_bench
 
     run_kafka_bench(broker_address(args.broker), users=args.users, keys=args.keys, repeats=args.repeats, partitions=args.partitions,
-                    json_path=args.json)
+                    json_path=args.json, workers=args.workers)
     return 0
 
 
@@ -482,6 +482,9 @@ def build_parser() -> argparse.ArgumentParser:
     kafka.add_argument("--keys", type=int, default=100_000, help="key space (default 100,000)")
     kafka.add_argument("--partitions", type=int, default=8, help="input and repartition partitions (default 8)")
     kafka.add_argument("--repeats", type=int, default=3, help="runs of each; medians are reported")
+    kafka.add_argument("--workers", type=int, default=2,
+                       help="also time this many worker processes sharing the partitions, as scaled-out replicas "
+                            "(worker i of N owns p %% N == i); 1: one worker only (default 2)")
     kafka.add_argument("--json", help="also write the results to this JSON file")
     kafka.set_defaults(func=cmd_bench_kafka)
     dyn = bench_sub.add_parser("dynamic", help="dynamic counts: online interval tree vs baseline, heavy and little churn")

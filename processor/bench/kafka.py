@@ -124,43 +124,57 @@ def _metrics(port: int) -> dict:
     return out
 
 
-def worker_rate(broker: str, config_path: str, key_file: str, expected: int, partitions: int) -> tuple[float, dict]:
-    port = _free_port()
+def worker_rate(broker: str, config_path: str, key_file: str, expected: int, partitions: int, workers: int = 1) -> tuple[float, dict]:
+    """``workers`` worker processes (worker i of N owns partitions p % N == i, as the Helm
+    chart's replicas do), fresh state and one fresh app id; their summed metrics."""
+    ports = [_free_port() for _ in range(workers)]
+    app_id = f"dpstream-bench-{uuid.uuid4().hex[:8]}"
     with tempfile.TemporaryDirectory(prefix="dpstream-bench-") as state:
         env = {**os.environ, "DPSTREAM_NOISE_KEY_FILE": key_file}
-        cmd = [sys.executable, "-m", "processor.cli", "worker", "--config", config_path, "--broker", broker, "--state-dir", state,
-               "--partitions", str(partitions), "--web-port", str(port), "--web-host", "127.0.0.1",
-               "--app-id", f"dpstream-bench-{uuid.uuid4().hex[:8]}", "--log-level", "warn"]
-        log = open(Path(state) / "worker.log", "wb")
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        procs = []
         try:
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"worker exited: {(Path(state) / 'worker.log').read_text()[-2000:]}")
-                try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as r:
-                        if r.status == 200:
-                            break
-                except OSError:
-                    pass
+            for i, port in enumerate(ports):
+                cmd = [sys.executable, "-m", "processor.cli", "worker", "--config", config_path, "--broker", broker,
+                       "--state-dir", str(Path(state) / f"w{i}"), "--partitions", str(partitions), "--web-port", str(port),
+                       "--web-host", "127.0.0.1", "--app-id", app_id, "--worker-index", str(i), "--workers", str(workers),
+                       "--log-level", "warn"]
+                log = open(Path(state) / f"worker{i}.log", "wb")
+                procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+            pending = set(range(workers))
+            while pending:
+                for i in list(pending):
+                    if procs[i].poll() is not None:
+                        raise RuntimeError(f"worker {i} exited: {(Path(state) / f'worker{i}.log').read_text()[-2000:]}")
+                    try:
+                        with urllib.request.urlopen(f"http://127.0.0.1:{ports[i]}/readyz", timeout=2) as r:
+                            if r.status == 200:
+                                pending.discard(i)
+                    except OSError:
+                        pass
                 time.sleep(0.05)
             started = time.perf_counter()
             while True:
-                m = _metrics(port)
+                m: dict = {}
+                for port in ports:
+                    for k, v in _metrics(port).items():
+                        m[k] = m.get(k, 0.0) + v
                 admitted = m.get("dpstream_events_in_total", 0) - m.get("dpstream_events_dropped_total", 0)
                 if m.get("dpstream_events_in_total", 0) >= expected and m.get("dpstream_records_accumulated_total", 0) >= admitted:
                     elapsed = time.perf_counter() - started
                     return expected / elapsed, m
                 time.sleep(0.05)
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            for proc in procs:
+                proc.send_signal(signal.SIGTERM)
+            for proc in procs:
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
 
 
-def run_kafka_bench(broker: str, users: int, keys: int, repeats: int, partitions: int, json_path: str | None) -> dict:
+def run_kafka_bench(broker: str, users: int, keys: int, repeats: int, partitions: int, json_path: str | None,
+                    workers: int = 2) -> dict:
     from processor.adapters.kafka_tools import produce, synthetic_lines
     from topics.kafka import TopicSpec, create_topics
 
@@ -183,15 +197,19 @@ def run_kafka_bench(broker: str, users: int, keys: int, repeats: int, partitions
         key_file = Path(tmp) / "noise.key"
         key_file.write_bytes(os.urandom(32))  # a throwaway secret: nothing here is published
         runs = {"confluent_default": [], "confluent_tuned": [], "aiokafka_getmany": [], "worker": []}
+        scaled = f"workers_{workers}"
+        if workers > 1:
+            runs[scaled] = []
         for r in range(repeats):
             runs["confluent_default"].append(baseline_rate(broker, topic, n))
             runs["confluent_tuned"].append(baseline_rate(broker, topic, n, tuned=True))
             runs["aiokafka_getmany"].append(aiokafka_rate(broker, topic, n))
-            rate, metrics = worker_rate(broker, str(config_path), str(key_file), n, partitions)
-            refused = {k: v for k, v in metrics.items() if k.startswith("dropped:") and k != "dropped:contribution_bound" and v}
-            if refused or metrics.get("dpstream_records_accumulated_total", 0) <= 0:
-                raise RuntimeError(f"the worker refused events ({refused}): the run would measure refusals, not the product")
-            runs["worker"].append(rate)
+            for name, count in (("worker", 1), (scaled, workers)) if workers > 1 else (("worker", 1),):
+                rate, metrics = worker_rate(broker, str(config_path), str(key_file), n, partitions, count)
+                refused = {k: v for k, v in metrics.items() if k.startswith("dropped:") and k != "dropped:contribution_bound" and v}
+                if refused or metrics.get("dpstream_records_accumulated_total", 0) <= 0:
+                    raise RuntimeError(f"the worker refused events ({refused}): the run would measure refusals, not the product")
+                runs[name].append(rate)
             print(f"  run {r + 1}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in runs.items()) + " events/s", file=sys.stderr)
     medians = {k: statistics.median(v) for k, v in runs.items()}
     result = {
@@ -201,10 +219,15 @@ def run_kafka_bench(broker: str, users: int, keys: int, repeats: int, partitions
         "ratio_to_confluent_tuned": medians["worker"] / medians["confluent_tuned"],
         "ratio_to_aiokafka_getmany": medians["worker"] / medians["aiokafka_getmany"],
     }
+    if workers > 1:
+        result["workers"] = workers
+        result[f"ratio_{scaled}_to_aiokafka_getmany"] = medians[scaled] / medians["aiokafka_getmany"]
     print(f"bench kafka (medians of {repeats}): worker {medians['worker']:,.0f} events/s; plain confluent-kafka loop "
           f"{medians['confluent_default']:,.0f} (defaults) / {medians['confluent_tuned']:,.0f} (tuned fetch); aiokafka getmany "
           f"{medians['aiokafka_getmany']:,.0f}. Worker / confluent: {result['ratio_to_confluent_default']:.2f} / "
-          f"{result['ratio_to_confluent_tuned']:.2f}; worker / aiokafka: {result['ratio_to_aiokafka_getmany']:.2f}", file=sys.stderr)
+          f"{result['ratio_to_confluent_tuned']:.2f}; worker / aiokafka: {result['ratio_to_aiokafka_getmany']:.2f}"
+          + (f"; {workers} worker processes together {medians[scaled]:,.0f} events/s, "
+             f"{result[f'ratio_{scaled}_to_aiokafka_getmany']:.2f} of aiokafka" if workers > 1 else ""), file=sys.stderr)
     if json_path:
         Path(json_path).write_text(json.dumps({**result, "machine": machine()}, indent=2) + "\n")
     return result
