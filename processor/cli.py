@@ -476,7 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
     scaling.add_argument("--repeats", type=int, default=5, help="triggers timed per setting; the median is reported")
     scaling.add_argument("--json", help="also write the results to this JSON file")
     scaling.set_defaults(func=cmd_bench_scaling)
-    kafka = bench_sub.add_parser("kafka", help="one worker's events/s through the broker vs a plain confluent-kafka consume loop")
+    kafka = bench_sub.add_parser("kafka", help="events/s of one worker and of N worker processes through the broker vs plain consume loops")
     _broker_arg(kafka)
     kafka.add_argument("--users", type=int, default=80_000, help="synthetic users (about 6.1 events each; default 80,000)")
     kafka.add_argument("--keys", type=int, default=100_000, help="key space (default 100,000)")

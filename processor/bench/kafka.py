@@ -15,10 +15,13 @@ alternation, ``--repeats`` times each:
   the half hour before they are produced, in a window whose only trigger is at its end, hours
   away: every event is on time (none late, none ``future`` against its Kafka timestamp) and no
   trigger fires during the measurement (trigger cost is ``bench scaling``'s subject). The run
-  fails if the worker dropped anything but contributions over the bound.
+  fails if the worker dropped anything but contributions over the bound;
+* workers (``--workers N``, default 2): N worker processes with one app id, worker i owning
+  partitions p % N == i (what N replicas of the Helm chart run), started together and timed
+  from when all are ready until their summed metrics show every admitted record accumulated.
 
 Reported: the median of each and their ratio. The broker (Tansu, memory storage) runs on the
-same 2-core machine as both readers.
+same 2-core machine as the readers.
 """
 from __future__ import annotations
 
