@@ -242,9 +242,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     if args.partitioner not in PARTITIONERS:
         raise ConfigError(f"--partitioner: must be one of {', '.join(PARTITIONERS)}, got {args.partitioner!r}")
+    if args.fetch_records < 1:
+        raise ConfigError(f"--fetch-records: must be at least 1, got {args.fetch_records}")
     settings = WorkerSettings(config=config, secret=secret, broker=args.broker, state_dir=args.state_dir, ownership=ownership,
                               partitions=args.partitions, web_port=args.web_port, web_host=args.web_host, app_id=args.app_id,
-                              partitioner=args.partitioner)
+                              partitioner=args.partitioner, fetch_records=args.fetch_records)
     return run_worker(settings, loglevel=args.log_level)
 
 
@@ -420,6 +422,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="how producers map a user key to an input partition: murmur2 (Java clients' default; dpstream "
                              "produce), consistent (librdkafka's default crc32) or fnv1a; a record on another partition is "
                              "dead-lettered as wrong_partition (default $DPSTREAM_PARTITIONER or murmur2)")
+    worker.add_argument("--fetch-records", type=int, default=_env_int("DPSTREAM_FETCH_RECORDS", 100_000),
+                        help="most records one read from the broker hands over, over all owned partitions; each batch has a "
+                             "fixed cost, so larger reads take in more events/s and hold the event loop longer "
+                             "(default $DPSTREAM_FETCH_RECORDS or 100,000)")
     worker.add_argument("--log-level", default="info", choices=["debug", "info", "warn", "error"])
     worker.set_defaults(func=cmd_worker)
 
@@ -524,12 +530,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     from accountant.ledger import ChargePlanError
     from processor.engine.pipeline import StateMismatchError
     from processor.mechanisms.noise import NoiseSecretError
 
     try:
+        args = build_parser().parse_args(argv)  # defaults from the environment are checked here
         return args.func(args)
     except (ConfigError, NoiseSecretError, StateMismatchError, ChargePlanError) as exc:
         print(f"dpstream: {exc}", file=sys.stderr)

@@ -1,6 +1,7 @@
 """Config validation names the field; `dpstream plan` reports every term, with no secret."""
 import json
 import math
+import secrets
 import subprocess
 import sys
 from pathlib import Path
@@ -129,3 +130,18 @@ def test_console_script_runs_without_a_secret(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert len(json.loads(result.stdout)["queries"]) == 4
+
+
+@pytest.mark.parametrize("args, env, field", [
+    (["--fetch-records", "0"], {}, "--fetch-records"),
+    ([], {"DPSTREAM_FETCH_RECORDS": "many"}, "DPSTREAM_FETCH_RECORDS"),
+])
+def test_worker_refuses_a_bad_fetch_size_at_start_naming_it(tmp_path, capsys, monkeypatch, args, env, field):
+    key = tmp_path / "noise.key"
+    key.write_text(secrets.token_hex(32))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    code = main(["worker", "--config", str(EXAMPLE), "--noise-key-file", str(key), "--state-dir", str(tmp_path / "s"), *args])
+    assert code == 2
+    assert field in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()  # refused before anything is opened

@@ -65,6 +65,7 @@ CUSTOM = {
     "resources": {"requests": {"cpu": "2", "memory": "4Gi"}, "limits": {"cpu": "4", "memory": "8Gi"}},
     "image": {"repository": "registry.example.com/dpstream", "tag": "0.1.0-rc1"},
     "extraEnv": [{"name": "DPSTREAM_QUERY_PAGE_CLICKS_EPSILON", "value": "3"}],
+    "fetchRecords": 25000,
 }
 NOISE_VALUE = "an-insecure-test-secret-0123456789"
 CREATE_SECRET = {"noiseKey": {"create": True, "value": NOISE_VALUE}}
@@ -181,6 +182,7 @@ def test_statefulset_workers_and_their_layout(value_set, replicas):
     }
     assert env["DPSTREAM_PARTITIONS"]["value"] == ("12" if value_set == "custom" else "8")
     assert env["DPSTREAM_APP_ID"]["value"] == ("dpstream-prod" if value_set == "custom" else "dpstream")
+    assert env["DPSTREAM_FETCH_RECORDS"]["value"] == ("25000" if value_set == "custom" else "100000")
     assert env["DPSTREAM_BROKER"]["value"] == ("kafka-0.kafka:9093,kafka-1.kafka:9093" if value_set == "custom" else "kafka:9092")
     assert "DPSTREAM_NOISE_KEY" not in env, "the noise secret must come from a mounted file, never an env var"
     assert container["image"] == ("registry.example.com/dpstream:0.1.0-rc1" if value_set == "custom" else "dpstream:0.1.0")
@@ -279,6 +281,7 @@ def test_inconsistent_values_fail_to_render(values, message):
 @pytest.mark.parametrize("values", [
     {"replica": 3},  # a typo must not be ignored
     {"replicas": 0},
+    {"fetchRecords": 0},
     {"kafka": {"security": {"protocol": "SSL_PLAINTEXT"}}},
     {"persistence": {"size": "lots"}},
     {"queries": "queries: []"},

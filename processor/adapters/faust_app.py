@@ -49,7 +49,7 @@ class WorkerSettings:
     web_port: int = 9400
     web_host: str = "0.0.0.0"
     app_id: str = "dpstream"
-    fetch_records: int = 20_000
+    fetch_records: int = 100_000
     session_timeout: float = 6.0
     heartbeat_interval: float = 1.0
     partitioner: str = "murmur2"  # how producers map a user key to an input partition (checked per record)
