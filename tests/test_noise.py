@@ -333,3 +333,17 @@ def test_pseudonyms_are_keyed_pure_functions_whatever_the_memo_holds(monkeypatch
     users = ["u1", "u2", "u1", "u3", "u2"]
     one_by_one = [int(Pseudonymizer(TEST_SECRET).users([u])[0]) for u in users]
     assert Pseudonymizer(TEST_SECRET).users(users).tolist() == one_by_one and one_by_one[0] == one_by_one[2]
+
+
+def test_pseudonyms_are_pinned_to_the_state_format():
+    """Stored user states and key ids are keyed by these pseudonyms: a change to how they are
+    derived would give every user a fresh contribution budget in an open window of an existing
+    state directory. Such a change needs a new STATE_FORMAT (which refuses old state); this
+    known-answer test fails first. Values from the BLAKE2b-keyed derivation of 5b3a36f."""
+    from state.tables import STATE_FORMAT
+
+    pseudo = Pseudonymizer(TEST_SECRET)
+    assert STATE_FORMAT == b"5", "a new state format: re-pin the values below"
+    assert pseudo.users(["alice", "bob", "ünï"]).tolist() == [12139158927704999413, 1299637599159585057, 7319962425422372639]
+    assert pseudo.encoded_users(["alice".encode(), "ünï".encode()]).tolist() == [12139158927704999413, 7319962425422372639]
+    assert pseudo.group_keys(["page-1", "ключ"]).tolist() == [14790089320644102342, 5338007936951201107]
