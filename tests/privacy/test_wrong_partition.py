@@ -181,3 +181,50 @@ def test_baseline_counted_a_user_split_over_two_partitions_twice(tmp_path):
                           cwd=str(BASELINE), env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert int(proc.stdout.strip()) == 2 * C, "the old worker admitted 2C records of one user"
+
+
+KINDS = ("good", "not_json", "no_key_field", "mis_keyed", "null_key", "wrong_partition")
+
+
+@settings(deadline=None, derandomize=True, max_examples=40)
+@given(kinds=st.lists(st.sampled_from(KINDS), min_size=1, max_size=40))
+def test_each_record_of_a_mixed_batch_meets_its_own_fate_in_any_order(tmp_path_factory, kinds):
+    """A batch mixing good, malformed, mis-keyed, keyless and misplaced records, in any order: each
+    record is admitted or dead-lettered exactly as a per-record reference says, whatever precedes
+    it in the batch. Every user has fewer than C records, so a good record is always admitted; a
+    record admitted in place of a refused one would let a user be counted on a second partition."""
+    partitions, here = 2, 0
+    users = [f"user-{i}" for i in range(200)]
+    mine = [u for u in users if kafka_partition(u.encode(), partitions) == here]
+    theirs = [u for u in users if kafka_partition(u.encode(), partitions) != here]
+    records, expected = [], []
+    for i, kind in enumerate(kinds):
+        user = (theirs if kind == "wrong_partition" else mine)[i]
+        ts = START + 1000 + i
+        body = json.dumps({"user_id": user, "key": f"k{i % 3}", "ts": ts}).encode()
+        key = user.encode()
+        if kind == "not_json":
+            body = b"{not json"
+        elif kind == "no_key_field":
+            body = json.dumps({"user_id": user, "ts": ts}).encode()
+        elif kind == "mis_keyed":
+            key = mine[i + 1].encode()  # another user of this partition: only the user check refuses it
+        elif kind == "null_key":
+            key = None
+        records.append(Record(i, key, body, ts))
+        expected.append("admitted" if kind == "good" else "wrong_partition" if kind == "wrong_partition" else "malformed")
+    w = DpstreamWorker(config(), TEST_SECRET, tmp_path_factory.mktemp("w"), Ownership(), {"in": partitions}, 2)
+    try:
+        result = w.process_input("in", here, records)
+        dead = {json.loads(m.value)["source"]: json.loads(m.value)["reason"] for m in result.messages if m.topic == DEAD_LETTER_TOPIC}
+        fates = []
+        for r in records:
+            reason = dead.get(f"in/{here}@{r.offset}")
+            fates.append("admitted" if reason is None else "wrong_partition" if reason.startswith("wrong_partition") else "malformed")
+        assert fates == expected
+        assert sum(admitted_per_user(result.messages).values()) == expected.count("admitted")
+        stats = [p.stats for p in w.pipelines() if p.stats.events_in]
+        assert sum(s.dropped["malformed"] for s in stats) == expected.count("malformed")
+        assert sum(s.dropped["wrong_partition"] for s in stats) == expected.count("wrong_partition")
+    finally:
+        w.close()
