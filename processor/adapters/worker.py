@@ -369,7 +369,7 @@ class DpstreamWorker:
             pipe.stats.dropped["malformed"] += malformed
             pipe.stats.dropped["wrong_partition"] += wrong
             if len(refused) == len(parsed_events.invalid):  # every parsed event kept
-                keep, users, keys = parsed_events.index, user_ids, parsed_events.keys
+                users, keys = user_ids, parsed_events.keys
                 values, ts, kept = parsed_events.values, parsed_events.ts, parsed_events.index
             else:
                 keep = np.flatnonzero(~np.isin(parsed_events.index, np.fromiter(refused, dtype=np.int64, count=len(refused))))
