@@ -168,3 +168,57 @@ def tail_multiplier(triggers: int, beta: float) -> float:
     if not 0 < beta < 1:
         raise ValueError("beta must be in (0, 1)")
     return math.sqrt(2.0 * math.log(triggers / beta))
+
+
+def _phi(x: float) -> float:
+    """Standard normal CDF, accurate in the far lower tail (erfc)."""
+    return 0.5 * math.erfc(-x / math.sqrt(2.0))
+
+
+def gdp_delta(mu: float, eps: float) -> float:
+    """Smallest delta such that mu-GDP implies (eps, delta)-DP (Dong, Roth and Su 2022, Corollary
+    2.13; the same curve as Balle and Wang 2018, Theorem 8):
+
+        delta(eps) = Phi(-eps/mu + mu/2) - e^eps Phi(-eps/mu - mu/2).
+
+    A Gaussian mechanism of L2 sensitivity Delta and scale sigma is (Delta/sigma)-GDP, and
+    Gaussian mechanisms compose exactly: mu^2 adds (their Corollary 3.3)."""
+    if mu < 0 or eps < 0:
+        raise ValueError("mu and eps must be non-negative")
+    if mu == 0:
+        return 0.0
+    return max(0.0, _phi(-eps / mu + mu / 2.0) - math.exp(eps) * _phi(-eps / mu - mu / 2.0))
+
+
+def gdp_mu(eps: float, delta: float) -> float:
+    """Largest mu such that mu-GDP implies (eps, delta)-DP (delta(eps) increases with mu)."""
+    if eps <= 0 or not 0 < delta < 1:
+        raise ValueError("need eps > 0 and 0 < delta < 1")
+    lo, hi = 0.0, 1.0
+    while gdp_delta(hi, eps) <= delta:
+        lo, hi = hi, 2.0 * hi
+    for _ in range(_ITERATIONS):
+        mid = 0.5 * (lo + hi)
+        if gdp_delta(mid, eps) <= delta:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def gdp_epsilon(mu: float, delta: float) -> float:
+    """Smallest eps such that mu-GDP implies (eps, delta)-DP (delta(eps) decreases with eps)."""
+    if not 0 < delta:
+        raise ValueError("delta must be positive")
+    if delta >= 1 or mu == 0:
+        return 0.0
+    lo, hi = 0.0, 1.0
+    while gdp_delta(mu, hi) > delta:
+        lo, hi = hi, 2.0 * hi
+    for _ in range(_ITERATIONS):
+        mid = 0.5 * (lo + hi)
+        if gdp_delta(mu, mid) <= delta:
+            hi = mid
+        else:
+            lo = mid
+    return hi

@@ -44,9 +44,17 @@ from accountant.calibration import (
     cks_delta,
     cks_epsilon,
     cks_rho,
+    gdp_delta,
+    gdp_epsilon,
+    gdp_mu,
     tail_multiplier,
 )
-from accountant.counters import BINARY_TREE, counter_calibration
+from accountant.counters import (
+    BINARY_TREE,
+    LATTICE_TARGET_SIGMA,
+    counter_calibration,
+    slack_sigma,
+)
 
 #: Upper bound on the total-variation distance between one node's sampled integer noise and the
 #: exact discrete Gaussian. The sampler (processor.mechanisms.noise) asserts its tables meet it.
@@ -58,6 +66,14 @@ TARGET_SAMPLER_SIGMA = 4096.0
 #: Share of delta given to the thresholding failure term when beta is not declared.
 DEFAULT_BETA_DELTA_SHARE = 1.0 / 3.0
 
+
+#: GDP calibrates the continuous Gaussian's privacy curve; our noise is the discrete Gaussian,
+#: whose exact curve (dp-accounting's PLD of the worst-case user, tests/test_gdp_accounting.py)
+#: is within 1e-5 (relative) of it at our scales. The GDP solve targets delta_conversion times
+#: (1 - this margin), so the discrete mechanism's delta stays within the declared one
+#: (docs/privacy.md, "Accounting").
+GDP_DISCRETE_MARGIN = 1e-3
+GDP_CONVERSION = "mu-GDP -> (eps, delta): Dong-Roth-Su 2022 Cor. 2.13 (exact for Gaussian parts)"
 
 #: what one record adds to a perturbed column (processor.mechanisms.aggregates): 1, or its value
 ONE, VALUE = "one", "value"
@@ -84,14 +100,15 @@ class QueryBudget:
     key_threshold: float = 0.0
     beta: Optional[float] = None
     key_selection_share: float = 0.5
-    composition: str = "zcdp"  # zcdp | basic
+    composition: str = "zcdp"  # zcdp | gdp | basic
     resolution: Optional[float] = None  # value grid for sums; counts use 1
     hierarchy_depth: int = 1  # histograms of a hierarchical query, one per level (docs/privacy.md, "Post-processing: hierarchical consistency"); 1: a flat histogram
     level_shares: Optional[tuple] = None  # share of the budget per level (sum 1); None: equal
     #: what one record adds to each perturbed column, one tree per column: ONE (1: a count) or
     #: VALUE (the clamped value: bound L); None: from ``aggregate`` (count: ONE, sum: VALUE)
     columns: Optional[tuple] = None
-    #: the continual counter behind key selection and perturbation (accountant.counters)
+    #: the continual counter behind key selection and perturbation (accountant.counters:
+    #: "tree" or "binary_tree", "blt")
     counter: str = "binary_tree"
 
 
@@ -139,6 +156,8 @@ class PrivacyPlan:
     #: the continual counter (accountant.counters); None: the binary tree (then left out of the
     #: fingerprint, as plans before counters were named)
     counter: Optional[str] = None
+    #: ||C e_1||^2 of a counter other than the tree (the tree's is ``tree_height``); None: the tree
+    counter_sensitivity_sq: Optional[float] = None
     conversion: str = "zCDP -> (eps, delta): Canonne-Kamath-Steinke 2020 Prop. 12 (optimal)"
 
     @property
@@ -190,9 +209,9 @@ def _check(budget: QueryBudget) -> None:
     kinds = columns_of(budget)
     if not kinds or any(k not in (ONE, VALUE) for k in kinds):
         raise BudgetError("aggregate", f"columns must be {ONE!r} or {VALUE!r}, got {kinds!r}")
-    if len(kinds) > 1 and budget.composition != "zcdp":
-        raise BudgetError("composition", f"aggregate {budget.aggregate!r} has {len(kinds)} columns, composed under zCDP: "
-                                         f"composition must be 'zcdp'")
+    if len(kinds) > 1 and budget.composition == "basic":
+        raise BudgetError("composition", f"aggregate {budget.aggregate!r} has {len(kinds)} columns, composed under zCDP or "
+                                         f"GDP: composition must be 'zcdp' or 'gdp'")
     if VALUE not in kinds and budget.clamp != 1.0:
         raise BudgetError("clamp", f"a count contributes 1 per record; clamp must be 1.0 for aggregate {budget.aggregate!r}")
     if not (math.isfinite(budget.key_threshold) and budget.key_threshold >= 0):
@@ -209,8 +228,8 @@ def _check(budget: QueryBudget) -> None:
             raise BudgetError("level_shares", f"must be {budget.hierarchy_depth} positive numbers, one per level, got {shares!r}")
         if abs(sum(shares) - 1.0) > 1e-9:
             raise BudgetError("level_shares", f"must add up to 1, got {sum(shares):.12g}")
-    if budget.composition not in ("zcdp", "basic"):
-        raise BudgetError("composition", f"must be 'zcdp' or 'basic', got {budget.composition!r}")
+    if budget.composition not in ("zcdp", "gdp", "basic"):
+        raise BudgetError("composition", f"must be 'zcdp', 'gdp' or 'basic', got {budget.composition!r}")
     if budget.resolution is not None:
         positive("resolution", budget.resolution)
         if VALUE not in kinds and budget.resolution != 1.0:
@@ -294,7 +313,9 @@ def plan_levels(budget: QueryBudget) -> tuple[PrivacyPlan, ...]:
         raise BudgetError("counter", str(err).split(": ", 1)[1]) from None
     # h: squared sensitivity of the counter's read values to one increment (the binary tree: one
     # complete node per level, floor(lg T) + 1); the samplers' term counts the values touched
-    h = counter.sensitivity_sq(budget.triggers)
+    T = budget.triggers
+    h = counter.sensitivity_sq(T)
+    draws = counter.draws(T)  # noise draws of one stream that a user's increment reaches
     share = budget.key_selection_share
     levels = budget.hierarchy_depth
     shares = _level_shares(budget)
@@ -302,25 +323,32 @@ def plan_levels(budget: QueryBudget) -> tuple[PrivacyPlan, ...]:
     ncols = len(kinds)
     parts = []  # per level: (rho_k, rho_m, eps_k, delta_k, eps_m, delta_m, beta)
 
-    if budget.composition == "zcdp":
+    if budget.composition in ("zcdp", "gdp"):
+        gdp = budget.composition == "gdp"
         beta = budget.beta
         if beta is None:
             beta = DEFAULT_BETA_DELTA_SHARE * delta / ((math.exp(eps) + 1.0) * C * levels)
         delta_beta = (math.exp(eps) + 1.0) * levels * C * beta
         # a user's records reach one selection tree and one perturbation tree per column, per
         # key round and level: the samplers' total-variation terms count all of them
-        delta_sampler = (math.exp(eps) + 1.0) * levels * (1 + ncols) * C * h * SAMPLER_TV_BOUND
+        delta_sampler = (math.exp(eps) + 1.0) * levels * (1 + ncols) * C * draws * SAMPLER_TV_BOUND
         delta_conv = delta - delta_beta - delta_sampler
         if delta_conv <= 0:
             raise BudgetError("beta", f"the thresholding term (e^eps+1)*levels*C*beta = {delta_beta:.3g} leaves no delta")
-        rho = cks_rho(eps, delta_conv)
+        # GDP: mu^2 of the Gaussian parts adds exactly; rho = mu^2 / 2 is the same quantity in
+        # zCDP units, so the split and the sigmas below are shared by both compositions
+        rho = gdp_mu(eps, delta_conv * (1.0 - GDP_DISCRETE_MARGIN)) ** 2 / 2.0 if gdp else cks_rho(eps, delta_conv)
+
+        def part_epsilon(rho_part: float, delta_part: float) -> float:
+            return gdp_epsilon(math.sqrt(2.0 * rho_part), delta_part) if gdp else cks_epsilon(rho_part, delta_part)
+
         for s in shares:
             rho_k, rho_m = share * s * rho, (1.0 - share) * s * rho
             parts.append((rho_k, rho_m,
-                          cks_epsilon(rho_k, share * s * delta_conv), share * s * delta_conv + delta_beta / levels,
-                          cks_epsilon(rho_m, (1.0 - share) * s * delta_conv), (1.0 - share) * s * delta_conv, beta))
-        eps_spent = cks_epsilon(rho, delta_conv)
-        delta_spent = cks_delta(rho, eps) + delta_beta + delta_sampler
+                          part_epsilon(rho_k, share * s * delta_conv), share * s * delta_conv + delta_beta / levels,
+                          part_epsilon(rho_m, (1.0 - share) * s * delta_conv), (1.0 - share) * s * delta_conv, beta))
+        eps_spent = part_epsilon(rho, delta_conv)
+        delta_spent = (gdp_delta(math.sqrt(2.0 * rho), eps) if gdp else cks_delta(rho, eps)) + delta_beta + delta_sampler
     else:
         rho = delta_beta = delta_sampler = delta_conv = eps_spent = delta_spent = 0.0
         for s in shares:
@@ -331,8 +359,8 @@ def plan_levels(budget: QueryBudget) -> tuple[PrivacyPlan, ...]:
             if beta is None:
                 beta = 0.5 * delta_k / ((math.exp(eps_k) + 1.0) * C)
             beta_term = (math.exp(eps_k) + 1.0) * C * beta
-            sampler_k = (math.exp(eps_k) + 1.0) * C * h * SAMPLER_TV_BOUND
-            sampler_m = (math.exp(eps_m) + 1.0) * C * h * SAMPLER_TV_BOUND
+            sampler_k = (math.exp(eps_k) + 1.0) * C * draws * SAMPLER_TV_BOUND
+            sampler_m = (math.exp(eps_m) + 1.0) * C * draws * SAMPLER_TV_BOUND
             conv_k = delta_k - beta_term - sampler_k
             if conv_k <= 0:
                 raise BudgetError("beta", f"the thresholding term (e^eps_k+1)*C*beta = {beta_term:.3g} exceeds delta_k")
@@ -348,10 +376,17 @@ def plan_levels(budget: QueryBudget) -> tuple[PrivacyPlan, ...]:
 
     sigmas = []
     for rho_k, rho_m, *_ in parts:
-        sigma_k = math.sqrt(C * h / (2.0 * rho_k))
-        # the columns' trees share the level's perturbation rho equally (zCDP composition); a
-        # column's per-tree sensitivity is C times its per-record bound (1, or L for values)
-        column_sigmas = [C * (budget.clamp if kind == VALUE else 1.0) * math.sqrt(h / (2.0 * rho_m / ncols)) for kind in kinds]
+        if counter.lattice:
+            # one stream per (key, round) fed with unit increments, C of them per user; the
+            # rounding slack widens each (accountant.counters.slack_sigma)
+            sigma_k = slack_sigma(2.0 * rho_k / C, 1, 1.0, T, counter)
+            column_sigmas = [slack_sigma(2.0 * rho_m / ncols, C, C * (budget.clamp if kind == VALUE else 1.0), T, counter)
+                             for kind in kinds]
+        else:
+            sigma_k = math.sqrt(C * h / (2.0 * rho_k))
+            # the columns' trees share the level's perturbation rho equally (zCDP composition); a
+            # column's per-tree sensitivity is C times its per-record bound (1, or L for values)
+            column_sigmas = [C * (budget.clamp if kind == VALUE else 1.0) * math.sqrt(h / (2.0 * rho_m / ncols)) for kind in kinds]
         if sigma_k > MAX_SAMPLER_SIGMA:
             raise BudgetError("contribution_bound", f"key-selection noise sigma {sigma_k:.4g} is beyond the sampler's range")
         sigmas.append((sigma_k, column_sigmas))
@@ -370,12 +405,15 @@ def plan_levels(budget: QueryBudget) -> tuple[PrivacyPlan, ...]:
             columns.append((kind, sigma, sigma / step, step))
         _, sigma_m, sigma_m_units, _ = columns[0]
         z = tail_multiplier(budget.triggers, beta)
+        # a lattice counter's prefix also carries a bounded rounding part: bias_units lattice
+        # steps, each at most 2 sigma / LATTICE_TARGET_SIGMA (accountant.counters.lattice_scale)
+        bias_step = 2.0 * sigma_k / LATTICE_TARGET_SIGMA if counter.lattice else 0.0
         plans.append(PrivacyPlan(
             epsilon=eps,
             delta=delta,
             composition=budget.composition,
             triggers=budget.triggers,
-            tree_height=h,
+            tree_height=h if counter is BINARY_TREE else 0,
             contribution_bound=C,
             clamp=float(budget.clamp),
             aggregate=budget.aggregate,
@@ -399,12 +437,15 @@ def plan_levels(budget: QueryBudget) -> tuple[PrivacyPlan, ...]:
             epsilon_spent=eps_spent,
             delta_spent=delta_spent,
             tail_multiplier=z,
-            thresholds=tuple(z * sigma_k * math.sqrt(counter.step_variance(r, budget.triggers)) for r in range(1, budget.triggers + 1)),
+            thresholds=tuple(z * sigma_k * math.sqrt(counter.step_variance(r, T)) + (counter.bias_units(r, T) * bias_step if bias_step else 0.0)
+                             for r in range(1, T + 1)),
             expected_stddev=sigma_m * math.sqrt(counter.step_variance(budget.triggers, budget.triggers)),
             level=level,
             levels=levels,
             level_share=s,
             columns=tuple(columns) if ncols > 1 else None,
             counter=None if counter is BINARY_TREE else counter.name,
+            counter_sensitivity_sq=None if counter is BINARY_TREE else h,
+            conversion=GDP_CONVERSION if budget.composition == "gdp" else PrivacyPlan.conversion,
         ))
     return tuple(plans)
