@@ -324,7 +324,8 @@ def cmd_bench_dpsqlp(args: argparse.Namespace) -> int:
     from processor.bench.dpsqlp import run_dpsqlp_bench
 
     run_dpsqlp_bench(users=args.users, keys=args.keys, triggers=args.triggers, seed=args.seed, json_path=args.json,
-                     plot_path=args.plot, state=args.state, processes=args.processes, runs=args.runs)
+                     plot_path=args.plot, state=args.state, processes=args.processes, runs=args.runs, counter=args.counter,
+                     composition=args.composition)
     return 0
 
 
@@ -523,6 +524,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="2 (default): stage 1 (by user) and stage 2 (by key) in two processes with their own stores, "
                              "as deployed; 1: both in this process")
     dpsqlp.add_argument("--runs", type=int, default=1, help="run the workload this many times; times are medians (default 1)")
+    dpsqlp.add_argument("--counter", choices=["tree", "blt"], default="tree",
+                        help="continual counter of dpstream's run: tree (the paper's binary tree, default) or blt")
+    dpsqlp.add_argument("--composition", choices=["zcdp", "gdp", "basic"], default="zcdp",
+                        help="how the Gaussian parts compose (default zcdp; gdp is exact Gaussian DP)")
     dpsqlp.add_argument("--json", help="write the results (and the per-trigger curve) to this JSON file")
     dpsqlp.add_argument("--plot", help="draw error and retained keys vs trigger to this PNG")
     dpsqlp.set_defaults(func=cmd_bench_dpsqlp)

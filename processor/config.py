@@ -113,7 +113,12 @@ class QueryConfig(BaseModel):
     delta: float
     beta: Optional[float] = None
     key_selection_share: float = 0.5
-    composition: Literal["zcdp", "basic"] = "zcdp"
+    #: how the Gaussian parts compose: gdp (exact Gaussian DP), zcdp (with the CKS conversion) or
+    #: basic (the paper's split); docs/privacy.md, "Accounting"
+    composition: Literal["zcdp", "gdp", "basic"] = "zcdp"
+    #: the continual counter of key selection and perturbation: tree (binary tree + Honaker, the
+    #: paper's) or blt (Buffered Linear Toeplitz); docs/privacy.md, "Counters"
+    counter: Literal["tree", "blt"] = "tree"
     resolution: Optional[float] = None
     #: key_fields are a hierarchy, coarse to fine (country > state > city): one histogram per
     #: level (key = prefix of key_fields), published consistent (docs/privacy.md, "Post-processing: hierarchical consistency")
@@ -194,6 +199,7 @@ class QueryConfig(BaseModel):
             beta=self.beta,
             key_selection_share=self.key_selection_share,
             composition=self.composition,
+            counter=self.counter,
             resolution=self.resolution,
             hierarchy_depth=self.hierarchy_depth,
             level_shares=tuple(self.level_shares) if self.level_shares is not None else None,

@@ -84,7 +84,7 @@ def test_the_plan_takes_thresholds_and_stddev_from_the_counter():
         assert plan.threshold(r) == pytest.approx(plan.tail_multiplier * plan.sigma_key_selection * math.sqrt(BINARY_TREE.step_variance(r, 100)))
     assert plan.expected_stddev == pytest.approx(plan.sigma_perturbation * math.sqrt(BINARY_TREE.step_variance(100, 100)))
     with pytest.raises(BudgetError) as err:
-        plan_query(QueryBudget(epsilon=6.0, delta=1e-9, triggers=100, contribution_bound=32, counter="blt"))
+        plan_query(QueryBudget(epsilon=6.0, delta=1e-9, triggers=100, contribution_bound=32, counter="fenwick"))
     assert err.value.field == "counter"
     with pytest.raises(ValueError, match="counter"):
-        counter_calibration("blt")
+        counter_calibration("fenwick")

@@ -184,14 +184,19 @@ def test_round_restart(noise):
 # --------------------------------------------------------------------------- prediction
 
 
-def _prediction_plan():
+def _prediction_plan(counter="binary_tree"):
     # a large beta: noise-only selections (what prediction is for) are common
-    return plan_query(QueryBudget(epsilon=1.0, delta=0.9, triggers=32, contribution_bound=1, beta=0.2, key_threshold=2))
+    return plan_query(QueryBudget(epsilon=1.0, delta=0.9, triggers=32, contribution_bound=1, beta=0.2, key_threshold=2,
+                                  counter=counter))
 
 
+COUNTERS = ["binary_tree", "blt"]
+
+
+@pytest.mark.parametrize("counter", COUNTERS)
 @pytest.mark.parametrize("j", [1, 6, 16, 31, 32])
-def test_prediction_equals_the_first_future_selection(noise, j):
-    plan = _prediction_plan()
+def test_prediction_equals_the_first_future_selection(noise, j, counter):
+    plan = _prediction_plan(counter)
     T = plan.triggers
     selector = KeySelector(plan, noise, f"predict-{j}", 0)
     rng = np.random.default_rng(1000 + j)
@@ -224,10 +229,11 @@ def test_prediction_equals_the_first_future_selection(noise, j):
         assert (predicted == 0).all()  # no trigger left in the window
 
 
-def test_prediction_with_small_chunks_is_the_same(noise, monkeypatch):
+@pytest.mark.parametrize("counter", COUNTERS)
+def test_prediction_with_small_chunks_is_the_same(noise, monkeypatch, counter):
     import processor.mechanisms.key_selection as ks
 
-    plan = _prediction_plan()
+    plan = _prediction_plan(counter)
     selector = KeySelector(plan, noise, "chunks", 0)
     rng = np.random.default_rng(3)
     n = 500
@@ -275,8 +281,9 @@ def _dense_run(plan, secret, users):
     return noisy, selected
 
 
-def test_same_secret_same_inputs_same_noise():
-    plan = _prediction_plan()
+@pytest.mark.parametrize("counter", COUNTERS)
+def test_same_secret_same_inputs_same_noise(counter):
+    plan = _prediction_plan(counter)
     users = _arrivals(plan.triggers, 600, 11)
     a = _dense_run(plan, TEST_SECRET, users)
     b = _dense_run(plan, TEST_SECRET, users)
@@ -286,12 +293,13 @@ def test_same_secret_same_inputs_same_noise():
     assert not np.array_equal(np.nan_to_num(a[0]), np.nan_to_num(c[0]))
 
 
-def test_sparse_processing_with_prediction_equals_dense():
+@pytest.mark.parametrize("counter", COUNTERS)
+def test_sparse_processing_with_prediction_equals_dense(counter):
     """The production schedule: at each trigger only keys with data or predicted for that
     trigger are loaded. Every q_hat it computes, and every selection, equals the run that tests
     every key at every trigger: q_hat at a trigger does not depend on which earlier triggers
     were visited."""
-    plan = _prediction_plan()
+    plan = _prediction_plan(counter)
     T, n = plan.triggers, 600
     users = _arrivals(T, n, 12)
     dense_noisy, dense_selected = _dense_run(plan, TEST_SECRET, users)
@@ -358,10 +366,11 @@ def test_trigger_range(noise):
             selector.step(batch, bad, np.array([1]))
 
 
-def test_noise_max_shortcut_gives_the_same_predictions(noise):
+@pytest.mark.parametrize("counter", COUNTERS)
+def test_noise_max_shortcut_gives_the_same_predictions(noise, counter):
     """The cached max of the future noise path only skips scans that could not find a release:
     predictions with the cache equal predictions computed from scratch at every trigger."""
-    plan = _prediction_plan()
+    plan = _prediction_plan(counter)
     T = plan.triggers
     rng = np.random.default_rng(77)
     n = 3000

@@ -103,7 +103,9 @@ class KeySelector:
         return self.counter.state_width
 
     def new_batch(self, keys: Sequence[str]) -> SelectionBatch:
-        return SelectionBatch.new(keys, self.state_width)
+        batch = SelectionBatch.new(keys, self.state_width)
+        batch.cache = self.counter.empty_state(len(batch))
+        return batch
 
     def tree_ids(self, batch: SelectionBatch) -> np.ndarray:
         """Ids of each key's current round tree (entries left empty are derived now)."""

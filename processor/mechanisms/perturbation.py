@@ -74,7 +74,9 @@ class HierarchicalPerturber:
         return self.counter.state_width
 
     def new_batch(self, keys: Sequence[str]) -> PerturbationBatch:
-        return PerturbationBatch.new(keys, self.state_width)
+        batch = PerturbationBatch.new(keys, self.state_width)
+        batch.cache = self.counter.empty_state(len(batch))
+        return batch
 
     def tree_ids(self, batch: PerturbationBatch) -> np.ndarray:
         if batch._tree_ids is None:

@@ -685,9 +685,9 @@ class LoadEveryKey:
         return super()._plan_visits(window, trigger, all_ids, rows, np.ones_like(has_data), selector, sel, batch)
 
 
-@settings(max_examples=15, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
-@given(st.integers(0, 2 ** 32), st.sampled_from([0.0, 2.0, 5.0]), st.sampled_from([8, 16]))
-def test_prediction_never_changes_pipeline_releases(seed, mu, T):
+@settings(max_examples=24, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 2 ** 32), st.sampled_from([0.0, 2.0, 5.0]), st.sampled_from([8, 16]), st.sampled_from(["tree", "blt"]))
+def test_prediction_never_changes_pipeline_releases(seed, mu, T, counter):
     """Through QueryPipeline (prediction index, noise_max shortcut persisted in key rows, gate):
     the releases equal those of a pipeline that looks at every key at every trigger. A key whose
     noise alone would select it at a trigger where it has no data must be predicted for exactly
@@ -701,7 +701,7 @@ def test_prediction_never_changes_pipeline_releases(seed, mu, T):
 
     rng = np.random.default_rng(seed)
     query = QueryConfig(name="predict", window="1d", triggers=T, contribution_bound=3, epsilon=8.0, delta=1e-9,
-                        allowed_lateness="0s", key_threshold=mu)
+                        allowed_lateness="0s", key_threshold=mu, counter=counter)
     pseudo = Pseudonymizer(TEST_SECRET)
     interval = DAY // T
     # bursty keys: data in a few triggers, then idle for the rest of the window (prediction's case)
