@@ -197,7 +197,8 @@ def counter_calibration(name: str) -> CounterCalibration:
         raise ValueError(f"counter: must be one of {', '.join(CONFIG_NAMES)}, got {name!r}") from None
 
 
-def slack_sigma(mu_sq: float, streams: int, bound: float, steps: int, counter: CounterCalibration) -> float:
+def slack_sigma(mu_sq: float, streams: int, bound: float, steps: int, counter: CounterCalibration,
+                per_stream: float | None = None) -> float:
     """The smallest sigma (value units) at which one user's privatized values move by at most
     ``mu`` in L2, over ``streams`` streams of ``steps`` steps with total increments ``bound``.
 
@@ -208,16 +209,18 @@ def slack_sigma(mu_sq: float, streams: int, bound: float, steps: int, counter: C
     stream's squared sensitivity is at most ``sum_t (|a_t| + kappa sigma)^2 <= b^2 ||c||_2^2 +
     2 kappa sigma b ||c||_1 + T kappa^2 sigma^2`` for a stream's share b of the bound; over streams
     with shares adding to ``bound`` the first two terms are largest with everything in one stream,
-    and every touched stream adds the last. Solving ``sigma^2 mu^2 = that`` for sigma gives the
-    positive root of a quadratic."""
+    and every touched stream adds the last. With a cap ``per_stream`` on each share (the per-key
+    bound), the sum of squared shares is at most ``bound * per_stream``. Solving
+    ``sigma^2 mu^2 = that`` for sigma gives the positive root of a quadratic."""
     col2 = counter.sensitivity_sq(steps)
     slack = counter.slack(steps)
+    squares = bound * min(bound, per_stream if per_stream is not None else bound)  # max sum of squared shares
     if not slack:
-        return bound * math.sqrt(col2 / mu_sq)
+        return math.sqrt(squares * col2 / mu_sq)
     kappa = 2.0 * slack / LATTICE_TARGET_SIGMA
     a = mu_sq - streams * steps * kappa * kappa
     if a <= 0:
         raise ValueError("the budget is too small for the lattice counter's rounding slack")
     b = 2.0 * kappa * bound * counter.sensitivity_l1(steps)
-    c = bound * bound * col2
+    c = squares * col2
     return (b + math.sqrt(b * b + 4.0 * a * c)) / (2.0 * a)

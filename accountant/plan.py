@@ -110,6 +110,9 @@ class QueryBudget:
     #: the continual counter behind key selection and perturbation (accountant.counters:
     #: "tree" or "binary_tree", "blt")
     counter: str = "binary_tree"
+    #: c_k: records a user may add to one key (None: up to C). Stage 1 enforces 1 (the user's
+    #: first record per key); the perturbation sensitivity is then sqrt(C c_k) L, not C L
+    per_key_bound: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -158,6 +161,8 @@ class PrivacyPlan:
     counter: Optional[str] = None
     #: ||C e_1||^2 of a counter other than the tree (the tree's is ``tree_height``); None: the tree
     counter_sensitivity_sq: Optional[float] = None
+    #: c_k (records per user and key) when declared; None: C
+    per_key_bound: Optional[int] = None
     conversion: str = "zCDP -> (eps, delta): Canonne-Kamath-Steinke 2020 Prop. 12 (optimal)"
 
     @property
@@ -228,6 +233,12 @@ def _check(budget: QueryBudget) -> None:
             raise BudgetError("level_shares", f"must be {budget.hierarchy_depth} positive numbers, one per level, got {shares!r}")
         if abs(sum(shares) - 1.0) > 1e-9:
             raise BudgetError("level_shares", f"must add up to 1, got {sum(shares):.12g}")
+    if budget.per_key_bound is not None:
+        if budget.per_key_bound != 1:
+            raise BudgetError("per_key_bound", f"must be 1 or null (stage 1 keeps a user's first record per key; larger "
+                                               f"bounds are not enforced yet), got {budget.per_key_bound!r}")
+        if budget.hierarchy_depth > 1:
+            raise BudgetError("per_key_bound", "is not supported with a hierarchy (hierarchy_depth > 1)")
     if budget.composition not in ("zcdp", "gdp", "basic"):
         raise BudgetError("composition", f"must be 'zcdp', 'gdp' or 'basic', got {budget.composition!r}")
     if budget.resolution is not None:
@@ -376,11 +387,19 @@ def plan_levels(budget: QueryBudget) -> tuple[PrivacyPlan, ...]:
 
     sigmas = []
     for rho_k, rho_m, *_ in parts:
+        ck = budget.per_key_bound or C
         if counter.lattice:
             # one stream per (key, round) fed with unit increments, C of them per user; the
             # rounding slack widens each (accountant.counters.slack_sigma)
             sigma_k = slack_sigma(2.0 * rho_k / C, 1, 1.0, T, counter)
-            column_sigmas = [slack_sigma(2.0 * rho_m / ncols, C, C * (budget.clamp if kind == VALUE else 1.0), T, counter)
+            column_sigmas = [slack_sigma(2.0 * rho_m / ncols, C, C * (budget.clamp if kind == VALUE else 1.0), T, counter,
+                                         per_stream=ck * (budget.clamp if kind == VALUE else 1.0))
+                             for kind in kinds]
+        elif ck < C:
+            sigma_k = math.sqrt(C * h / (2.0 * rho_k))
+            # a user adds at most c_k B to a key and C B in all: the squared L2 change over keys,
+            # per read level, is at most (C / c_k) (c_k B)^2 = C c_k B^2
+            column_sigmas = [math.sqrt(C * ck) * (budget.clamp if kind == VALUE else 1.0) * math.sqrt(h / (2.0 * rho_m / ncols))
                              for kind in kinds]
         else:
             sigma_k = math.sqrt(C * h / (2.0 * rho_k))
@@ -446,6 +465,7 @@ def plan_levels(budget: QueryBudget) -> tuple[PrivacyPlan, ...]:
             columns=tuple(columns) if ncols > 1 else None,
             counter=None if counter is BINARY_TREE else counter.name,
             counter_sensitivity_sq=None if counter is BINARY_TREE else h,
+            per_key_bound=budget.per_key_bound,
             conversion=GDP_CONVERSION if budget.composition == "gdp" else PrivacyPlan.conversion,
         ))
     return tuple(plans)

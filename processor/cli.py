@@ -325,7 +325,7 @@ def cmd_bench_dpsqlp(args: argparse.Namespace) -> int:
 
     run_dpsqlp_bench(users=args.users, keys=args.keys, triggers=args.triggers, seed=args.seed, json_path=args.json,
                      plot_path=args.plot, state=args.state, processes=args.processes, runs=args.runs, counter=args.counter,
-                     composition=args.composition)
+                     composition=args.composition, per_key_bound=args.per_key_bound, key_selection_share=args.key_selection_share)
     return 0
 
 
@@ -528,6 +528,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="continual counter of dpstream's run: tree (the paper's binary tree, default) or blt")
     dpsqlp.add_argument("--composition", choices=["zcdp", "gdp", "basic"], default="zcdp",
                         help="how the Gaussian parts compose (default zcdp; gdp is exact Gaussian DP)")
+    dpsqlp.add_argument("--per-key-bound", type=int, choices=[1], default=None,
+                        help="records a user may add to one key (default: up to C); 1 keeps each user's first record per key")
+    dpsqlp.add_argument("--key-selection-share", type=float, default=0.5,
+                        help="share of the Gaussian budget (mu^2 or rho) for key selection (default 0.5)")
     dpsqlp.add_argument("--json", help="write the results (and the per-trigger curve) to this JSON file")
     dpsqlp.add_argument("--plot", help="draw error and retained keys vs trigger to this PNG")
     dpsqlp.set_defaults(func=cmd_bench_dpsqlp)

@@ -119,6 +119,9 @@ class QueryConfig(BaseModel):
     #: the continual counter of key selection and perturbation: tree (binary tree + Honaker, the
     #: paper's) or blt (Buffered Linear Toeplitz); docs/privacy.md, "Counters"
     counter: Literal["tree", "blt"] = "tree"
+    #: records a user may add to one key (c_k): null (up to contribution_bound) or 1, the user's
+    #: first record per key; the perturbation noise then scales with sqrt(C c_k) instead of C
+    per_key_bound: Optional[int] = None
     resolution: Optional[float] = None
     #: key_fields are a hierarchy, coarse to fine (country > state > city): one histogram per
     #: level (key = prefix of key_fields), published consistent (docs/privacy.md, "Post-processing: hierarchical consistency")
@@ -200,6 +203,7 @@ class QueryConfig(BaseModel):
             key_selection_share=self.key_selection_share,
             composition=self.composition,
             counter=self.counter,
+            per_key_bound=self.per_key_bound,
             resolution=self.resolution,
             hierarchy_depth=self.hierarchy_depth,
             level_shares=tuple(self.level_shares) if self.level_shares is not None else None,

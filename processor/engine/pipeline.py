@@ -52,7 +52,11 @@ from accountant.counters import BINARY_TREE
 from accountant.plan import plan_fingerprint
 from processor.config import QueryConfig, level_plans_for, parse_duration_ms
 from processor.mechanisms.aggregates import aggregate_named
-from processor.mechanisms.bounding import ContributionBounder, key_histories
+from processor.mechanisms.bounding import (
+    ContributionBounder,
+    first_for_key,
+    key_histories,
+)
 from processor.mechanisms.consistency import solve as solve_consistency
 from processor.mechanisms.counters import counter_for
 from processor.mechanisms.key_selection import KeySelector, SelectionBatch
@@ -469,13 +473,25 @@ class QueryPipeline:
         gw, gu = window[firsts], users[firsts]  # groups are sorted by (window, user)
         state = self.tables.users.read(gw, gu)
         before = state.admitted
-        assigned = self.bounder.assign_slots(before, group_of)
-        admitted = assigned.admitted
-        self.stats.dropped["contribution_bound"] += int(len(order) - admitted.sum())
+        if self.plan.per_key_bound == 1:
+            # at most one record per (user, key): only a user's first record for a key competes
+            # for the user's C slots (docs/privacy.md, "Per-key bound")
+            eligible = np.nonzero(first_for_key(group_of, events.key_ids[idx], state.group, state.key))[0]
+            self.stats.dropped["per_key_bound"] += int(len(order) - len(eligible))
+            assigned = self.bounder.assign_slots(before, group_of[eligible])
+            admitted = np.zeros(len(order), dtype=bool)
+            admitted[eligible] = assigned.admitted
+            slots = np.zeros(len(order), dtype=np.int64)
+            slots[eligible] = assigned.slots
+            self.stats.dropped["contribution_bound"] += int(len(eligible) - assigned.admitted.sum())
+        else:
+            assigned = self.bounder.assign_slots(before, group_of)
+            admitted, slots = assigned.admitted, assigned.slots
+            self.stats.dropped["contribution_bound"] += int(len(order) - admitted.sum())
         keep = idx[admitted]
         rec_group, rec_trigger = group_of[admitted], trigger[admitted]
         rec_keys, rec_ids, rec_levels, rec_roots = events.keys[keep], events.key_ids[keep], np.ones(len(keep), dtype=np.int64), events.key_ids[keep]
-        rec_window, rec_users, rec_slots, rec_units = window[admitted], users[admitted], assigned.slots[admitted], units[admitted]
+        rec_window, rec_users, rec_slots, rec_units = window[admitted], users[admitted], slots[admitted], units[admitted]
         if self.hierarchy_depth > 1:
             # a hierarchy: each admitted record adds one to one key of every level (the prefixes
             # of its key), record-major; the user's C slots are shared by the levels and stage 2

@@ -164,3 +164,43 @@ def key_histories(group_of: np.ndarray, key_ids: np.ndarray, triggers: np.ndarra
         return KeyHistory(previous, amend, sg, sk, st)
     at = bounds[g[fresh] + 1]  # after the group's last entry
     return KeyHistory(previous, amend, np.insert(sg, at, g[fresh]), np.insert(sk, at, k[fresh]), np.insert(st, at, t[fresh]))
+
+
+def first_for_key(group_of: np.ndarray, key_ids: np.ndarray, state_group: np.ndarray, state_key: np.ndarray) -> np.ndarray:
+    """Per record (arrival order): whether it is its user's first record for its key in the window,
+    i.e. no state entry of its group has its key and no earlier record of the batch has its
+    (group, key). The per-key bound of 1 (``per_key_bound``; docs/privacy.md, "Per-key bound")
+    admits only these records: a user then adds at most one record to any key.
+
+    ``state_group`` ascending with ``state_key`` (the user states of :func:`key_histories`: every
+    admitted record's key is there until the user reaches C, after which nothing is admitted)."""
+    n = len(group_of)
+    first = np.zeros(n, dtype=bool)
+    if n == 0:
+        return first
+    g = np.asarray(group_of, dtype=np.int64)
+    k = np.asarray(key_ids, dtype=np.uint64)
+    # first in the batch: the earliest record of each (group, key), by one stable sort
+    order = np.lexsort((k, g))  # stable: ties keep arrival order
+    sg_, sk_ = g[order], k[order]
+    head = np.ones(n, dtype=bool)
+    head[1:] = (sg_[1:] != sg_[:-1]) | (sk_[1:] != sk_[:-1])
+    first[order[head]] = True
+    # ... and not in the user's state: compare each candidate with its group's entries (< C each)
+    sg = np.asarray(state_group, dtype=np.int64)
+    if len(sg):
+        sk = np.asarray(state_key, dtype=np.uint64)
+        bounds = np.zeros(max(int(g.max()), int(sg.max())) + 2, dtype=np.int64)
+        np.cumsum(np.bincount(sg, minlength=len(bounds) - 1), out=bounds[1:])
+        cand = np.nonzero(first)[0]
+        lo = bounds[g[cand]]
+        count = bounds[g[cand] + 1] - lo
+        total = int(count.sum())
+        if total:
+            asking = np.repeat(np.arange(len(cand)), count)
+            starts = np.cumsum(count) - count
+            entry = lo[asking] + (np.arange(total) - starts[asking])
+            has = np.nonzero(count)[0]
+            seen = np.logical_or.reduceat(sk[entry] == k[cand[asking]], starts[has])
+            first[cand[has[seen]]] = False
+    return first

@@ -1,0 +1,133 @@
+"""The per-key bound (``per_key_bound: 1``): a user adds at most one record to any key.
+
+The accountant charges the perturbation sqrt(C c_k) L instead of C L on this promise, so it must
+hold through the real stage 1 (QueryPipeline.bound) for any arrival order, any split into
+micro-batches (state carried between them in the store), duplicated lines, and users with many
+records on one key. And the charge must cover what one user can actually change.
+"""
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from accountant.calibration import read_levels
+from accountant.plan import BudgetError, QueryBudget, plan_query
+from processor.config import QueryConfig
+from processor.engine.pipeline import EventColumns, QueryPipeline
+from processor.mechanisms.bounding import first_for_key
+from processor.mechanisms.noise import NodeNoise, Pseudonymizer
+from state.store import MemoryStore, WriteBatch
+from tests.conftest import TEST_SECRET
+
+DAY = 86_400_000
+START = 1_795_132_800_000
+
+
+def _query(C, **kw):
+    return QueryConfig(name="pk", window="1d", triggers=8, contribution_bound=C, epsilon=6.0, delta=1e-9,
+                       allowed_lateness="0s", per_key_bound=1, **kw)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), C=st.integers(1, 6), users=st.integers(1, 6), keys=st.integers(1, 5))
+def test_stage_one_admits_each_users_first_record_per_key_up_to_c(data, C, users, keys):
+    """Through QueryPipeline.bound over several micro-batches: the admitted records are, per user,
+    the first record of each key in arrival order, the first C of those; never two for a key."""
+    n = data.draw(st.integers(1, 60))
+    rows = data.draw(st.lists(st.tuples(st.integers(0, users - 1), st.integers(0, keys - 1), st.integers(0, 7)),
+                              min_size=n, max_size=n))
+    if data.draw(st.booleans()):
+        rows = rows + rows  # every line twice
+    cuts = sorted(set(data.draw(st.lists(st.integers(1, max(1, len(rows) - 1)), max_size=4))))
+    pseudo = Pseudonymizer(TEST_SECRET)
+    pipe = QueryPipeline(_query(C), NodeNoise(TEST_SECRET), MemoryStore(), pseudo)
+    admitted = []
+    for lo, hi in zip([0] + cuts, cuts + [len(rows)]):
+        part = rows[lo:hi]
+        if not part:
+            continue
+        key_text = [f"k{k}" for _, k, _ in part]
+        ts = np.array([START + t * (DAY // 8) for _, _, t in part], dtype=np.int64)
+        cols = EventColumns(pseudo.users([f"u{u}" for u, _, _ in part]), np.array(key_text, dtype=object),
+                            pseudo.group_keys(key_text), np.ones(len(part)), ts)
+        batch = WriteBatch()
+        out = pipe.bound(cols, ts, batch)  # each event arrives at its own time
+        pipe.store.write(batch)
+        admitted += list(zip(out.users.tolist(), out.keys.tolist()))
+    # the rule, computed plainly: per user, first record of each key, in arrival order, first C
+    expected, firsts = [], {}
+    for u, k, _ in rows:
+        mine = firsts.setdefault(u, [])
+        if f"k{k}" not in mine and len(mine) < C:
+            mine.append(f"k{k}")
+    users_of = dict(zip(pseudo.users([f"u{u}" for u in range(users)]).tolist(), range(users)))
+    got = {}
+    for user, key in admitted:
+        got.setdefault(users_of[user], []).append(key)
+    assert {u: sorted(v) for u, v in got.items()} == {u: sorted(v) for u, v in firsts.items() if v}
+    assert all(len(v) == len(set(v)) <= C for v in got.values())
+    dropped = pipe.stats.dropped
+    assert dropped["per_key_bound"] + dropped["contribution_bound"] + len(admitted) == len(rows)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(st.integers(0, 4), st.integers(0, 3)), max_size=30),
+       st.lists(st.tuples(st.integers(0, 4), st.integers(0, 3)), max_size=12))
+def test_first_for_key_matches_a_plain_loop(batch, state):
+    state = sorted(set(state))
+    got = first_for_key(np.array([g for g, _ in batch], dtype=np.int64), np.array([k for _, k in batch], dtype=np.uint64),
+                        np.array([g for g, _ in state], dtype=np.int64), np.array([k for _, k in state], dtype=np.uint64))
+    seen = set(state)
+    want = []
+    for pair in batch:
+        want.append(pair not in seen)
+        seen.add(pair)
+    assert got.tolist() == want
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_one_users_change_is_within_the_charge(seed):
+    """One user with c_k = 1: at most one record (|value| <= L) per key, C keys. Over every read
+    node of every key's perturbation tree the squared change is at most h C L^2, the charge
+    h (sqrt(C c_k) L)^2; adversarial draws put the user's records at one trigger on distinct keys
+    with value +-L (the worst case, attained)."""
+    rng = np.random.default_rng(seed)
+    T, C, L = 16, 5, 1.0
+    h = read_levels(T)
+    plan = plan_query(QueryBudget(epsilon=6.0, delta=1e-9, triggers=T, contribution_bound=C, per_key_bound=1))
+    keys = rng.choice(40, size=C, replace=False)
+    trigger = rng.integers(1, T + 1, size=C) if seed % 2 else np.full(C, 1)
+    values = rng.choice([-L, L], size=C)
+    total = 0.0
+    for key, t, v in zip(keys, trigger, values):
+        leaves = np.zeros(T)
+        leaves[t - 1] = v
+        for level in range(h):
+            width = 1 << level
+            nodes = leaves[: (T // width) * width].reshape(-1, width).sum(axis=1)
+            total += float((nodes ** 2).sum())
+    assert total <= h * C * plan.per_key_bound * L ** 2
+    if seed % 2 == 0:
+        assert total == h * C * L ** 2  # attained: every record at leaf 1 is in a read node of every level
+    assert plan.sigma_perturbation == pytest.approx(math.sqrt(C) * math.sqrt(h / (2 * plan.rho_perturbation)), rel=1e-12)
+
+
+def test_per_key_bound_is_refused_where_it_is_not_enforced():
+    with pytest.raises(BudgetError) as err:
+        plan_query(QueryBudget(epsilon=1.0, delta=1e-6, triggers=8, contribution_bound=4, per_key_bound=2))
+    assert err.value.field == "per_key_bound"
+    with pytest.raises(BudgetError) as err:
+        plan_query(QueryBudget(epsilon=1.0, delta=1e-6, triggers=8, contribution_bound=4, per_key_bound=1, hierarchy_depth=2))
+    assert err.value.field == "per_key_bound"
+
+
+def test_per_key_bound_shrinks_only_the_perturbation_noise():
+    base = dict(epsilon=6.0, delta=1e-9, triggers=100, contribution_bound=32)
+    for counter in ("binary_tree", "blt"):
+        off = plan_query(QueryBudget(counter=counter, **base))
+        on = plan_query(QueryBudget(counter=counter, per_key_bound=1, **base))
+        assert on.sigma_key_selection == off.sigma_key_selection
+        # exactly 1/sqrt(C) for the tree; the BLT's rounding slack does not shrink with c_k
+        assert on.sigma_perturbation / off.sigma_perturbation == pytest.approx(1 / math.sqrt(32), rel=1e-12 if counter == "binary_tree" else 3e-3)
