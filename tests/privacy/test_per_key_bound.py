@@ -57,7 +57,7 @@ def test_stage_one_admits_each_users_first_record_per_key_up_to_c(data, C, users
         pipe.store.write(batch)
         admitted += list(zip(out.users.tolist(), out.keys.tolist()))
     # the rule, computed plainly: per user, first record of each key, in arrival order, first C
-    expected, firsts = [], {}
+    firsts = {}
     for u, k, _ in rows:
         mine = firsts.setdefault(u, [])
         if f"k{k}" not in mine and len(mine) < C:
