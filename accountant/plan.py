@@ -113,6 +113,9 @@ class QueryBudget:
     #: c_k: records a user may add to one key (None: up to C). Stage 1 enforces 1 (the user's
     #: first record per key); the perturbation sensitivity is then sqrt(C c_k) L, not C L
     per_key_bound: Optional[int] = None
+    #: the perturbation stream's step: "trigger" (the paper's) or "release" (the key's release
+    #: number, public); None: trigger
+    perturbation_steps: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -163,6 +166,8 @@ class PrivacyPlan:
     counter_sensitivity_sq: Optional[float] = None
     #: c_k (records per user and key) when declared; None: C
     per_key_bound: Optional[int] = None
+    #: "release" when the perturbation stream steps once per release of the key; None: per trigger
+    perturbation_steps: Optional[str] = None
     conversion: str = "zCDP -> (eps, delta): Canonne-Kamath-Steinke 2020 Prop. 12 (optimal)"
 
     @property
@@ -239,6 +244,8 @@ def _check(budget: QueryBudget) -> None:
                                                f"bounds are not enforced yet), got {budget.per_key_bound!r}")
         if budget.hierarchy_depth > 1:
             raise BudgetError("per_key_bound", "is not supported with a hierarchy (hierarchy_depth > 1)")
+    if budget.perturbation_steps not in (None, "trigger", "release"):
+        raise BudgetError("perturbation_steps", f"must be 'trigger' or 'release', got {budget.perturbation_steps!r}")
     if budget.composition not in ("zcdp", "gdp", "basic"):
         raise BudgetError("composition", f"must be 'zcdp', 'gdp' or 'basic', got {budget.composition!r}")
     if budget.resolution is not None:
@@ -466,6 +473,7 @@ def plan_levels(budget: QueryBudget) -> tuple[PrivacyPlan, ...]:
             counter=None if counter is BINARY_TREE else counter.name,
             counter_sensitivity_sq=None if counter is BINARY_TREE else h,
             per_key_bound=budget.per_key_bound,
+            perturbation_steps="release" if budget.perturbation_steps == "release" else None,
             conversion=GDP_CONVERSION if budget.composition == "gdp" else PrivacyPlan.conversion,
         ))
     return tuple(plans)

@@ -93,8 +93,12 @@ def _human_plan(query: QueryConfig, plan: PrivacyPlan) -> str:
         f"query {query.name}: ({plan.epsilon:g}, {plan.delta:g})-DP per user and window "
         f"({query.window}, T={T} triggers, C={C} records per user, L={plan.clamp:g})",
         f"  composition        {plan.composition}"
-        + ("  (key selection and perturbation add in zCDP; one optimal CKS conversion)" if plan.composition == "zcdp" else "  (paper's split, parts added)"),
-        f"  tree height h      {plan.tree_height} levels read by some output (floor(lg {T}) + 1)",
+        + {"zcdp": "  (key selection and perturbation add in zCDP; one optimal CKS conversion)",
+           "gdp": "  (key selection and perturbation add exactly in Gaussian DP, mu^2; one GDP conversion)"}.get(
+               plan.composition, "  (paper's split, parts added)"),
+        (f"  tree height h      {plan.tree_height} levels read by some output (floor(lg {T}) + 1)" if plan.counter is None else
+         f"  counter            {plan.counter}: squared sensitivity of one increment h = {plan.counter_sensitivity_sq:.4f} "
+         f"(plus the lattice rounding slack)"),
         f"  rho total          {plan.rho_total:.6g}   conversion delta {plan.delta_conversion:.4g}",
         f"  key selection      rho {plan.rho_key_selection:.6g} = C x {plan.rho_key_selection_per_tree:.4g} per round tree "
         f"(sensitivity 1, h levels); sigma_k = {plan.sigma_key_selection:.4f} users",
@@ -102,14 +106,17 @@ def _human_plan(query: QueryConfig, plan: PrivacyPlan) -> str:
         f"  thresholds         beta {plan.beta:.4g}; (e^eps+1) {'levels ' if plan.levels > 1 else ''}C beta = {plan.delta_beta:.4g}; z = sqrt(2 ln(T/beta)) = {plan.tail_multiplier:.4f}",
         f"                     release when noisy users > mu + tau_i, mu = {plan.key_threshold:g}: tau_1 = {taus[0]:.2f}, "
         f"tau_T = {taus[-1]:.2f}, min {min(taus):.2f}, max {max(taus):.2f}",
-        f"  perturbation       rho {plan.rho_perturbation:.6g}, sensitivity C*L = {C * plan.clamp:g}; sigma_m = {plan.sigma_perturbation:.4f}"
+        (f"  perturbation       rho {plan.rho_perturbation:.6g}, sensitivity C*L = {C * plan.clamp:g}; sigma_m = {plan.sigma_perturbation:.4f}"
+         if plan.per_key_bound is None else
+         f"  perturbation       rho {plan.rho_perturbation:.6g}, per-key bound c_k = {plan.per_key_bound}: sensitivity sqrt(C c_k)*L = "
+         f"{(C * plan.per_key_bound) ** 0.5 * plan.clamp:.4g}; sigma_m = {plan.sigma_perturbation:.4f}")
         + (f" (grid {plan.resolution:g})" if plan.aggregate == "sum" else ""),
         *([f"                     {len(plan.columns)} columns, rho_m split equally: "
            + "; ".join(f"{name} sigma {sigma:.4f}" + (f" (grid {step:g})" if kind == "value" else "")
                        for name, (kind, sigma, _, step) in zip(_column_names(query), plan.columns))] if plan.columns else []),
         f"                     on its own: eps {plan.epsilon_perturbation:.4f}, delta {plan.delta_perturbation:.4g}",
         *(_human_levels(query, plan) if query.hierarchy else []),
-        f"  sampler            TV <= 2^-100 per node -> delta += {plan.delta_sampler:.3g}",
+        f"  sampler            TV <= 2^-100 per noise draw -> delta += {plan.delta_sampler:.3g}",
         f"  total spent        eps {plan.epsilon_spent:.6f}, delta {plan.delta_spent:.6g}  (declared {plan.epsilon:g}, {plan.delta:g})",
         f"  expected stddev    {plan.expected_stddev:.2f} of a released {_column_names(query)[0]} at the last trigger"
         + (" (level 1)" if query.hierarchy else ""),
@@ -325,7 +332,8 @@ def cmd_bench_dpsqlp(args: argparse.Namespace) -> int:
 
     run_dpsqlp_bench(users=args.users, keys=args.keys, triggers=args.triggers, seed=args.seed, json_path=args.json,
                      plot_path=args.plot, state=args.state, processes=args.processes, runs=args.runs, counter=args.counter,
-                     composition=args.composition, per_key_bound=args.per_key_bound, key_selection_share=args.key_selection_share)
+                     composition=args.composition, per_key_bound=args.per_key_bound, key_selection_share=args.key_selection_share,
+                     perturbation_steps=args.perturbation_steps)
     return 0
 
 
@@ -532,6 +540,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="records a user may add to one key (default: up to C); 1 keeps each user's first record per key")
     dpsqlp.add_argument("--key-selection-share", type=float, default=0.5,
                         help="share of the Gaussian budget (mu^2 or rho) for key selection (default 0.5)")
+    dpsqlp.add_argument("--perturbation-steps", choices=["trigger", "release"], default="trigger",
+                        help="the perturbation counter steps once per trigger (default, the paper's) or once per release of the key")
     dpsqlp.add_argument("--json", help="write the results (and the per-trigger curve) to this JSON file")
     dpsqlp.add_argument("--plot", help="draw error and retained keys vs trigger to this PNG")
     dpsqlp.set_defaults(func=cmd_bench_dpsqlp)

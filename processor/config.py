@@ -122,6 +122,9 @@ class QueryConfig(BaseModel):
     #: records a user may add to one key (c_k): null (up to contribution_bound) or 1, the user's
     #: first record per key; the perturbation noise then scales with sqrt(C c_k) instead of C
     per_key_bound: Optional[int] = None
+    #: the perturbation counter's step: trigger (the paper's layout) or release (one step per
+    #: release of the key: fewer steps, less noise); docs/privacy.md, "Perturbation steps"
+    perturbation_steps: Literal["trigger", "release"] = "trigger"
     resolution: Optional[float] = None
     #: key_fields are a hierarchy, coarse to fine (country > state > city): one histogram per
     #: level (key = prefix of key_fields), published consistent (docs/privacy.md, "Post-processing: hierarchical consistency")
@@ -204,6 +207,7 @@ class QueryConfig(BaseModel):
             composition=self.composition,
             counter=self.counter,
             per_key_bound=self.per_key_bound,
+            perturbation_steps=self.perturbation_steps,
             resolution=self.resolution,
             hierarchy_depth=self.hierarchy_depth,
             level_shares=tuple(self.level_shares) if self.level_shares is not None else None,

@@ -122,3 +122,34 @@ def test_release_validation(noise):
     np.testing.assert_array_equal(batch.released_units, snapshot[0])
     np.testing.assert_array_equal(batch.done, snapshot[1])
     np.testing.assert_array_equal(batch.cache, snapshot[2])
+
+
+@pytest.mark.parametrize("counter", ["binary_tree", "blt"])
+def test_release_steps_index_the_stream_by_release_number(noise, counter):
+    """``perturbation_steps: release``: a key's j-th release reads step j of its stream, whatever
+    the triggers it happens at, with the noise of that step (the same as a trigger-indexed
+    stream's at trigger j, since stream ids and draws are the same), and its stddev is the
+    counter's at step j. Releasing twice at one trigger, or beyond T releases, is refused."""
+    plan_r = plan_query(QueryBudget(**BASE, counter=counter, perturbation_steps="release"))
+    plan_t = plan_query(QueryBudget(**BASE, counter=counter))
+    assert plan_r.sigma_perturbation == plan_t.sigma_perturbation  # the step layout costs nothing
+    T, n = plan_r.triggers, 300
+    rng = np.random.default_rng(4)
+    deltas = rng.integers(0, 3, size=(T + 1, n))
+    by_release = HierarchicalPerturber(plan_r, noise, "steps", 0)
+    by_trigger = HierarchicalPerturber(plan_t, noise, "steps", 0)
+    sparse = [3, 4, 9, 15]  # released at these triggers: steps 1, 2, 3, 4
+    got = _run(by_release, [f"k{i}" for i in range(n)], deltas, sparse)
+    dense = by_trigger.new_batch([f"k{i}" for i in range(n)])
+    for j, trigger in enumerate(sparse, 1):
+        # the trigger-indexed stream at trigger j carries the noise the release-indexed one reads
+        # at step j; feed it the same cumulative data by then
+        buffered = deltas[(sparse[j - 2] + 1 if j > 1 else 1):trigger + 1].sum(axis=0)
+        values = np.asarray(by_trigger.release(dense, j, buffered))
+        np.testing.assert_array_equal(got[trigger][0], values)
+    assert by_release.stddev(2) == pytest.approx(plan_r.sigma_perturbation * math.sqrt(
+        by_release.counter.calibration.step_variance(2, T)))
+    batch = by_release.new_batch(["a"])
+    batch.done[:] = T
+    with pytest.raises(ValueError, match="more often"):
+        by_release.release(batch, T, np.zeros(1, dtype=np.int64))

@@ -776,14 +776,14 @@ class QueryPipeline:
                                    self._tree_ids(window, sub, "pert_tree" + suffix, sel_names, perturber.kind))
             rows["pert_tree" + suffix][sidx] = sub["pert_tree" + suffix]
             values[column.name] = perturber.release(pb, trigger, rows["buffer" + suffix][sidx])  # exact: whole grid steps
-            stddevs[column.name] = perturber.stddev(trigger)
+            stddevs[column.name] = [perturber.stddev(int(step)) for step in pb.done.tolist()]
             rows["released" + suffix][sidx] = pb.released_units
             rows["pcache" + suffix][sidx] = pb.cache
             rows["buffer" + suffix][sidx] = 0
-        rows["pdone"][sidx] = trigger
+        rows["pdone"][sidx] = pb.done  # every column steps alike
         releases = []
         for i, j in enumerate(sidx.tolist()):
-            fields = self.aggregate.release_fields({name: v[i] for name, v in values.items()}, stddevs)
+            fields = self.aggregate.release_fields({name: v[i] for name, v in values.items()}, {name: v[i] for name, v in stddevs.items()})
             record = release_record(
                 query=self.query.name, window_start=window, window_end=window + self.schedule.window_ms, trigger=trigger,
                 trigger_time=self.schedule.trigger_time(window, trigger), key=key_for_output(names[j], self.query.key_fields),

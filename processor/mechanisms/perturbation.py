@@ -35,7 +35,7 @@ class PerturbationBatch:
 
     keys: list
     released_units: np.ndarray  # exact sum (grid units) of everything released so far
-    done: np.ndarray  # last leaf (trigger) released, 0 if none
+    done: np.ndarray  # last step released (its trigger, or its release number), 0 if none
     cache: np.ndarray  # (n, tree_levels) int64 frontier noise integers Fz at `done` (processor.mechanisms.tree)
     _tree_ids: np.ndarray | None = field(default=None, repr=False)
 
@@ -68,6 +68,9 @@ class HierarchicalPerturber:
             self.integer = kind == "one"
         self.counter = counter_for(plan.counter or BINARY_TREE.name, plan.triggers, sigma_units, noise)
         self.noise = noise
+        #: the stream's step: the trigger (the paper's layout) or the key's release number
+        #: (``perturbation_steps: release``; docs/privacy.md, "Perturbation steps")
+        self.by_release = plan.perturbation_steps == "release"
 
     @property
     def state_width(self) -> int:
@@ -89,15 +92,22 @@ class HierarchicalPerturber:
         prefix. Mutates ``batch``."""
         if not 1 <= trigger <= self.plan.triggers:
             raise ValueError(f"trigger {trigger} outside 1..{self.plan.triggers}")
-        if (batch.done >= trigger).any():
-            raise ValueError("a key was already released at or after this trigger")
         delta_units = np.asarray(delta_units, dtype=np.int64)
-        leaf = np.full(len(batch), trigger, dtype=np.int64)
+        if self.by_release:
+            # step = the key's release number, public (every release is an output); a key is
+            # released at most once per trigger, so at most T steps
+            leaf = batch.done + 1
+            if (leaf > self.plan.triggers).any():
+                raise ValueError("a key was released more often than there are triggers")
+        else:
+            if (batch.done >= trigger).any():
+                raise ValueError("a key was already released at or after this trigger")
+            leaf = np.full(len(batch), trigger, dtype=np.int64)
         walk = self.counter.walk(self.tree_ids(batch), batch.done, leaf, batch.cache)
         prefix = walk.prefix(np.arange(len(batch)), leaf)
         batch.released_units += delta_units
         batch.cache = walk.state_at(leaf)
-        batch.done[:] = trigger
+        batch.done[:] = leaf
         return prefix.rounded(batch.released_units)
 
     def release(self, batch: PerturbationBatch, trigger: int, delta_units: np.ndarray) -> list:
@@ -111,6 +121,7 @@ class HierarchicalPerturber:
             return [int(u) for u in units.tolist()]
         return [u * self.resolution for u in units.tolist()]
 
-    def stddev(self, trigger: int) -> float:
-        """Standard deviation of a release at ``trigger`` (value units), from the accountant."""
-        return self.sigma * self.counter.calibration.step_variance(trigger, self.plan.triggers) ** 0.5
+    def stddev(self, step: int) -> float:
+        """Standard deviation of a release at ``step`` (the trigger, or the key's release number
+        with ``perturbation_steps: release``), in value units, from the accountant."""
+        return self.sigma * self.counter.calibration.step_variance(step, self.plan.triggers) ** 0.5
