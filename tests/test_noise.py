@@ -347,3 +347,21 @@ def test_pseudonyms_are_pinned_to_the_state_format():
     assert pseudo.users(["alice", "bob", "ünï"]).tolist() == [12139158927704999413, 1299637599159585057, 7319962425422372639]
     assert pseudo.encoded_users(["alice".encode(), "ünï".encode()]).tolist() == [12139158927704999413, 7319962425422372639]
     assert pseudo.group_keys(["page-1", "ключ"]).tolist() == [14790089320644102342, 5338007936951201107]
+
+
+@pytest.mark.parametrize("sigma", [3.0, 129.5, 40000.0])
+def test_sampler_lookup_equals_a_plain_search_at_any_table_size(sigma):
+    """The guide table grows with the table (lattice counters sample at scales near 65,536);
+    whatever its size a uniform u maps to x_k with k = #{j : cum[j] <= u}, the plain 128-bit
+    search, including u equal to a table entry in its high word."""
+    sampler = DiscreteGaussian(sigma)
+    rng = np.random.default_rng(7)
+    hi = rng.integers(0, 1 << 63, size=200_000, dtype=np.uint64) * np.uint64(2) + rng.integers(0, 2, size=200_000, dtype=np.uint64)
+    lo = rng.integers(0, 1 << 63, size=200_000, dtype=np.uint64)
+    hi[:50], lo[:50] = sampler._hi[::max(1, len(sampler._hi) // 50)][:50], sampler._lo[::max(1, len(sampler._hi) // 50)][:50]
+    cum = [int(h) << 64 | int(l) for h, l in zip(sampler._hi.tolist(), sampler._lo.tolist())]
+    import bisect
+    got = sampler.from_uniform(hi, lo)
+    for i in list(range(50)) + rng.integers(50, 200_000, size=2000).tolist():
+        u = int(hi[i]) << 64 | int(lo[i])
+        assert got[i] == bisect.bisect_right(cum, u) - sampler.bound

@@ -211,17 +211,21 @@ class DiscreteGaussian:
         self._hi = np.array([c >> 64 for c in cum], dtype=np.uint64)
         self._lo = np.array([c & ((1 << 64) - 1) for c in cum], dtype=np.uint64)
 
-        # Guide table over the top GUIDE_BITS of the high word: a bucket holding no table
-        # entry decides the sample with one lookup; the few others fall back to a search.
-        edges = np.arange(1 << GUIDE_BITS, dtype=np.uint64) << np.uint64(64 - GUIDE_BITS)
+        # Guide table over the top bits of the high word: a bucket holding no table entry
+        # decides the sample with one lookup; the few others fall back to a search. At least
+        # GUIDE_BITS, and about twice as many buckets as entries for large tables (the lattice
+        # counters' scales), so that most draws still take the lookup (at most 2^22 buckets).
+        self._guide_bits = min(22, max(GUIDE_BITS, len(self._hi).bit_length() + 1))
+        edges = np.arange(1 << self._guide_bits, dtype=np.uint64) << np.uint64(64 - self._guide_bits)
         first = np.searchsorted(self._hi, edges, side="left")
-        self._guide = first.astype(np.int64)
-        self._guide_next = np.append(first[1:], len(self._hi)).astype(np.int64)
+        self._guide = first.astype(np.int64 if len(self._hi) >= 1 << 31 else np.int32)
+        self._guide_next = np.append(first[1:], len(self._hi)).astype(self._guide.dtype)
 
     def from_uniform(self, hi: np.ndarray, lo: np.ndarray) -> np.ndarray:
-        """Map 128-bit uniforms (hi, lo words) to samples, with integer comparisons only."""
-        bucket = (hi >> np.uint64(64 - GUIDE_BITS)).astype(np.int64)
-        index = self._guide[bucket]
+        """Map 128-bit uniforms (hi, lo words) to samples, with integer comparisons only. The
+        sample is ``x_k`` with ``k = #{j : cum[j] <= u}``, however the guide table is sized."""
+        bucket = (hi >> np.uint64(64 - self._guide_bits)).astype(np.int64)
+        index = self._guide[bucket].astype(np.int64)
         open_ = np.nonzero(self._guide_next[bucket] != index)[0]
         if len(open_):
             h = hi[open_]
