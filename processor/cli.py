@@ -328,12 +328,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_dpsqlp(args: argparse.Namespace) -> int:
-    from processor.bench.dpsqlp import run_dpsqlp_bench
+    from processor.bench.dpsqlp import run_dpsqlp_bench, run_dpsqlp_compare
 
-    run_dpsqlp_bench(users=args.users, keys=args.keys, triggers=args.triggers, seed=args.seed, json_path=args.json,
-                     plot_path=args.plot, state=args.state, processes=args.processes, runs=args.runs, counter=args.counter,
-                     composition=args.composition, per_key_bound=args.per_key_bound, key_selection_share=args.key_selection_share,
-                     perturbation_steps=args.perturbation_steps)
+    counters = [c.strip() for c in args.counter.split(",") if c.strip()]
+    bad = [c for c in counters if c not in ("tree", "blt")]
+    if bad or not counters:
+        raise ConfigError(f"--counter: tree, blt or a comma-separated list of them, got {args.counter!r}")
+    common = dict(users=args.users, keys=args.keys, seed=args.seed, state=args.state, processes=args.processes, runs=args.runs,
+                  composition=args.composition, per_key_bound=args.per_key_bound, key_selection_share=args.key_selection_share,
+                  perturbation_steps=args.perturbation_steps)
+    if len(counters) > 1:
+        run_dpsqlp_compare(counters, args.triggers, json_path=args.json, plot_path=args.plot, **common)
+    else:
+        run_dpsqlp_bench(triggers=args.triggers, json_path=args.json, plot_path=args.plot, counter=counters[0], **common)
     return 0
 
 
@@ -532,8 +539,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="2 (default): stage 1 (by user) and stage 2 (by key) in two processes with their own stores, "
                              "as deployed; 1: both in this process")
     dpsqlp.add_argument("--runs", type=int, default=1, help="run the workload this many times; times are medians (default 1)")
-    dpsqlp.add_argument("--counter", choices=["tree", "blt"], default="tree",
-                        help="continual counter of dpstream's run: tree (the paper's binary tree, default) or blt")
+    dpsqlp.add_argument("--counter", default="tree",
+                        help="continual counter of dpstream's run: tree (the paper's binary tree, default) or blt; "
+                             "tree,blt runs the workload once per counter and compares them (one plot with both)")
     dpsqlp.add_argument("--composition", choices=["zcdp", "gdp", "basic"], default="zcdp",
                         help="how the Gaussian parts compose (default zcdp; gdp is exact Gaussian DP)")
     dpsqlp.add_argument("--per-key-bound", type=int, choices=[1], default=None,

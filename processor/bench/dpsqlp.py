@@ -307,3 +307,50 @@ def _plot(curve: dict, triggers: int, path: str) -> None:
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def run_dpsqlp_compare(counters: list, triggers: int, json_path: str | None = None, plot_path: str | None = None, out=sys.stdout,
+                       **kwargs) -> dict:
+    """The workload once per counter (same data, same secret, same budget and options), then
+    the counters side by side with the paper's DP-SQLP and the best baseline."""
+    reports = {c: run_dpsqlp_bench(triggers=triggers, counter=c, out=out, **kwargs) for c in counters}
+    paper = PAPER.get(triggers, {}).get("DP-SQLP")
+    p = lambda s="": print(s, file=out, flush=True)  # noqa: E731
+    first = reports[counters[0]]
+    p(f"\ncounters compared (T={triggers}, composition {first['composition']}, per-key bound {first['per_key_bound'] or 'none'}, "
+      f"key selection share {first['key_selection_share']:g}, perturbation steps per {first['perturbation_steps']}):")
+    p(f"{'':14}" + "".join(f"{c:>14}" for c in counters) + f"{'paper DP-SQLP':>16}{'Baseline 1':>14}")
+    for i, metric in enumerate(("keys", "linf", "l1", "l2")):
+        row = f"{metric:14}" + "".join(f"{reports[c]['results']['DP-SQLP'][metric]:>14,.0f}" for c in counters)
+        row += f"{paper[i]:>16,}" if paper else f"{'':>16}"
+        row += f"{first['results']['Baseline 1'][metric]:>14,.0f}"
+        p(row)
+    comparison = {"triggers": triggers, "counters": counters, "runs": reports}
+    if json_path:
+        with open(json_path, "w") as fh:
+            json.dump(comparison, fh, indent=2)
+    if plot_path:
+        _plot_counters({c: r["curve"] for c, r in reports.items()}, triggers, plot_path)
+    return comparison
+
+
+def _plot_counters(curves: dict, triggers: int, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    any_curve = next(iter(curves.values()))
+    for name, curve in curves.items():
+        axes[0].plot(curve["trigger"], [e["l2"] for e in curve["DP-SQLP"]], label=f"dpstream, {name}")
+        axes[1].plot(curve["trigger"], [e["keys"] for e in curve["DP-SQLP"]], label=f"dpstream, {name}")
+    axes[0].plot(any_curve["trigger"], [e["l2"] for e in any_curve["Baseline 1"]], label="Baseline 1", linestyle=":")
+    axes[1].plot(any_curve["trigger"], [e["keys"] for e in any_curve["Baseline 1"]], label="Baseline 1", linestyle=":")
+    axes[0].set(xlabel="trigger", ylabel="l2 error vs data so far", yscale="log", title=f"Error over the day (T={triggers})")
+    axes[1].set(xlabel="trigger", ylabel="keys released", title="Retained keys")
+    for ax in axes:
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
