@@ -197,6 +197,20 @@ def counter_calibration(name: str) -> CounterCalibration:
         raise ValueError(f"counter: must be one of {', '.join(CONFIG_NAMES)}, got {name!r}") from None
 
 
+def lattice_sigma(mu_sq: float, squares: float, l1: float, touched: int, steps: int, counter: CounterCalibration) -> float:
+    """The smallest sigma with ``sigma^2 mu^2 >= squares ||c||^2 + 2 kappa sigma l1 ||c||_1 +
+    touched T kappa^2 sigma^2`` (see slack_sigma): a user whose increments over the streams it
+    reaches have squares adding to ``squares``, absolute values to ``l1``, on ``touched`` streams."""
+    col2 = counter.sensitivity_sq(steps)
+    kappa = 2.0 * counter.slack(steps) / LATTICE_TARGET_SIGMA
+    a = mu_sq - touched * steps * kappa * kappa
+    if a <= 0:
+        raise ValueError("the budget is too small for the lattice counter's rounding slack")
+    b = 2.0 * kappa * l1 * counter.sensitivity_l1(steps)
+    c = squares * col2
+    return (b + math.sqrt(b * b + 4.0 * a * c)) / (2.0 * a)
+
+
 def slack_sigma(mu_sq: float, streams: int, bound: float, steps: int, counter: CounterCalibration,
                 per_stream: float | None = None) -> float:
     """The smallest sigma (value units) at which one user's privatized values move by at most

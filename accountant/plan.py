@@ -53,6 +53,7 @@ from accountant.counters import (
     BINARY_TREE,
     LATTICE_TARGET_SIGMA,
     counter_calibration,
+    lattice_sigma,
     slack_sigma,
 )
 
@@ -116,6 +117,9 @@ class QueryBudget:
     #: the perturbation stream's step: "trigger" (the paper's) or "release" (the key's release
     #: number, public); None: trigger
     perturbation_steps: Optional[str] = None
+    #: integer weights w_1..w_C of a user's 1st, 2nd, ... key in key selection (needs
+    #: per_key_bound 1, where a record's slot is its key's rank); None: 1 each
+    selection_weights: Optional[tuple] = None
 
 
 @dataclass(frozen=True)
@@ -168,6 +172,8 @@ class PrivacyPlan:
     per_key_bound: Optional[int] = None
     #: "release" when the perturbation stream steps once per release of the key; None: per trigger
     perturbation_steps: Optional[str] = None
+    #: key selection's weight per slot (1-based: index 0 is slot 1) when declared; None: 1 each
+    selection_weights: Optional[tuple] = None
     conversion: str = "zCDP -> (eps, delta): Canonne-Kamath-Steinke 2020 Prop. 12 (optimal)"
 
     @property
@@ -244,6 +250,14 @@ def _check(budget: QueryBudget) -> None:
                                                f"bounds are not enforced yet), got {budget.per_key_bound!r}")
         if budget.hierarchy_depth > 1:
             raise BudgetError("per_key_bound", "is not supported with a hierarchy (hierarchy_depth > 1)")
+    if budget.selection_weights is not None:
+        w = list(budget.selection_weights)
+        if budget.per_key_bound != 1:
+            raise BudgetError("selection_weights", "need per_key_bound 1 (a record's slot is then its key's rank for the user)")
+        if not (1 <= len(w) <= budget.contribution_bound and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= 1024
+                                                                  for x in w) and any(w)):
+            raise BudgetError("selection_weights", f"must be 1 to C = {budget.contribution_bound} integers in [0, 1024], not all 0, "
+                                                   f"got {w!r}")
     if budget.perturbation_steps not in (None, "trigger", "release"):
         raise BudgetError("perturbation_steps", f"must be 'trigger' or 'release', got {budget.perturbation_steps!r}")
     if budget.composition not in ("zcdp", "gdp", "basic"):
@@ -395,15 +409,24 @@ def plan_levels(budget: QueryBudget) -> tuple[PrivacyPlan, ...]:
     sigmas = []
     for rho_k, rho_m, *_ in parts:
         ck = budget.per_key_bound or C
+        weights = budget.selection_weights
+        if weights is not None:
+            # a user's j-th key adds w_j to that key's round stream (one stream per key with c_k
+            # = 1, the slots distinct): squared sensitivity sum_j w_j^2 per unit of ||c||^2
+            squares, l1, touched = sum(x * x for x in weights), sum(weights), sum(1 for x in weights if x)
+            sigma_k = (lattice_sigma(2.0 * rho_k, squares, l1, touched, T, counter) if counter.lattice
+                       else math.sqrt(squares * h / (2.0 * rho_k)))
         if counter.lattice:
             # one stream per (key, round) fed with unit increments, C of them per user; the
             # rounding slack widens each (accountant.counters.slack_sigma)
-            sigma_k = slack_sigma(2.0 * rho_k / C, 1, 1.0, T, counter)
+            if weights is None:
+                sigma_k = slack_sigma(2.0 * rho_k / C, 1, 1.0, T, counter)
             column_sigmas = [slack_sigma(2.0 * rho_m / ncols, C, C * (budget.clamp if kind == VALUE else 1.0), T, counter,
                                          per_stream=ck * (budget.clamp if kind == VALUE else 1.0))
                              for kind in kinds]
         elif ck < C:
-            sigma_k = math.sqrt(C * h / (2.0 * rho_k))
+            if weights is None:
+                sigma_k = math.sqrt(C * h / (2.0 * rho_k))
             # a user adds at most c_k B to a key and C B in all: the squared L2 change over keys,
             # per read level, is at most (C / c_k) (c_k B)^2 = C c_k B^2
             column_sigmas = [math.sqrt(C * ck) * (budget.clamp if kind == VALUE else 1.0) * math.sqrt(h / (2.0 * rho_m / ncols))
@@ -474,6 +497,7 @@ def plan_levels(budget: QueryBudget) -> tuple[PrivacyPlan, ...]:
             counter_sensitivity_sq=None if counter is BINARY_TREE else h,
             per_key_bound=budget.per_key_bound,
             perturbation_steps="release" if budget.perturbation_steps == "release" else None,
+            selection_weights=tuple(budget.selection_weights) if budget.selection_weights is not None else None,
             conversion=GDP_CONVERSION if budget.composition == "gdp" else PrivacyPlan.conversion,
         ))
     return tuple(plans)

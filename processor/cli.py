@@ -100,8 +100,10 @@ def _human_plan(query: QueryConfig, plan: PrivacyPlan) -> str:
          f"  counter            {plan.counter}: squared sensitivity of one increment h = {plan.counter_sensitivity_sq:.4f} "
          f"(plus the lattice rounding slack)"),
         f"  rho total          {plan.rho_total:.6g}   conversion delta {plan.delta_conversion:.4g}",
-        f"  key selection      rho {plan.rho_key_selection:.6g} = C x {plan.rho_key_selection_per_tree:.4g} per round tree "
-        f"(sensitivity 1, h levels); sigma_k = {plan.sigma_key_selection:.4f} users",
+        (f"  key selection      rho {plan.rho_key_selection:.6g} = C x {plan.rho_key_selection_per_tree:.4g} per round tree "
+         f"(sensitivity 1, h levels); sigma_k = {plan.sigma_key_selection:.4f} users" if plan.selection_weights is None else
+         f"  key selection      rho {plan.rho_key_selection:.6g}, weights {list(plan.selection_weights)} "
+         f"(sum of squares {sum(w * w for w in plan.selection_weights)}); sigma_k = {plan.sigma_key_selection:.4f} weighted users"),
         f"                     on its own: eps {plan.epsilon_key_selection:.4f}, delta {plan.delta_key_selection:.4g} (incl. beta term)",
         f"  thresholds         beta {plan.beta:.4g}; (e^eps+1) {'levels ' if plan.levels > 1 else ''}C beta = {plan.delta_beta:.4g}; z = sqrt(2 ln(T/beta)) = {plan.tail_multiplier:.4f}",
         f"                     release when noisy users > mu + tau_i, mu = {plan.key_threshold:g}: tau_1 = {taus[0]:.2f}, "
@@ -336,7 +338,7 @@ def cmd_bench_dpsqlp(args: argparse.Namespace) -> int:
         raise ConfigError(f"--counter: tree, blt or a comma-separated list of them, got {args.counter!r}")
     common = dict(users=args.users, keys=args.keys, seed=args.seed, state=args.state, processes=args.processes, runs=args.runs,
                   composition=args.composition, per_key_bound=args.per_key_bound, key_selection_share=args.key_selection_share,
-                  perturbation_steps=args.perturbation_steps)
+                  perturbation_steps=args.perturbation_steps, selection_weights=args.selection_weights)
     if len(counters) > 1:
         run_dpsqlp_compare(counters, args.triggers, json_path=args.json, plot_path=args.plot, **common)
     else:
@@ -548,6 +550,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="records a user may add to one key (default: up to C); 1 keeps each user's first record per key")
     dpsqlp.add_argument("--key-selection-share", type=float, default=0.5,
                         help="share of the Gaussian budget (mu^2 or rho) for key selection (default 0.5)")
+    dpsqlp.add_argument("--selection-weights", type=lambda t: [int(x) for x in t.split(",")], default=None,
+                        help="key selection's integer weights of a user's 1st, 2nd, ... key, comma-separated (needs --per-key-bound 1)")
     dpsqlp.add_argument("--perturbation-steps", choices=["trigger", "release"], default="trigger",
                         help="the perturbation counter steps once per trigger (default, the paper's) or once per release of the key")
     dpsqlp.add_argument("--json", help="write the results (and the per-trigger curve) to this JSON file")

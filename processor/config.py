@@ -125,6 +125,9 @@ class QueryConfig(BaseModel):
     #: the perturbation counter's step: trigger (the paper's layout) or release (one step per
     #: release of the key: fewer steps, less noise); docs/privacy.md, "Perturbation steps"
     perturbation_steps: Literal["trigger", "release"] = "trigger"
+    #: key selection's integer weights for a user's 1st, 2nd, ... key (needs per_key_bound 1);
+    #: null: 1 each. Same worst-case sensitivity when sum w^2 = C; docs/privacy.md, "Weighted key selection"
+    selection_weights: Optional[list[int]] = None
     resolution: Optional[float] = None
     #: key_fields are a hierarchy, coarse to fine (country > state > city): one histogram per
     #: level (key = prefix of key_fields), published consistent (docs/privacy.md, "Post-processing: hierarchical consistency")
@@ -208,6 +211,7 @@ class QueryConfig(BaseModel):
             counter=self.counter,
             per_key_bound=self.per_key_bound,
             perturbation_steps=self.perturbation_steps,
+            selection_weights=tuple(self.selection_weights) if self.selection_weights is not None else None,
             resolution=self.resolution,
             hierarchy_depth=self.hierarchy_depth,
             level_shares=tuple(self.level_shares) if self.level_shares is not None else None,

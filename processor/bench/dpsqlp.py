@@ -75,7 +75,7 @@ def run_dpsqlp_bench(users: int = 10_000_000, keys: int = 1_000_000, triggers: i
                      delta: float = 1e-9, contribution_bound: int = 32, json_path: str | None = None, plot_path: str | None = None,
                      state: str = "rocksdb", processes: int = 2, runs: int = 1, counter: str = "tree", composition: str = "zcdp",
                      per_key_bound: int | None = None, key_selection_share: float = 0.5, perturbation_steps: str = "trigger",
-                     out=sys.stdout) -> dict:
+                     selection_weights: list | None = None, out=sys.stdout) -> dict:
     """The workload ``runs`` times (each from a fresh store); the report's times are medians over
     the runs, its releases those of every run (they must agree: same secret, same data)."""
     reports = []
@@ -83,7 +83,7 @@ def run_dpsqlp_bench(users: int = 10_000_000, keys: int = 1_000_000, triggers: i
         if runs > 1:
             print(f"run {run + 1}/{runs}", file=out, flush=True)
         reports.append(_dpsqlp_once(users, keys, triggers, seed, epsilon, delta, contribution_bound, state, processes, counter,
-                                    composition, per_key_bound, key_selection_share, perturbation_steps, out))
+                                    composition, per_key_bound, key_selection_share, perturbation_steps, selection_weights, out))
         if reports[-1]["results"] != reports[0]["results"]:
             raise RuntimeError("bench dpsqlp: two runs of the same workload released different values")
     report = dict(reports[0])
@@ -106,7 +106,7 @@ def run_dpsqlp_bench(users: int = 10_000_000, keys: int = 1_000_000, triggers: i
 
 def _dpsqlp_once(users: int, keys: int, triggers: int, seed: int, epsilon: float, delta: float, contribution_bound: int, state: str,
                  processes: int, counter: str, composition: str, per_key_bound: int | None, key_selection_share: float,
-                 perturbation_steps: str, out) -> dict:
+                 perturbation_steps: str, selection_weights: list | None, out) -> dict:
     p = lambda s="": print(s, file=out, flush=True)  # noqa: E731
     t_start = time.perf_counter()
     stream = generate(users, keys, seed)
@@ -114,10 +114,12 @@ def _dpsqlp_once(users: int, keys: int, triggers: int, seed: int, epsilon: float
     t_gen = time.perf_counter() - t_start
     p(f"bench dpsqlp: {users:,} users, {n:,} records, {keys:,} keys, T={triggers}, C={contribution_bound}, "
       f"eps={epsilon:g}, delta={delta:g}, counter {counter}, composition {composition}, per-key bound {per_key_bound or 'none'}, "
-      f"key selection share {key_selection_share:g}, perturbation steps per {perturbation_steps} (generated in {t_gen:.1f} s)")
+      f"key selection share {key_selection_share:g}, perturbation steps per {perturbation_steps}, selection weights "
+      f"{selection_weights or 'none'} (generated in {t_gen:.1f} s)")
     query = QueryConfig(name="dpsqlp", window="1d", triggers=triggers, contribution_bound=contribution_bound, epsilon=epsilon,
                         delta=delta, allowed_lateness="0s", counter=counter, composition=composition, per_key_bound=per_key_bound,
-                        key_selection_share=key_selection_share, perturbation_steps=perturbation_steps)
+                        key_selection_share=key_selection_share, perturbation_steps=perturbation_steps,
+                        selection_weights=selection_weights)
     # synthetic data only: the secret is derived from --seed so that published numbers can be
     # reproduced exactly; real data always takes its secret from a file or the environment
     secret = hashlib.sha256(f"dpstream bench seed {seed}".encode()).digest()
@@ -222,7 +224,7 @@ def _dpsqlp_once(users: int, keys: int, triggers: int, seed: int, epsilon: float
         "users": users, "records": n, "keys": keys, "triggers": triggers, "contribution_bound": contribution_bound,
         "epsilon": epsilon, "delta": delta, "seed": seed, "state": state, "processes": processes, "counter": counter, "composition": composition,
         "per_key_bound": per_key_bound, "key_selection_share": key_selection_share, "perturbation_steps": perturbation_steps,
-        "results": results,
+        "selection_weights": selection_weights, "results": results,
         "paper": {m: dict(zip(("keys", "linf", "l1", "l2"), v)) for m, v in PAPER.get(triggers, {}).items()},
         "pipeline_seconds": t_pipe, "fire_seconds_median": float(np.median(fire_seconds)), "fire_seconds_max": float(np.max(fire_seconds)),
         "wall_seconds": time.perf_counter() - t_start, "peak_rss_gb": peak_gb, "peak_pss_gb": peak_pss, "stage_one_wait_seconds": waited if feeder else None,

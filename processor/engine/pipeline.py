@@ -218,6 +218,7 @@ class MicroBatch:
     texts: dict
     levels: np.ndarray  # per record
     roots: np.ndarray  # per record
+    slots: np.ndarray | None = None  # per record (1..C)
 
 
 @dataclass
@@ -333,6 +334,11 @@ class QueryPipeline:
         counter = counter_for(plan.counter or BINARY_TREE.name, plan.triggers, 1.0, noise)
         self.counter_state_width = counter.state_width
         self.bounder = ContributionBounder(plan.contribution_bound, plan.clamp, plan.resolution)
+        #: key selection's weight by slot (index = slot; slots beyond the declared weights: 0)
+        self.selection_weights = None
+        if plan.selection_weights is not None:
+            self.selection_weights = np.zeros(plan.contribution_bound + 1, dtype=np.int64)
+            self.selection_weights[1:1 + len(plan.selection_weights)] = plan.selection_weights
         assert np.dtype(TREE_ID_DTYPE) == STORED_TREE_ID, "key rows store tree ids of processor.mechanisms.noise's width"
         self.aggregate = aggregate_named(query.aggregate)
         self.tables = QueryTables(store, query.name, self.counter_state_width, len(self.aggregate.columns))
@@ -667,8 +673,16 @@ class QueryPipeline:
         np.add.at(delta_units, kidx, rec_units)
         new = np.nonzero(rec_prev < rows["start"][kidx])[0]
         # distinct (user, key) pairs among them, counted per key: the key is the code's low part
-        pairs = _distinct(_dense_codes(micro.users[new], (kidx[new], n)))
-        new_users = np.bincount((pairs % np.uint64(n)).astype(np.int64), minlength=n).astype(np.int64)
+        if self.selection_weights is None:
+            pairs = _distinct(_dense_codes(micro.users[new], (kidx[new], n)))
+            new_users = np.bincount((pairs % np.uint64(n)).astype(np.int64), minlength=n).astype(np.int64)
+        else:
+            # weighted key selection (per_key_bound 1: a user's records have distinct keys and
+            # distinct slots): the first record of each (user, key) adds the weight of its slot
+            # (docs/privacy.md, "Weighted key selection")
+            _, first = np.unique(_dense_codes(micro.users[new], (kidx[new], n)), return_index=True)
+            chosen = new[first]
+            new_users = np.bincount(kidx[chosen], weights=self.selection_weights[micro.slots[chosen]], minlength=n).astype(np.int64)
         rows["buffer"] += delta_units if self.aggregate.columns[0].needs_value else np.bincount(kidx, minlength=n)
         for c, column in enumerate(self.aggregate.columns[1:], 2):
             rows[f"buffer_{c}"] += delta_units if column.needs_value else np.bincount(kidx, minlength=n)
@@ -737,7 +751,7 @@ class QueryPipeline:
             texts.update(key_texts)
         if not parts:
             empty, none = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.uint64)
-            return MicroBatch(none, none, empty, empty, texts, empty, none)
+            return MicroBatch(none, none, empty, empty, texts, empty, none, empty)
         rec_key, rec_user, rec_slot, rec_units, rec_prev, rec_level, rec_root = (np.concatenate([p[c] for p in parts])
                                                                                   for c in range(len(columns)))
         # one record per (user, slot) and level: every level of a hierarchy gets each admitted
@@ -760,7 +774,7 @@ class QueryPipeline:
             np.maximum.at(raised, inverse[len(rec_key):], amend["trigger"].astype(np.int64))
             rec_prev = np.maximum(rec_prev, raised[inverse[:len(rec_key)]])
         return MicroBatch(rec_key, rec_user, rec_prev, rec_units[keep].astype(np.int64), texts, rec_level[keep].astype(np.int64),
-                          rec_root[keep].astype(np.uint64))
+                          rec_root[keep].astype(np.uint64), rec_slot[keep].astype(np.int64))
 
     def _release(self, plan, window, trigger, all_ids, rows, names, selected) -> list[tuple[int, int, dict]]:
         sidx = np.nonzero(selected)[0]

@@ -131,3 +131,76 @@ def test_per_key_bound_shrinks_only_the_perturbation_noise():
         assert on.sigma_key_selection == off.sigma_key_selection
         # exactly 1/sqrt(C) for the tree; the BLT's rounding slack does not shrink with c_k
         assert on.sigma_perturbation / off.sigma_perturbation == pytest.approx(1 / math.sqrt(32), rel=1e-12 if counter == "binary_tree" else 3e-3)
+
+
+# --------------------------------------------------------------------------- weighted key selection
+
+WEIGHTS = (3, 2, 2, 1)  # sum of squares 18 <= C = 20 below
+
+
+def _participations(events, C=20, T=8, weights=WEIGHTS):
+    """Run every trigger of one window through the real pipeline; each key's cumulative weighted
+    key-selection count (the ``participations`` column of its key row)."""
+    pseudo = Pseudonymizer(TEST_SECRET)
+    query = QueryConfig(name="w", window="1d", triggers=T, contribution_bound=C, epsilon=6.0, delta=1e-9, allowed_lateness="0s",
+                        per_key_bound=1, selection_weights=list(weights))
+    pipe = QueryPipeline(query, NodeNoise(TEST_SECRET), MemoryStore(), pseudo)
+    key_text = [k for _, k, _ in events]
+    ts = np.array([t for _, _, t in events], dtype=np.int64)
+    cols = EventColumns(pseudo.users([u for u, _, _ in events]), np.array(key_text, dtype=object), pseudo.group_keys(key_text),
+                        np.ones(len(events)), ts)
+    batch = WriteBatch()
+    pipe.accumulate(pipe.bound(cols, ts, batch), 1, batch)
+    pipe.store.write(batch)
+    for trigger in range(1, T):  # the last trigger closes the window (and drops its key rows)
+        pipe.fire(START, trigger)
+    ids, rows = pipe.tables.keys.scan(START)
+    assert len(ids)
+    return dict(zip(ids.tolist(), rows["participations"].astype(np.int64).tolist()))
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2 ** 32), extra=st.integers(1, 40), shuffle=st.booleans())
+def test_one_user_moves_weighted_selection_counts_by_at_most_the_weights(seed, extra, shuffle):
+    """Weighted key selection through the real stages: adding one user (many records, repeats of
+    keys, any arrival order, its records duplicated) changes each key's weighted selection count
+    by 0 or one weight of a distinct slot, so the squared change over keys is at most
+    sum_j w_j^2: what the accountant charges for key selection."""
+    rng = np.random.default_rng(seed)
+    T, interval = 8, DAY // 8
+    span = (T - 1) * interval  # records in triggers 1..T-1 (see _participations)
+    others = [(f"u{int(rng.integers(0, 30))}", f"k{int(rng.integers(0, 12))}", START + int(rng.integers(0, span))) for _ in range(300)]
+    mine = [("adversary", f"k{int(rng.integers(0, 15))}", START + int(rng.integers(0, span))) for _ in range(extra)]
+    mine = mine + mine[: extra // 2]  # repeated lines
+    if shuffle:
+        rng.shuffle(mine)
+    base = sorted(others, key=lambda e: e[2])
+    plus = sorted(others + mine, key=lambda e: e[2]) if not shuffle else base + mine
+    if shuffle:  # the adversary's records arrive last and out of order; the clock is each record's time
+        plus = sorted(others, key=lambda e: e[2]) + [(u, k, max(t, START + (T - 2) * interval)) for u, k, t in mine]
+    a, b = _participations(base, T=T), _participations(plus, T=T)
+    diffs = [b.get(k, 0) - a.get(k, 0) for k in set(a) | set(b)]
+    nonzero = sorted(d for d in diffs if d)
+    assert all(d > 0 for d in nonzero)
+    assert sum(d * d for d in nonzero) <= sum(w * w for w in WEIGHTS)
+    # distinct slots: the changes are a sub-multiset of the weights
+    remaining = list(WEIGHTS)
+    for d in nonzero:
+        assert d in remaining
+        remaining.remove(d)
+
+
+def test_weighted_plan_charges_the_weights():
+    base = dict(epsilon=6.0, delta=1e-9, triggers=100, contribution_bound=32, per_key_bound=1)
+    plain = plan_query(QueryBudget(**base))
+    weighted = plan_query(QueryBudget(selection_weights=(4, 2, 2, 2, 1, 1, 1, 1), **base))  # sum of squares 32 = C
+    assert weighted.sigma_key_selection == pytest.approx(plain.sigma_key_selection, rel=1e-12)
+    doubled = plan_query(QueryBudget(selection_weights=(8, 4, 4, 4, 2, 2, 2, 2), **base))  # 4 C: twice the noise
+    assert doubled.sigma_key_selection == pytest.approx(2 * plain.sigma_key_selection, rel=1e-12)
+    for bad in ((), (0, 0), (1.5,), tuple([1] * 33), (-1,)):
+        with pytest.raises(BudgetError) as err:
+            plan_query(QueryBudget(selection_weights=bad, **base))
+        assert err.value.field == "selection_weights"
+    with pytest.raises(BudgetError) as err:
+        plan_query(QueryBudget(epsilon=6.0, delta=1e-9, triggers=100, contribution_bound=32, selection_weights=(2, 2)))
+    assert err.value.field == "selection_weights"
