@@ -42,34 +42,32 @@ def cks_delta(rho: float, eps: float) -> float:
     return min(1.0, math.exp(log_delta))
 
 
+def _bisect(below, lo: float, hi: float) -> tuple[float, float]:
+    """``_ITERATIONS`` halvings of [lo, hi] keeping ``below(lo)`` true and ``below(hi)`` false."""
+    for _ in range(_ITERATIONS):
+        mid = 0.5 * (lo + hi)
+        if below(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, hi
+
+
 def cks_epsilon(rho: float, delta: float) -> float:
     """Smallest eps such that rho-zCDP implies (eps, delta)-DP."""
     if not 0 < delta:
         raise ValueError("delta must be positive")
     if delta >= 1 or rho == 0:
         return 0.0
-    lo, hi = 0.0, rho + 2.0 * math.sqrt(rho * math.log(1.0 / delta))  # the standard bound
-    for _ in range(_ITERATIONS):
-        mid = 0.5 * (lo + hi)
-        if cks_delta(rho, mid) <= delta:
-            hi = mid
-        else:
-            lo = mid
-    return hi
+    hi = rho + 2.0 * math.sqrt(rho * math.log(1.0 / delta))  # the standard bound
+    return _bisect(lambda eps: cks_delta(rho, eps) > delta, 0.0, hi)[1]
 
 
 def cks_rho(eps: float, delta: float) -> float:
     """Largest rho such that rho-zCDP implies (eps, delta)-DP."""
     if eps <= 0 or not 0 < delta < 1:
         raise ValueError("need eps > 0 and 0 < delta < 1")
-    lo, hi = 0.0, eps + 1.0
-    for _ in range(_ITERATIONS):
-        mid = 0.5 * (lo + hi)
-        if cks_delta(mid, eps) <= delta:
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    return _bisect(lambda rho: cks_delta(rho, eps) <= delta, 0.0, eps + 1.0)[0]
 
 
 def read_levels(triggers: int) -> int:
@@ -197,13 +195,7 @@ def gdp_mu(eps: float, delta: float) -> float:
     lo, hi = 0.0, 1.0
     while gdp_delta(hi, eps) <= delta:
         lo, hi = hi, 2.0 * hi
-    for _ in range(_ITERATIONS):
-        mid = 0.5 * (lo + hi)
-        if gdp_delta(mid, eps) <= delta:
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    return _bisect(lambda mu: gdp_delta(mu, eps) <= delta, lo, hi)[0]
 
 
 def gdp_epsilon(mu: float, delta: float) -> float:
@@ -215,10 +207,4 @@ def gdp_epsilon(mu: float, delta: float) -> float:
     lo, hi = 0.0, 1.0
     while gdp_delta(mu, hi) > delta:
         lo, hi = hi, 2.0 * hi
-    for _ in range(_ITERATIONS):
-        mid = 0.5 * (lo + hi)
-        if gdp_delta(mu, mid) <= delta:
-            hi = mid
-        else:
-            lo = mid
-    return hi
+    return _bisect(lambda eps: gdp_delta(mu, eps) > delta, lo, hi)[1]

@@ -231,10 +231,4 @@ def slack_sigma(mu_sq: float, streams: int, bound: float, steps: int, counter: C
     squares = bound * min(bound, per_stream if per_stream is not None else bound)  # max sum of squared shares
     if not slack:
         return math.sqrt(squares * col2 / mu_sq)
-    kappa = 2.0 * slack / LATTICE_TARGET_SIGMA
-    a = mu_sq - streams * steps * kappa * kappa
-    if a <= 0:
-        raise ValueError("the budget is too small for the lattice counter's rounding slack")
-    b = 2.0 * kappa * bound * counter.sensitivity_l1(steps)
-    c = squares * col2
-    return (b + math.sqrt(b * b + 4.0 * a * c)) / (2.0 * a)
+    return lattice_sigma(mu_sq, squares, bound, streams, steps, counter)

@@ -372,7 +372,10 @@ def plan_levels(budget: QueryBudget) -> tuple[PrivacyPlan, ...]:
         rho = gdp_mu(eps, delta_conv * (1.0 - GDP_DISCRETE_MARGIN)) ** 2 / 2.0 if gdp else cks_rho(eps, delta_conv)
 
         def part_epsilon(rho_part: float, delta_part: float) -> float:
-            return gdp_epsilon(math.sqrt(2.0 * rho_part), delta_part) if gdp else cks_epsilon(rho_part, delta_part)
+            # GDP: the continuous curve at (1 - margin) delta; the discrete one stays within delta
+            if gdp:
+                return gdp_epsilon(math.sqrt(2.0 * rho_part), delta_part * (1.0 - GDP_DISCRETE_MARGIN))
+            return cks_epsilon(rho_part, delta_part)
 
         for s in shares:
             rho_k, rho_m = share * s * rho, (1.0 - share) * s * rho
@@ -380,7 +383,8 @@ def plan_levels(budget: QueryBudget) -> tuple[PrivacyPlan, ...]:
                           part_epsilon(rho_k, share * s * delta_conv), share * s * delta_conv + delta_beta / levels,
                           part_epsilon(rho_m, (1.0 - share) * s * delta_conv), (1.0 - share) * s * delta_conv, beta))
         eps_spent = part_epsilon(rho, delta_conv)
-        delta_spent = (gdp_delta(math.sqrt(2.0 * rho), eps) if gdp else cks_delta(rho, eps)) + delta_beta + delta_sampler
+        delta_gauss = gdp_delta(math.sqrt(2.0 * rho), eps) / (1.0 - GDP_DISCRETE_MARGIN) if gdp else cks_delta(rho, eps)
+        delta_spent = delta_gauss + delta_beta + delta_sampler
     else:
         rho = delta_beta = delta_sampler = delta_conv = eps_spent = delta_spent = 0.0
         for s in shares:

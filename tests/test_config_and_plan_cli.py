@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from accountant.counters import BLT
 from processor.cli import main
 from processor.config import ConfigError, load_config
 
@@ -109,8 +110,15 @@ def test_plan_json_has_every_term(tmp_path, capsys, monkeypatch, T):
         assert field in entry, field
     assert entry["name"] == "url_clicks"
     assert len(entry["thresholds"]) == T and all(t > 0 for t in entry["thresholds"])
-    assert entry["tree_height"] == int(math.floor(math.log2(T))) + 1
+    # the default counter is the BLT: its squared sensitivity replaces the tree's height
+    assert entry["counter"] == "blt" and entry["tree_height"] == 0 and entry["composition"] == "gdp"
+    assert entry["counter_sensitivity_sq"] == pytest.approx(BLT.sensitivity_sq(T))
     assert entry["epsilon_spent"] <= 6.0 * (1 + 1e-9) and entry["delta_spent"] <= 1e-9 * (1 + 1e-9)
+    # and the paper's tree, asked for by name
+    path = write(tmp_path, PAPER.format(T=T) + "    counter: tree\n")
+    assert main(["plan", "--config", str(path), "--json"]) == 0
+    (entry,) = json.loads(capsys.readouterr().out)["queries"]
+    assert entry["tree_height"] == int(math.floor(math.log2(T))) + 1 and entry.get("counter") is None
 
 
 def test_plan_text_and_bad_config_exit_code(tmp_path, capsys):
