@@ -352,7 +352,7 @@ def _plot_counters(curves: dict, triggers: int, path: str) -> None:
     axes[0].set(xlabel="trigger", ylabel="l2 error vs data so far", yscale="log", title=f"Error over the day (T={triggers})")
     axes[1].set(xlabel="trigger", ylabel="keys released", title="Retained keys")
     for ax in axes:
-        ax.legend()
+        ax.legend(fontsize=7, loc="upper left", framealpha=0.6)
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
