@@ -541,11 +541,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="2 (default): stage 1 (by user) and stage 2 (by key) in two processes with their own stores, "
                              "as deployed; 1: both in this process")
     dpsqlp.add_argument("--runs", type=int, default=1, help="run the workload this many times; times are medians (default 1)")
-    dpsqlp.add_argument("--counter", default="tree",
-                        help="continual counter of dpstream's run: tree (the paper's binary tree, default) or blt; "
-                             "tree,blt runs the workload once per counter and compares them (one plot with both)")
-    dpsqlp.add_argument("--composition", choices=["zcdp", "gdp", "basic"], default="zcdp",
-                        help="how the Gaussian parts compose (default zcdp; gdp is exact Gaussian DP)")
+    dpsqlp.add_argument("--counter", default="blt",
+                        help="continual counter of dpstream's run: blt (default, as in a query config) or tree (the paper's "
+                             "binary tree); tree,blt runs the workload once per counter and compares them (one plot with both)")
+    dpsqlp.add_argument("--composition", choices=["zcdp", "gdp", "basic"], default="gdp",
+                        help="how the Gaussian parts compose (default gdp, exact Gaussian DP, as in a query config; zcdp: the "
+                             "paper's analysis with the CKS conversion)")
     dpsqlp.add_argument("--per-key-bound", type=int, choices=[1], default=None,
                         help="records a user may add to one key (default: up to C); 1 keeps each user's first record per key")
     dpsqlp.add_argument("--key-selection-share", type=float, default=0.5,

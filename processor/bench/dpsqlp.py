@@ -73,7 +73,7 @@ def _rank_in_user(users: np.ndarray) -> np.ndarray:
 
 def run_dpsqlp_bench(users: int = 10_000_000, keys: int = 1_000_000, triggers: int = 100, seed: int = 1, epsilon: float = 6.0,
                      delta: float = 1e-9, contribution_bound: int = 32, json_path: str | None = None, plot_path: str | None = None,
-                     state: str = "rocksdb", processes: int = 2, runs: int = 1, counter: str = "tree", composition: str = "zcdp",
+                     state: str = "rocksdb", processes: int = 2, runs: int = 1, counter: str = "blt", composition: str = "gdp",
                      per_key_bound: int | None = None, key_selection_share: float = 0.5, perturbation_steps: str = "trigger",
                      selection_weights: list | None = None, out=sys.stdout) -> dict:
     """The workload ``runs`` times (each from a fresh store); the report's times are medians over
