@@ -79,11 +79,29 @@ def run_dpsqlp_bench(users: int = 10_000_000, keys: int = 1_000_000, triggers: i
     """The workload ``runs`` times (each from a fresh store); the report's times are medians over
     the runs, its releases those of every run (they must agree: same secret, same data)."""
     reports = []
+    args = (users, keys, triggers, seed, epsilon, delta, contribution_bound, state, processes, counter, composition, per_key_bound,
+            key_selection_share, perturbation_steps, selection_weights)
     for run in range(runs):
         if runs > 1:
             print(f"run {run + 1}/{runs}", file=out, flush=True)
-        reports.append(_dpsqlp_once(users, keys, triggers, seed, epsilon, delta, contribution_bound, state, processes, counter,
-                                    composition, per_key_bound, key_selection_share, perturbation_steps, selection_weights, out))
+        if runs > 1 and processes > 1:
+            # RocksDB keeps its thread pool after a store closes, and a process forked from one
+            # that has it can deadlock in its first write (stage 1's fork in the second run did):
+            # with several runs, each starts in a fresh interpreter and prints to our stdout
+            import multiprocessing as mp
+
+            out.flush()
+            ctx = mp.get_context("spawn")
+            queue = ctx.Queue()
+            child = ctx.Process(target=_dpsqlp_once_to_queue, args=(queue, args))  # not a daemon: it forks stage 1
+            child.start()
+            report = queue.get()
+            child.join()
+            if isinstance(report, BaseException):
+                raise report
+            reports.append(report)
+        else:
+            reports.append(_dpsqlp_once(*args, out))
         if reports[-1]["results"] != reports[0]["results"]:
             raise RuntimeError("bench dpsqlp: two runs of the same workload released different values")
     report = dict(reports[0])
@@ -102,6 +120,13 @@ def run_dpsqlp_bench(users: int = 10_000_000, keys: int = 1_000_000, triggers: i
     if plot_path:
         _plot(report["curve"], triggers, plot_path)
     return report
+
+
+def _dpsqlp_once_to_queue(queue, args) -> None:
+    try:
+        queue.put(_dpsqlp_once(*args, sys.stdout))
+    except BaseException as exc:  # the parent re-raises it
+        queue.put(RuntimeError(f"bench dpsqlp run failed: {exc!r}"))
 
 
 def _dpsqlp_once(users: int, keys: int, triggers: int, seed: int, epsilon: float, delta: float, contribution_bound: int, state: str,
