@@ -117,7 +117,7 @@ class QueryConfig(BaseModel):
     #: (with the CKS conversion) or basic (the paper's split); docs/privacy.md, "Accounting"
     composition: Literal["zcdp", "gdp", "basic"] = "gdp"
     #: the continual counter of key selection and perturbation: blt (Buffered Linear Toeplitz,
-    #: the default: 1.3x to 4.7x less worst-step noise variance than the tree at T = 2 to 1000)
+    #: the default: less worst-step noise variance than the tree, 1.3x at T = 2 to 5x at T = 1000)
     #: or tree (binary tree + Honaker, the paper's); docs/privacy.md, "Counters"
     counter: Literal["tree", "blt"] = "blt"
     #: records a user may add to one key (c_k): null (up to contribution_bound) or 1, the user's
