@@ -365,8 +365,9 @@ class QueryPipeline:
             if progress.status == WINDOW_OPEN and progress.fired < self.schedule.triggers and progress.fingerprint != self.fingerprint:
                 raise PlanChangedError(
                     f"query {query.name}: window {_iso(window)} ({window} ms) is still open and was opened under another plan "
-                    f"(epsilon, delta, C, L, T, grid or thresholds changed): a window never mixes two plans. Restore the "
-                    f"query's previous settings until the window's last trigger has fired, or start a new epoch")
+                    f"(epsilon, delta, C, L, T, grid, thresholds, counter, composition or another privacy setting changed): a "
+                    f"window never mixes two plans. Restore the query's previous settings until the window's last trigger has "
+                    f"fired, or start a new epoch")
         marked = self.tables.schedule.get()
         if marked is not None:
             self._first_window, self._next_open = marked
