@@ -75,9 +75,10 @@ def run_dpsqlp_bench(users: int = 10_000_000, keys: int = 1_000_000, triggers: i
                      delta: float = 1e-9, contribution_bound: int = 32, json_path: str | None = None, plot_path: str | None = None,
                      state: str = "rocksdb", processes: int = 2, runs: int = 1, counter: str = "blt", composition: str = "gdp",
                      per_key_bound: int | None = None, key_selection_share: float = 0.5, perturbation_steps: str = "trigger",
-                     selection_weights: list | None = None, out=sys.stdout) -> dict:
+                     selection_weights: list | None = None, out=None) -> dict:
     """The workload ``runs`` times (each from a fresh store); the report's times are medians over
     the runs, its releases those of every run (they must agree: same secret, same data)."""
+    out = sys.stdout if out is None else out  # resolved per call (a default would bind stdout at import)
     reports = []
     args = (users, keys, triggers, seed, epsilon, delta, contribution_bound, state, processes, counter, composition, per_key_bound,
             key_selection_share, perturbation_steps, selection_weights)
@@ -336,10 +337,11 @@ def _plot(curve: dict, triggers: int, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def run_dpsqlp_compare(counters: list, triggers: int, json_path: str | None = None, plot_path: str | None = None, out=sys.stdout,
+def run_dpsqlp_compare(counters: list, triggers: int, json_path: str | None = None, plot_path: str | None = None, out=None,
                        **kwargs) -> dict:
     """The workload once per counter (same data, same secret, same budget and options), then
     the counters side by side with the paper's DP-SQLP and the best baseline."""
+    out = sys.stdout if out is None else out
     reports = {c: run_dpsqlp_bench(triggers=triggers, counter=c, out=out, **kwargs) for c in counters}
     paper = PAPER.get(triggers, {}).get("DP-SQLP")
     p = lambda s="": print(s, file=out, flush=True)  # noqa: E731
