@@ -116,3 +116,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.statistical)
         if base in SLOW or item.nodeid.split("::")[0] in SLOW:
             item.add_marker(pytest.mark.slow)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Say which broker the broker tests ran against (scripts/broker: Apache Kafka, or Tansu as
+    a fallback), also under -q."""
+    kind = ROOT / ".broker" / f"broker-{BROKER_PORT}.kind"
+    name = kind.read_text().strip() if kind.exists() else "none started by scripts/broker (or already stopped)"
+    terminalreporter.write_line(f"test broker on 127.0.0.1:{BROKER_PORT}: {name}")
