@@ -253,9 +253,20 @@ def cmd_worker(args: argparse.Namespace) -> int:
         raise ConfigError(f"--partitioner: must be one of {', '.join(PARTITIONERS)}, got {args.partitioner!r}")
     if args.fetch_records < 1:
         raise ConfigError(f"--fetch-records: must be at least 1, got {args.fetch_records}")
+    from processor.config import parse_duration_ms
+
+    try:
+        watermark_delay = parse_duration_ms(args.watermark_delay, allow_zero=True)
+    except ValueError as exc:
+        raise ConfigError(f"--watermark-delay: {exc}") from None
+    try:
+        broker_timeout = parse_duration_ms(args.broker_timeout) / 1000
+    except ValueError as exc:
+        raise ConfigError(f"--broker-timeout: {exc}") from None
     settings = WorkerSettings(config=config, secret=secret, broker=args.broker, state_dir=args.state_dir, ownership=ownership,
                               partitions=args.partitions, web_port=args.web_port, web_host=args.web_host, app_id=args.app_id,
-                              partitioner=args.partitioner, fetch_records=args.fetch_records)
+                              partitioner=args.partitioner, fetch_records=args.fetch_records, watermark_delay_ms=watermark_delay,
+                              broker_timeout=broker_timeout)
     return run_worker(settings, loglevel=args.log_level)
 
 
@@ -356,8 +367,14 @@ def cmd_bench_scaling(args: argparse.Namespace) -> int:
 
 def cmd_bench_kafka(args: argparse.Namespace) -> int:
     from processor.adapters.faust_app import broker_address
-    from processor.bench.kafka import run_kafka_bench
+    from processor.bench.kafka import run_kafka_bench, run_live_bench
 
+    if args.live is not None:
+        if args.live <= 0:
+            raise ConfigError(f"--live: must be a positive rate in events/s, got {args.live}")
+        run_live_bench(broker_address(args.broker), start_rate=args.live, seconds=args.live_seconds, partitions=args.partitions,
+                       users=args.users, keys=args.keys, repeats=args.repeats, json_path=args.json)
+        return 0
     run_kafka_bench(broker_address(args.broker), users=args.users, keys=args.keys, repeats=args.repeats, partitions=args.partitions,
                     json_path=args.json, workers=args.workers)
     return 0
@@ -444,6 +461,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="most records one read from the broker hands over, over all owned partitions; each batch has a "
                              "fixed cost, so larger reads take in more events/s and hold the event loop longer "
                              "(default $DPSTREAM_FETCH_RECORDS or 100,000)")
+    worker.add_argument("--watermark-delay", default=os.environ.get("DPSTREAM_WATERMARK_DELAY", "2s"),
+                        help="how far an input partition's watermark stays behind the newest Kafka timestamp read from it "
+                             "(or the time it was read to its end): records whose producers' timestamps are out of order by "
+                             "up to this much are not late; triggers fire this much later (default $DPSTREAM_WATERMARK_DELAY "
+                             "or 2s; docs/operations.md, \"Time and lateness\")")
+    worker.add_argument("--broker-timeout", default=os.environ.get("DPSTREAM_BROKER_TIMEOUT", "60s"),
+                        help="how long the worker waits for a broker that does not answer (no fetch response, no "
+                             "acknowledgement) before it exits non-zero for its supervisor to restart it; after 10 s "
+                             "/readyz already says waiting-for-broker (default $DPSTREAM_BROKER_TIMEOUT or 60s)")
     worker.add_argument("--log-level", default="info", choices=["debug", "info", "warn", "error"])
     worker.set_defaults(func=cmd_worker)
 
@@ -509,6 +535,11 @@ def build_parser() -> argparse.ArgumentParser:
     kafka.add_argument("--workers", type=int, default=2,
                        help="also time this many worker processes sharing the partitions, as scaled-out replicas "
                             "(worker i of N owns p %% N == i); 1: one worker only (default 2)")
+    kafka.add_argument("--live", type=float, metavar="RATE",
+                       help="instead: produce events live (dated and timestamped as they are sent) at RATE/s, doubling "
+                            "until the worker no longer keeps up (a late drop, or records still unread 3 s after the "
+                            "last one was sent), and report the highest steady rate against the bulk rate")
+    kafka.add_argument("--live-seconds", type=float, default=20.0, help="seconds of live production per rate tried (default 20)")
     kafka.add_argument("--json", help="also write the results to this JSON file")
     kafka.set_defaults(func=cmd_bench_kafka)
     dyn = bench_sub.add_parser("dynamic", help="dynamic counts: online interval tree vs baseline, heavy and little churn")

@@ -21,6 +21,7 @@ read as this one).
 from __future__ import annotations
 
 import functools
+import json
 import weakref
 from dataclasses import dataclass
 from typing import Iterator, Optional
@@ -946,6 +947,38 @@ class IntegerMark:
 
     def put(self, batch: WriteBatch, value: int) -> None:
         batch.put(self.key, int(value).to_bytes(8, "little", signed=True))
+
+
+class TextMark:
+    """Meta ``<name>``: one short text a runner keeps with its state (a source topic's id)."""
+
+    def __init__(self, store: Store, name: bytes):
+        self.store, self.key = store, sk.META + name
+
+    def get(self) -> Optional[str]:
+        raw = self.store.get(self.key)
+        return raw.decode() if raw else None
+
+    def put(self, batch: WriteBatch, value: str) -> None:
+        batch.put(self.key, value.encode())
+
+
+class InputWatermarks:
+    """Meta ``input-watermarks``: a stage-2 partition's view of how far each stage-1 input
+    partition has been read (``topic/partition`` -> Kafka timestamp in ms), from the watermark
+    markers on its repartition topic (docs/privacy.md, "Time"). JSON; only ever moves forward."""
+
+    def __init__(self, store: Store):
+        self.store, self.key = store, sk.META + b"input-watermarks"
+
+    def get(self) -> dict[tuple[str, int], int]:
+        raw = self.store.get(self.key)
+        if not raw:
+            return {}
+        return {(k.rsplit("/", 1)[0], int(k.rsplit("/", 1)[1])): int(v) for k, v in json.loads(raw).items()}
+
+    def put(self, batch: WriteBatch, marks: dict[tuple[str, int], int]) -> None:
+        batch.put(self.key, json.dumps({f"{t}/{p}": int(v) for (t, p), v in sorted(marks.items())}, sort_keys=True).encode())
 
 
 class ClockState:

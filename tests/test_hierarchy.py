@@ -276,7 +276,9 @@ def test_worker_routes_a_whole_subtree_to_one_partition_and_releases_what_replay
         worker.process_repartitioned(m.topic, m.partition, [Record(offsets[m.partition], None, m.value, 0)]).commit()
         offsets[m.partition] += 1
     assert levels == {1, 2, 3} and len(partition_of) == 3
-    fired = worker.fire_due(START + 10 * HOUR)
+    from tests.test_worker_service import fire
+
+    fired = fire(worker, START + 10 * HOUR)
     got = sorted(json.dumps(r, sort_keys=True) for f in fired for r in f.releases)
     worker.close()
     assert got == sorted(json.dumps(r, sort_keys=True) for r in records)

@@ -30,6 +30,7 @@ from processor.adapters.worker import worker_noise_label
 from processor.config import load_config
 from tests.conftest import ROOT, TEST_SECRET, TEST_SECRET_HEX
 from topics.kafka import DEAD_LETTER_TOPIC
+from topics.partitioner import partition_for_key
 
 WINDOW_S, TRIGGERS, LATENESS_S = 12, 4, 1
 
@@ -41,27 +42,29 @@ def free_port() -> int:
 
 
 class Scenario:
-    def __init__(self, tmp_path: Path, broker: str, contribution_bound: int = 3):
+    def __init__(self, tmp_path: Path, broker: str, contribution_bound: int = 3, window_s: int = WINDOW_S, triggers: int = TRIGGERS):
         self.tmp, self.broker = tmp_path, broker
+        self.window_s, self.triggers = window_s, triggers
         tag = uuid.uuid4().hex[:8]
         self.query, self.input, self.output = f"q{tag}", f"it-events-{tag}", f"it-out-{tag}"
         self.app_id = f"dpstream-it-{tag}"
         self.config = tmp_path / "queries.yaml"
         self.config.write_text(
             f"queries:\n  - name: {self.query}\n    input_topic: {self.input}\n    output_topic: {self.output}\n"
-            f"    window: {WINDOW_S}s\n    triggers: {TRIGGERS}\n    allowed_lateness: {LATENESS_S}s\n"
+            f"    window: {window_s}s\n    triggers: {triggers}\n    allowed_lateness: {LATENESS_S}s\n"
             f"    contribution_bound: {contribution_bound}\n    epsilon: 6\n    delta: 1.0e-9\n")
         self.key_file = tmp_path / "noise.key"
         self.key_file.write_text(TEST_SECRET_HEX)
         self.events = tmp_path / "events.jsonl"
         self.window_start = None
+        self.workers: list = []
 
-    def worker(self, name: str, index: int = 0, workers: int = 1) -> "Worker":
-        return Worker(self, self.tmp / f"state-{name}", index, workers)
+    def worker(self, name: str, index: int = 0, workers: int = 1, extra: tuple = ()) -> "Worker":
+        return Worker(self, self.tmp / f"state-{name}", index, workers, extra)
 
     def write_events(self, n: int, users: int, keys: int, lead_s: float, seed: int = 11) -> None:
         """n events of a skewed key law, time-ordered over the window starting >= lead_s from now."""
-        window_ms = WINDOW_S * 1000
+        window_ms = self.window_s * 1000
         soon = int(time.time() * 1000) + int(lead_s * 1000)
         self.window_start = soon - soon % window_ms + window_ms
         rng = np.random.default_rng(seed)
@@ -76,9 +79,20 @@ class Scenario:
         with open(self.events, "rb") as fh:
             return produce(self.broker, self.input, (line.rstrip(b"\n") for line in fh))
 
-    def wait_for_window_end(self) -> None:
-        end = self.window_start / 1000 + WINDOW_S + LATENESS_S + 2.5
+    def wait_for_window_end(self, timeout: float = 90) -> None:
+        """Until the window's last trigger could fire, then until the running workers have fired
+        every trigger on each of the 4 repartition partitions (triggers fire once the input
+        watermark passes them: the watermark delay after the fire time, or later when behind)."""
+        end = self.window_start / 1000 + self.window_s + LATENESS_S
         time.sleep(max(0.0, end - time.time()))
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            live = [w for w in self.workers if w.proc.poll() is None]
+            if live and sum(w.metric("dpstream_triggers_fired_total", query=self.query) for w in live) >= self.triggers * 4:
+                time.sleep(0.5)  # fired triggers are published in the same timer call
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"the window's triggers did not all fire within {timeout} s of its end")
 
     def read(self, topic: str) -> list[dict]:
         out = io.StringIO()
@@ -97,18 +111,19 @@ class Scenario:
 
 
 class Worker:
-    def __init__(self, sc: Scenario, state_dir: Path, index: int, workers: int):
+    def __init__(self, sc: Scenario, state_dir: Path, index: int, workers: int, extra: tuple = ()):
         self.sc, self.state_dir, self.index, self.workers = sc, state_dir, index, workers
         self.port = free_port()
         self.proc = None
         self.log = sc.tmp / f"{state_dir.name}.log"
+        self.extra = list(extra)
 
     def start(self) -> "Worker":
         env = {**os.environ, "DPSTREAM_NOISE_KEY_FILE": str(self.sc.key_file)}
         cmd = [sys.executable, "-m", "processor.cli", "worker", "--config", str(self.sc.config), "--broker", self.sc.broker,
                "--state-dir", str(self.state_dir), "--worker-index", str(self.index), "--workers", str(self.workers),
                "--partitions", "4", "--web-port", str(self.port), "--web-host", "127.0.0.1", "--app-id", self.sc.app_id,
-               "--log-level", "warn"]
+               "--log-level", "warn", *self.extra]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT)
         return self
 
@@ -165,7 +180,6 @@ def assert_no_conflicting_releases(records: list[dict]) -> None:
 @pytest.fixture
 def scenario(tmp_path, broker):
     sc = Scenario(tmp_path, broker)
-    sc.workers = []
     yield sc
     for w in sc.workers:
         w.stop()
@@ -173,18 +187,26 @@ def scenario(tmp_path, broker):
 
 def test_worker_releases_equal_replay_dead_letters_and_metrics(scenario):
     sc = scenario
+    from confluent_kafka import Producer
+
+    from topics.kafka import TopicSpec, create_topics
+
+    # an input topic that takes 8 MB records, beside a dead-letter topic at Kafka's 1 MB default
+    create_topics(sc.broker, [TopicSpec(sc.input, 4, {"max.message.bytes": str(8 * 1024 * 1024)})])
     w = sc.worker("one").start()
     sc.workers.append(w)
     w.wait_ready()
     assert w.get("/healthz")[0] == 200
     sc.write_events(20_000, users=2_000, keys=60, lead_s=4)
+    # a poison pill first: a 3 MB record, too large to dead-letter whole (issue 15)
+    pill = f'{{"user_id":"u7","key":"{"x" * 3_000_000}","ts":{sc.window_start}}}'.encode()
+    p = Producer({"bootstrap.servers": sc.broker, "message.max.bytes": 8 * 1024 * 1024})
+    p.produce(sc.input, pill, b"u7", partition=partition_for_key(b"u7", 4))
+    assert p.flush(30) == 0
     assert sc.produce_events() == 20_000
     # three bad records: not JSON, no key field, and a valid event not keyed by its user
     bad = [b"{not json", f'{{"user_id":"u1","ts":{sc.window_start}}}'.encode(),
            f'{{"user_id":"u1","key":"k1","ts":{sc.window_start}}}'.encode()]
-    from confluent_kafka import Producer
-
-    p = Producer({"bootstrap.servers": sc.broker})
     p.produce(sc.input, bad[0])
     p.produce(sc.input, bad[1], b"u1")
     p.produce(sc.input, bad[2], b"u2")
@@ -199,7 +221,14 @@ def test_worker_releases_equal_replay_dead_letters_and_metrics(scenario):
 
     letters = [d for d in sc.read(DEAD_LETTER_TOPIC) if d.get("query") == sc.query]
     import base64
+    import hashlib
 
+    pills = [d for d in letters if d.get("truncated")]
+    assert len(pills) == 1, "the poison pill is dead-lettered once, cut, and the worker went on"
+    assert pills[0]["original_bytes"] == len(pill) and pills[0]["original_sha256"] == hashlib.sha256(pill).hexdigest()
+    assert base64.b64decode(pills[0]["original_b64"]) == pill[:256 * 1024]
+    assert pills[0]["source"] == f"{sc.input}/{partition_for_key(b'u7', 4)}@0"
+    letters = [d for d in letters if not d.get("truncated")]
     assert sorted(base64.b64decode(d["original_b64"]) for d in letters) == sorted(bad)
     assert all(d["reason"] and d["source"].startswith(sc.input) for d in letters)
 
@@ -210,8 +239,8 @@ def test_worker_releases_equal_replay_dead_letters_and_metrics(scenario):
                  "dpstream_state_size_bytes", "dpstream_budget_epsilon_spent", "dpstream_budget_epsilon_remaining",
                  "dpstream_consumer_lag_records", "dpstream_triggers_fired_total", "dpstream_ready"):
         assert name in names, name
-    assert w.metric("dpstream_events_in_total", query=sc.query) == 20_003
-    assert w.metric("dpstream_events_dropped_total", query=sc.query, reason="malformed") == 3
+    assert w.metric("dpstream_events_in_total", query=sc.query) == 20_004
+    assert w.metric("dpstream_events_dropped_total", query=sc.query, reason="malformed") == 4
     assert w.metric("dpstream_releases_total", query=sc.query) == len(expected)
     assert w.metric("dpstream_trigger_duration_seconds_count", query=sc.query) == w.metric("dpstream_triggers_fired_total", query=sc.query) > 0
     assert w.metric("dpstream_events_dropped_total", query=sc.query, reason="contribution_bound") > 0
@@ -365,3 +394,62 @@ def test_two_workers_publish_a_consistent_hierarchy_exactly_as_replay(scenario):
     assert_no_conflicting_releases(released)
     assert canonical(released) == canonical(expected)
     assert min(w.metric("dpstream_releases_total", query=sc.query) for w in (a, b)) > 0
+
+
+def test_a_worker_down_across_trigger_times_reads_its_backlog_before_it_fires(scenario):
+    """Issue 15's lost release: the worker is killed, its input is produced (on time by its Kafka
+    timestamps) while it is down, and it comes back only after every trigger's fire time. It must
+    read the backlog first, then fire: nothing late, releases equal replay's."""
+    sc = scenario
+    w = sc.worker("down").start()
+    sc.workers.append(w)
+    w.wait_ready()
+    time.sleep(1.5)  # it announces its (idle) partitions' watermarks, then dies
+    w.proc.send_signal(signal.SIGKILL)
+    w.proc.wait()
+    sc.write_events(30_000, users=3_000, keys=100, lead_s=2)
+    sc.produce_events()
+    time.sleep(max(0.0, sc.window_start / 1000 + WINDOW_S + LATENESS_S + 2 - time.time()))  # every trigger overdue
+    w2 = sc.worker("down").start()
+    sc.workers.append(w2)
+    w2.wait_ready()
+    sc.wait_for_window_end()
+    released = sc.read(sc.output)
+    assert_no_conflicting_releases(released)
+    assert w2.metric("dpstream_events_dropped_total", query=sc.query, reason="late") == 0
+    assert released and canonical(released) == canonical(sc.replay())
+
+
+def test_a_recreated_input_topic_is_refused_with_its_name_not_silently_miscounted(scenario):
+    """Issue 15: 30,002 records on a recreated topic, of which the worker counted 155 (those past its
+    old offsets), with no metric, no log line and /readyz answering. Now it is refused."""
+    from confluent_kafka.admin import AdminClient
+
+    from topics.kafka import TopicSpec, create_topics
+
+    sc = scenario
+    w = sc.worker("re").start()
+    sc.workers.append(w)
+    w.wait_ready()
+    sc.write_events(5_000, users=500, keys=20, lead_s=30)
+    sc.produce_events()
+    deadline = time.time() + 60
+    while time.time() < deadline and w.metric("dpstream_events_in_total", query=sc.query) < 5_000:
+        time.sleep(0.2)
+    w.stop()
+    admin = AdminClient({"bootstrap.servers": sc.broker})
+    admin.delete_topics([sc.input])[sc.input].result(30)
+    deadline = time.time() + 30
+    while time.time() < deadline:  # deletion is asynchronous
+        try:
+            create_topics(sc.broker, [TopicSpec(sc.input, 4)])
+            break
+        except Exception:  # noqa: BLE001 - still marked for deletion
+            time.sleep(0.5)
+    sc.produce_events()  # new records at offsets from 0
+    w2 = sc.worker("re").start()
+    sc.workers.append(w2)
+    assert w2.proc.wait(90) != 0
+    log = w2.log.read_text()
+    assert "InputWentBackError" in log and f"{sc.input}-" in log and "the topic was recreated" in log
+    assert "When the input goes back" in log

@@ -39,21 +39,34 @@ def make_worker(path, cfg=None, ownership=Ownership(), repartitions=2, previous_
     return DpstreamWorker(cfg or config(), TEST_SECRET, path, ownership, {"in": 1}, repartitions, previous_mark=previous_mark)
 
 
-def stage_two(worker: DpstreamWorker, messages, first_offset: int = 0) -> None:
-    """Deliver stage-1 output to stage 2 as a broker would: per partition, increasing offsets."""
+def stage_two(worker: DpstreamWorker, messages, first_offset=None) -> None:
+    """Deliver stage-1 output to stage 2 as a broker would: per partition, increasing offsets
+    (after the partition's committed one, unless ``first_offset`` says where to start)."""
     offsets: dict = {}
     for m in messages:
         if m.topic == DEAD_LETTER_TOPIC:
             continue
-        offset = offsets.get(m.partition, first_offset)
+        start = worker.stage2[(m.topic, m.partition)].last_offset + 1 if first_offset is None else first_offset
+        offset = offsets.get(m.partition, start)
         offsets[m.partition] = offset + 1
-        result = worker.process_repartitioned(m.topic, m.partition, [Record(offset, None, m.value, 0)])
+        result = worker.process_repartitioned(m.topic, m.partition, [Record(offset, m.key, m.value, 0)])
         if result is not None:
             result.commit()
 
 
+def announce(worker: DpstreamWorker, now_ms: int) -> None:
+    """Every owned input partition has been read to its end at ``now_ms``: its watermark markers
+    reach stage 2 (as the worker's timer sends them)."""
+    stage_two(worker, worker.watermark_messages(now_ms, read_to_end=dict.fromkeys(worker.stage1, now_ms)))
+
+
+def fire(worker: DpstreamWorker, now_ms: int):
+    announce(worker, now_ms)
+    return worker.fire_due(now_ms)
+
+
 def all_releases(worker: DpstreamWorker) -> dict:
-    fired = worker.fire_due(START + 10 * WINDOW_MS)
+    fired = fire(worker, START + 10 * WINDOW_MS)
     return {(r["window_start"], r["trigger"], r["key"]): r["count"] for f in fired for r in f.releases}
 
 
@@ -95,7 +108,7 @@ def test_crash_between_send_and_commit_resends_identical_records_and_counts_them
     assert all(firsts[u] <= agains[u] for u in firsts)
     assert max(len(s) for s in agains.values()) <= 3  # C
     # stage 2 receives both copies; it counts each (user, slot) once
-    stage_two(w, first.messages + again.messages)
+    stage_two(w, first.messages + again.messages, first_offset=0)
     assert all_releases(w) == expected
     assert sum(p.stats.dropped["duplicate"] for p in w.pipelines()) > 0
     w.close()
@@ -120,14 +133,14 @@ def test_journaled_releases_are_republished_not_recomputed(tmp_path):
     out = w.process_input("in", 0, events(3000))
     out.commit()
     stage_two(w, out.messages)
-    fired = w.fire_due(START + 10 * WINDOW_MS)
+    fired = fire(w, START + 10 * WINDOW_MS)
     assert any(f.releases for f in fired)
     w.mark_published(fired[0])  # crash after the first trigger reached the output
     w.close()
     w = make_worker(tmp_path / "j")
     again = w.unpublished()
     assert [(f.window, f.trigger, f.releases) for f in again] == [(f.window, f.trigger, f.releases) for f in fired[1:]]
-    assert w.fire_due(START + 10 * WINDOW_MS) == []  # nothing fires twice
+    assert fire(w, START + 10 * WINDOW_MS) == []  # nothing fires twice
     w.close()
 
 
@@ -257,4 +270,24 @@ def test_a_key_id_collision_in_a_stage_two_batch_names_the_message_that_carried_
     bodies = [json.loads(m.value) for m in letters]
     assert len(bodies) == 5 and all(b["reason"].startswith("key id collision") for b in bodies)
     assert {b["source"] for b in bodies} == {f"{repartition_topic('clicks')}/0@1"}
+    w.close()
+
+
+def test_a_log_that_went_back_is_refused_naming_the_partition(tmp_path):
+    """Issue 15: a recreated topic or a broker that lost data counted only the records past the old
+    offset, silently. The stored offset and topic id are checked against the log."""
+    from processor.adapters.worker import InputWentBackError
+
+    w = make_worker(tmp_path / "w")
+    w.process_input("in", 0, events(500)).commit()
+    src = w.stage1[("in", 0)]
+    src.check_log(0, 500, "id-A")  # read to the end of the same topic: fine, and the id is recorded
+    src.check_log(100, 900, "id-A")  # more records, older ones deleted by retention: fine
+    with pytest.raises(InputWentBackError, match=r"in-0: the log ends at offset 30, but this state has read up to offset 499"):
+        src.check_log(0, 30, "id-A")  # the broker lost data
+    w.close()
+    w = make_worker(tmp_path / "w")  # the topic id is kept with the state
+    with pytest.raises(InputWentBackError, match=r"in-0: the topic was recreated \(its id is id-B"):
+        w.stage1[("in", 0)].check_log(0, 30_002, "id-B")  # recreated, and already longer than before
+    w.stage1[("in", 0)].check_log(0, 600, None)  # a broker without topic ids: offsets alone
     w.close()

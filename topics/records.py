@@ -8,6 +8,7 @@ records, which go to the dead-letter topic/file, never to logs.
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import math
 import operator
@@ -245,6 +246,36 @@ def encode_json(record: dict) -> bytes:
     return json.dumps(record, sort_keys=True, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
 
 
+#: bytes of an original record a dead letter carries at most. Apache Kafka's default record limit is
+#: 1 MB, and base64 grows the bytes by a third: a larger original is cut to its first 256 KiB, with
+#: its size and SHA-256 kept, so no input record can make a dead letter the broker refuses (and
+#: so stop the worker on every restart: docs/operations.md, "Topics and records")
+MAX_DEAD_LETTER_ORIGINAL = 256 * 1024
+
+
 def dead_letter(reason: str, original: bytes, source: str) -> dict:
-    """A dead-letter record: the reason, where it came from, and the original bytes (base64)."""
-    return {"reason": reason, "source": source, "original_b64": base64.b64encode(original).decode("ascii")}
+    """A dead-letter record: the reason, where it came from (``topic/partition@offset``), and the
+    original bytes (base64), cut to :data:`MAX_DEAD_LETTER_ORIGINAL` with the whole record's size
+    and SHA-256 when longer."""
+    body = {"reason": reason, "source": source}
+    if len(original) > MAX_DEAD_LETTER_ORIGINAL:
+        body.update(original_bytes=len(original), original_sha256=hashlib.sha256(original).hexdigest(), truncated=True)
+        original = original[:MAX_DEAD_LETTER_ORIGINAL]
+    body["original_b64"] = base64.b64encode(original).decode("ascii")
+    return body
+
+
+#: Message key of a watermark marker on a repartition topic (stage-1 data messages have no key)
+WATERMARK_KEY = b"dpstream-watermark"
+
+
+def encode_watermark(topic: str, partition: int, watermark_ms: int) -> bytes:
+    """A stage-1 partition's progress marker: every input record of ``topic``/``partition`` with a
+    Kafka timestamp up to ``watermark_ms`` is already on the repartition topic, before this marker
+    (docs/privacy.md, "Time")."""
+    return encode_json({"topic": topic, "partition": int(partition), "watermark": int(watermark_ms)})
+
+
+def decode_watermark(value: bytes) -> tuple[str, int, int]:
+    obj = json.loads(value)
+    return str(obj["topic"]), int(obj["partition"]), int(obj["watermark"])

@@ -17,12 +17,19 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Optional
 
 import faust
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from processor.adapters.metrics import PipelineMetrics
-from processor.adapters.worker import DpstreamWorker, FiredTrigger, Ownership
+from processor.adapters.worker import (
+    WATERMARK_DELAY_MS,
+    DpstreamWorker,
+    FiredTrigger,
+    InputWentBackError,
+    Ownership,
+)
 from processor.config import DpstreamConfig
 from topics.kafka import (
     KafkaPublisher,
@@ -36,6 +43,22 @@ from topics.kafka import (
 )
 
 log = logging.getLogger("dpstream.worker")
+
+#: s a stopping worker gives Faust to shut down before the process exits anyway (non-zero)
+STOP_GRACE_S = 5.0
+#: s without a broker answer before readiness says the worker is waiting for it
+BROKER_WAIT_S = 10.0
+#: s between checks that the source logs still hold what the state has read
+LOG_CHECK_S = 30.0
+
+
+class BrokerUnreachableError(RuntimeError):
+    """The broker has not answered for ``--broker-timeout`` seconds."""
+
+
+def _exit_now(code: int) -> None:
+    logging.shutdown()
+    os._exit(code)
 
 
 @dataclass
@@ -53,6 +76,8 @@ class WorkerSettings:
     session_timeout: float = 6.0
     heartbeat_interval: float = 1.0
     partitioner: str = "murmur2"  # how producers map a user key to an input partition (checked per record)
+    watermark_delay_ms: int = WATERMARK_DELAY_MS  # see DpstreamWorker.watermark_messages
+    broker_timeout: float = 60.0  # s without any answer from the broker before the worker exits non-zero
 
 
 def broker_address(url: str) -> str:
@@ -85,13 +110,21 @@ def build_app(s: WorkerSettings) -> faust.App:
     stage1_in = app.channel()
     stage2_in = app.channel()
     dynamic_in = app.channel()
-    status = {"ready": False, "worker": None, "consumer": None}
+    #: state: starting -> ready <-> waiting-for-broker; any -> stopping (docs/operations.md, "Health")
+    status = {"ready": False, "state": "starting", "reason": "opening state", "worker": None, "consumer": None,
+              "acknowledged": time.monotonic()}
+
+    def set_state(state: str, reason: str = "") -> None:
+        status["state"], status["reason"] = state, reason
+        status["ready"] = state == "ready"
+        metrics.ready.set(1 if state == "ready" else 0)
 
     async def send(messages) -> None:
         for m in messages:
             publisher.produce(m.topic, m.value, m.key, m.partition)
         # wait for acknowledgements off the event loop; the caller commits state only after this
-        await asyncio.get_running_loop().run_in_executor(None, publisher.flush)
+        await asyncio.get_running_loop().run_in_executor(None, lambda: publisher.flush(s.broker_timeout))
+        status["acknowledged"] = time.monotonic()
 
     async def publish(fired: list[FiredTrigger]) -> None:
         worker: DpstreamWorker = status["worker"]
@@ -101,9 +134,14 @@ def build_app(s: WorkerSettings) -> faust.App:
 
     async def crash(exc: BaseException) -> None:
         # at-least-once: stop rather than go on past a batch whose state was not committed;
-        # the restarted worker resumes from the last committed offsets
+        # the restarted worker resumes from the last committed offsets. Every state write is
+        # atomic, so exiting at once loses nothing: Faust's own shutdown may wait a minute on a
+        # broker that is gone, so the process exits non-zero within STOP_GRACE_S whatever happens
+        if status["state"] == "stopping":
+            return
         log.error("dpstream worker stopping: %s: %s", type(exc).__name__, exc)
-        status["ready"] = False
+        set_state("stopping", f"{type(exc).__name__}: {exc}")
+        asyncio.get_running_loop().call_later(STOP_GRACE_S, _exit_now, 1)
         await app.crash(exc)
 
     @app.agent(stage1_in, name="dpstream.stage1_bound_contributions")
@@ -152,6 +190,9 @@ def build_app(s: WorkerSettings) -> faust.App:
             return
         try:
             now = int(time.time() * 1000)
+            # announce how far each owned input partition has been read (committed progress
+            # only); stage 2 fires a trigger once every input partition is past it
+            await send(worker.watermark_messages(now, read_to_end(worker)))
             await publish(worker.fire_due(now))
             # dynamic queries: every tick the clock has passed is decided, updates or not
             due, letters = worker.advance_dynamic(now)
@@ -161,6 +202,20 @@ def build_app(s: WorkerSettings) -> faust.App:
                 worker.mark_dynamic_published(key)
         except Exception as exc:  # noqa: BLE001
             await crash(exc)
+
+    def read_to_end(worker: DpstreamWorker) -> dict:
+        """Owned input partitions whose committed offset has reached the end the broker last
+        reported, with the time of that report (its fetch response)."""
+        consumer = status["consumer"]
+        ends = {}
+        if consumer is None:
+            return ends
+        for key, src in worker.stage1.items():
+            tp = _tp(*key)
+            high = consumer.highwater(tp)
+            if high is not None and src.last_offset + 1 >= high:
+                ends[key] = consumer.last_poll_timestamp(tp)
+        return ends
 
     def refresh_metrics() -> None:
         worker, consumer = status["worker"], status["consumer"]
@@ -176,6 +231,7 @@ def build_app(s: WorkerSettings) -> faust.App:
     async def consume():
         """Open the state, republish the journal, then read owned partitions in batches."""
         from aiokafka import AIOKafkaConsumer
+        from aiokafka.errors import OffsetOutOfRangeError
 
         loop = asyncio.get_running_loop()
         consumer = None
@@ -200,7 +256,7 @@ def build_app(s: WorkerSettings) -> faust.App:
             worker = await loop.run_in_executor(None, lambda: DpstreamWorker(
                 s.config, s.secret, s.state_dir, s.ownership, {t: counts[t] for t in inputs},
                 repartitions.pop() if repartitions else s.partitions, metrics, previous_mark=previous, app_id=s.app_id,
-                partitioner=s.partitioner))
+                partitioner=s.partitioner, watermark_delay_ms=s.watermark_delay_ms))
             status["worker"] = worker
             if previous is None or {k: previous.get(k) for k in worker.epoch_mark} != worker.epoch_mark:
                 mark = {**worker.epoch_mark, "since_ms": int(time.time() * 1000)}
@@ -209,7 +265,14 @@ def build_app(s: WorkerSettings) -> faust.App:
             for key in worker.dynamic:  # releases recomputed from the update log, not yet sent
                 await send(worker.dynamic_releases(key))
                 worker.mark_dynamic_published(key)
-            consumer = AIOKafkaConsumer(bootstrap_servers=broker, group_id=None, enable_auto_commit=False, auto_offset_reset="earliest",
+            # the logs must still hold what the state has read (a recreated topic, a broker that
+            # lost data: refused, never silently counted from wherever the log is now)
+            positions = await loop.run_in_executor(None, lambda: _log_positions(broker, worker.sources))
+            for src in worker.sources:
+                start, end, topic_id = positions[(src.topic, src.partition)]
+                src.check_log(start, end, topic_id)
+            # "none": an offset out of range later (the log went back while running) raises
+            consumer = AIOKafkaConsumer(bootstrap_servers=broker, group_id=None, enable_auto_commit=False, auto_offset_reset="none",
                                         max_partition_fetch_bytes=8 * 1024 * 1024, fetch_max_bytes=32 * 1024 * 1024,
                                         **aiokafka_security(security))
             await consumer.start()
@@ -223,13 +286,23 @@ def build_app(s: WorkerSettings) -> faust.App:
                 stage_of[_tp(*key)] = (dynamic_in, src)
             consumer.assign(list(stage_of))
             for tp, (_, src) in stage_of.items():
-                consumer.seek(tp, src.last_offset + 1)  # the state's own offset, not a group commit
-            status["ready"] = True
-            metrics.ready.set(1)
+                start = positions[(src.topic, src.partition)][0]
+                if src.last_offset + 1 < start:  # deleted by retention before this worker read them
+                    log.error("%s: records at offsets %d to %d were deleted (retention) before this worker read them; "
+                              "going on from offset %d", src.name, src.last_offset + 1, start - 1, start)
+                consumer.seek(tp, max(src.last_offset + 1, start))  # the state's own offset, not a group commit
+            set_state("ready")
             log.info("dpstream worker %d/%d ready: %d input and %d repartition partitions", s.ownership.index, s.ownership.workers,
                      len(worker.stage1), len(worker.stage2))
             while True:
-                fetched = await consumer.getmany(timeout_ms=200, max_records=s.fetch_records)
+                try:
+                    fetched = await consumer.getmany(timeout_ms=200, max_records=s.fetch_records)
+                except OffsetOutOfRangeError as exc:
+                    tp, offset = next(iter(exc.args[0].items()))
+                    raise InputWentBackError(
+                        f"{tp.topic}-{tp.partition}: offset {offset}, where this worker's state goes on, is no longer in the "
+                        f"log: the topic was recreated or the broker lost data. See docs/operations.md, \"When the input goes "
+                        f"back\"") from None
                 for tp, records in fetched.items():
                     channel, _ = stage_of[tp]
                     await channel.send(value=(tp.topic, tp.partition, records))
@@ -238,22 +311,62 @@ def build_app(s: WorkerSettings) -> faust.App:
         except Exception as exc:  # noqa: BLE001
             await crash(exc)
         finally:
-            status["ready"] = False
-            metrics.ready.set(0)
+            if status["state"] != "stopping":
+                set_state("stopping", "consumer stopped")
             if consumer is not None:
                 await consumer.stop()
 
+    @app.timer(1.0, name="dpstream.watch_broker")
+    async def watch_broker():
+        """Broker contact: the last fetch response or acknowledged send. Without any for 10 s the
+        worker says it is waiting (readiness 503) and resumes when the broker answers again;
+        without any for ``broker_timeout`` it exits non-zero, for Kubernetes to restart it."""
+        consumer = status["consumer"]
+        if consumer is None or status["state"] not in ("ready", "waiting-for-broker"):
+            return
+        fetched = [consumer.last_poll_timestamp(tp) for tp in consumer.assignment()]
+        now_ms = time.time() * 1000
+        silent = min([(now_ms - t) / 1000 for t in fetched if t] + [time.monotonic() - status["acknowledged"]])
+        if silent > s.broker_timeout:
+            await crash(BrokerUnreachableError(f"no answer from the broker at {broker} for {silent:.0f} s (--broker-timeout)"))
+        elif silent > BROKER_WAIT_S:
+            if status["state"] == "ready":
+                log.warning("waiting for the broker at %s: no answer for %.0f s", broker, silent)
+            set_state("waiting-for-broker", f"no answer from the broker for {silent:.0f} s")
+        elif status["state"] == "waiting-for-broker":
+            log.info("the broker at %s answers again", broker)
+            set_state("ready")
+
+    @app.timer(LOG_CHECK_S, name="dpstream.check_logs")
+    async def check_logs():
+        """While running: a source topic recreated under the same name, or a log shorter than
+        what the state has read, stops the worker (refused on restart too) rather than count the
+        new records from wherever the old offsets point."""
+        worker = status["worker"]
+        if worker is None or status["state"] != "ready":
+            return
+        try:
+            positions = await asyncio.get_running_loop().run_in_executor(None, lambda: _log_positions(broker, worker.sources))
+            for src in worker.sources:
+                start, end, topic_id = positions[(src.topic, src.partition)]
+                src.check_log(start, end, topic_id)
+        except InputWentBackError as exc:
+            await crash(exc)
+        except Exception as exc:  # noqa: BLE001 - the broker may be away: watch_broker handles that
+            log.debug("log position check skipped: %s", exc)
+
     @app.page("/healthz")
     async def healthz(web, request):
-        """Liveness: the event loop answers."""
-        return web.json({"status": "alive"})
+        """Liveness: the event loop answers and the worker is not stopping."""
+        if status["state"] == "stopping":
+            return web.json({"status": "stopping", "reason": status["reason"]}, status=503)
+        return web.json({"status": "alive", "state": status["state"]})
 
     @app.page("/readyz")
     async def readyz(web, request):
-        """Readiness: state open, journal republished, partitions assigned."""
-        if status["ready"]:
-            return web.json({"status": "ready"})
-        return web.json({"status": "starting"}, status=503)
+        """Readiness: state open, journal republished, partitions assigned, broker answering."""
+        body = {"status": status["state"], "reason": status["reason"]}
+        return web.json(body, status=200 if status["state"] == "ready" else 503)
 
     @app.page("/metrics")
     async def prometheus_metrics(web, request):
@@ -283,6 +396,34 @@ def _tp(topic: str, partition: int):
     from aiokafka import TopicPartition
 
     return TopicPartition(topic, partition)
+
+
+def _log_positions(broker: str, sources) -> dict[tuple[str, int], tuple[int, int, Optional[str]]]:
+    """(log start offset, log end offset, topic id) of each source partition. Topic ids come
+    from DescribeTopics (Apache Kafka); a broker without them gives None."""
+    from confluent_kafka import Consumer, TopicCollection, TopicPartition
+    from confluent_kafka.admin import AdminClient
+
+    topics = sorted({src.topic for src in sources})
+    ids: dict[str, Optional[str]] = {}
+    admin = AdminClient({"bootstrap.servers": broker, **client_security()})  # kept alive until the futures resolve
+    try:
+        futures = admin.describe_topics(TopicCollection(topics))
+        for name, future in futures.items():
+            ids[name] = str(future.result(15).topic_id) or None
+    except Exception as exc:  # noqa: BLE001 - no DescribeTopics (e.g. Tansu): offsets alone
+        log.debug("no topic ids from the broker (%s): checking offsets only", exc)
+        ids = {}
+    consumer = Consumer({"bootstrap.servers": broker, "group.id": "dpstream-log-positions", "enable.auto.commit": False,
+                         **client_security()})
+    try:
+        out = {}
+        for src in sources:
+            low, high = consumer.get_watermark_offsets(TopicPartition(src.topic, src.partition), timeout=15)
+            out[(src.topic, src.partition)] = (low, high, ids.get(src.topic))
+        return out
+    finally:
+        consumer.close()
 
 
 def _partition_counts(broker: str, topics: set[str]) -> dict[str, int]:

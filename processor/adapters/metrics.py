@@ -17,7 +17,9 @@ class PipelineMetrics:
         r = self.registry
         self.events_in = Counter("dpstream_events_in_total", "Valid input events received", ["query"], registry=r)
         self.dropped = Counter("dpstream_events_dropped_total",
-                               "Input events dropped, by reason: malformed (dead-lettered), late, contribution_bound, duplicate "
+                               "Input events dropped, by reason: malformed, wrong_partition, future, key_collision, late (these dead-lettered; "
+                               "late at stage 2 only counted), "
+                               "contribution_bound, per_key_bound, budget, duplicate "
                                "(a redelivered copy)", ["query", "reason"], registry=r)
         self.accumulated = Counter("dpstream_records_accumulated_total", "Bounded records stage 2 added to pending micro-batches",
                                    ["query"], registry=r)
@@ -36,6 +38,10 @@ class PipelineMetrics:
         self.state_bytes = Gauge("dpstream_state_size_bytes", "Approximate size of the state store", ["partition"], registry=r)
         self.budget_spent = Gauge("dpstream_budget_epsilon_spent", "Epsilon spent per window by the query's plan", ["query"], registry=r)
         self.budget_remaining = Gauge("dpstream_budget_epsilon_remaining", "Epsilon declared minus spent", ["query"], registry=r)
+        self.input_watermark = Gauge("dpstream_input_watermark_seconds",
+                                     "Unix time up to which every input partition has been read (the least over this worker's "
+                                     "stage-2 partitions of the query): triggers fire once it passes their fire time", ["query"],
+                                     registry=r)
         self.consumer_lag = Gauge("dpstream_consumer_lag_records", "Records behind the end of the input", ["topic", "partition"], registry=r)
         self.ready = Gauge("dpstream_ready", "1 when the worker has opened its state, republished its journal and is consuming", registry=r)
         self.ledger_spent = Gauge("dpstream_ledger_epsilon_spent", "Epsilon a principal has spent in the current refresh period",

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import operator
 import time
 from collections import Counter, defaultdict
@@ -61,17 +62,26 @@ from processor.engine.pipeline import (
 from processor.engine.runner import Fired, QueryRunner
 from processor.mechanisms.noise import NodeNoise, Pseudonymizer
 from state.store import PartitionStores, Store, WriteBatch
-from state.tables import IntegerMark
+from state.tables import InputWatermarks, IntegerMark, TextMark
 from topics.decoding import decoder_for
 from topics.kafka import DEAD_LETTER_TOPIC, repartition_topic
 from topics.records import (
+    WATERMARK_KEY,
     EventParser,
     dead_letter,
+    decode_watermark,
     encode_json,
+    encode_watermark,
     release_key,
 )
 
+log = logging.getLogger("dpstream.worker")
+
 LAYOUT_FILE = "worker-layout.json"
+#: default of how far behind the newest Kafka timestamp read (or the wall clock, once a partition
+#: is read to its end) a stage-1 partition's watermark stays: producers' timestamps (CreateTime)
+#: may arrive this much out of order without being late (docs/privacy.md, "Time")
+WATERMARK_DELAY_MS = 2000
 #: dynamic ticks decided per timer call at most: a query whose start is long past catches up
 #: over several calls instead of stalling the event loop
 DYNAMIC_TICKS_PER_STEP = 200_000
@@ -99,6 +109,11 @@ class Message:
 
 class StateLayoutError(RuntimeError):
     """The state directory does not belong to this worker layout (a new epoch is needed)."""
+
+
+class InputWentBackError(StateLayoutError):
+    """A source partition's log no longer holds what this worker's state says it read: the topic
+    was recreated, or the broker lost data (docs/operations.md, "When the input goes back")."""
 
 
 class LostStateError(StateLayoutError):
@@ -145,16 +160,62 @@ class SourcePartition:
         self.runners = [QueryRunner(p) for p in pipelines]
         self._offset = IntegerMark(store, b"offset")
         self.last_offset = self._offset.get(-1)
+        #: stage 1: the largest Kafka timestamp among the committed records read since start, and
+        #: the watermark last announced to stage 2 (in memory: stage 2 keeps the announced ones)
+        self.read_ms: Optional[int] = None
+        self.announced_ms: Optional[int] = None
+        #: stage 2: how far each stage-1 input partition has been read, from its markers
+        self._watermarks = InputWatermarks(store)
+        self.watermarks: dict[tuple[str, int], int] = self._watermarks.get()
+        self._topic_id = TextMark(store, b"topic-id")
+
+    def check_log(self, start: int, end: int, topic_id: Optional[str]) -> None:
+        """Refuse a log that went back: another topic under the same name (its id changed), or
+        an end offset before the offset this state has read up to (records this state counted
+        are gone). ``start``/``end``: the partition's log start and end offsets now. The topic id
+        is recorded the first time one is given."""
+        recorded = self._topic_id.get()
+        if topic_id and recorded and recorded != topic_id:
+            raise InputWentBackError(
+                f"{self.name}: the topic was recreated (its id is {topic_id}, this state read topic id {recorded}, up to offset "
+                f"{self.last_offset}); its records are not the ones this state counted. See docs/operations.md, \"When the input "
+                f"goes back\"")
+        if self.last_offset + 1 > end:
+            raise InputWentBackError(
+                f"{self.name}: the log ends at offset {end}, but this state has read up to offset {self.last_offset}: the "
+                f"topic was recreated or the broker lost data. See docs/operations.md, \"When the input goes back\"")
+        if topic_id and not recorded:
+            batch = WriteBatch()
+            self._topic_id.put(batch, topic_id)
+            self.store.write(batch)
 
     @property
     def name(self) -> str:
         return f"{self.topic}-{self.partition}"
 
-    def commit(self, batch: WriteBatch, last_offset: int) -> None:
+    def commit(self, batch: WriteBatch, last_offset: int, read_ms: Optional[int] = None) -> None:
         """The state changes of records up to ``last_offset`` and that offset: one atomic write."""
         self._offset.put(batch, last_offset)
         self.store.write(batch)
         self.last_offset = last_offset
+        if read_ms is not None:
+            self.read_ms = read_ms if self.read_ms is None else max(self.read_ms, read_ms)
+
+    def advance_watermarks(self, batch: WriteBatch, marks: Iterable[tuple[str, int, int]]) -> None:
+        """Stage 2: take in watermark markers (kept with the offset they were read at)."""
+        changed = False
+        for topic, partition, ms in marks:
+            if ms > self.watermarks.get((topic, partition), -2**63):
+                self.watermarks[(topic, partition)] = ms
+                changed = True
+        if changed:
+            self._watermarks.put(batch, self.watermarks)
+
+    def input_watermark(self, topic: str, partitions: int) -> Optional[int]:
+        """Stage 2: the time up to which every partition of the input ``topic`` has been read
+        (None until each has announced one)."""
+        marks = [self.watermarks.get((topic, p)) for p in range(partitions)]
+        return None if None in marks else min(marks)
 
 
 @dataclass
@@ -166,9 +227,10 @@ class StageOneResult:
     last_offset: int
     messages: list[Message] = field(default_factory=list)
     invalid: Counter = field(default_factory=Counter)
+    read_ms: Optional[int] = None  # the largest Kafka timestamp of the batch's records
 
     def commit(self) -> None:
-        self.source.commit(self.batch, self.last_offset)
+        self.source.commit(self.batch, self.last_offset, self.read_ms)
 
 
 @dataclass
@@ -213,8 +275,10 @@ class DpstreamWorker:
     def __init__(self, config: DpstreamConfig, secret: bytes, state_dir: str | Path, ownership: Ownership,
                  input_partitions: dict[str, int], repartitions: int, metrics: Optional[PipelineMetrics] = None,
                  block_cache_mb: int = 64, write_buffer_mb: int = 32, previous_mark: Optional[dict] = None,
-                 app_id: str = "dpstream", partitioner: str = "murmur2", now_ms: Optional[int] = None):
+                 app_id: str = "dpstream", partitioner: str = "murmur2", now_ms: Optional[int] = None,
+                 watermark_delay_ms: int = WATERMARK_DELAY_MS):
         self.config = config
+        self.watermark_delay_ms = int(watermark_delay_ms)
         self.ownership = ownership
         self.repartitions = repartitions
         self.input_partitions = dict(input_partitions)
@@ -335,6 +399,7 @@ class DpstreamWorker:
         # the records' fields as columns once: per-record attribute access is much of a batch's cost
         message_keys = list(map(_KEY, records))
         stamps = np.fromiter(map(_TIMESTAMP, records), dtype=np.int64, count=len(records))
+        result.read_ms = int(stamps.max())
         parsed = self.decoder.decode(list(map(_VALUE, records)))  # once for every query
         misplaced = self._misplaced(topic, partition, message_keys)
         for runner in source.runners:
@@ -415,23 +480,72 @@ class DpstreamWorker:
 
     # ------------------------------------------------------------------ stage 2
     def process_repartitioned(self, topic: str, partition: int, records: Sequence[RecordLike]) -> Optional[StageTwoResult]:
-        """Append bounded records to the pending micro-batches; nothing is written yet. Returns the
-        dead letters (key id collisions) to send before :meth:`StageTwoResult.commit`."""
+        """Append bounded records to the pending micro-batches and take in the watermark markers
+        among them; nothing is written yet. Returns the dead letters (key id collisions) to send
+        before :meth:`StageTwoResult.commit`."""
         source = self.stage2[(topic, partition)]
         records = [r for r in records if r.offset > source.last_offset]
         if not records:
             return None
         runner = source.runners[0]
         result = StageTwoResult(source, WriteBatch(), records[-1].offset, applied=len(records))
-        decoded = [BoundedRecords.decode(r.value) for r in records]
+        data = [r for r in records if r.key != WATERMARK_KEY]
+        source.advance_watermarks(result.batch, (decode_watermark(r.value) for r in records if r.key == WATERMARK_KEY))
+        if not data:
+            return result
+        decoded = [BoundedRecords.decode(r.value) for r in data]
+        late_before = runner.pipeline.stats.dropped["late"]
         # one call for the whole batch: its fixed cost (window status, key registration, one blob
         # per (window, trigger)) is paid once, not per message. The last offset is unique within the
         # partition, so pending blobs never collide, and the batch commits with that offset whole
         for text, reason in runner.stage_two(BoundedRecords.concat(decoded), records[-1].offset, result.batch):
-            origin = next(r.offset for r, d in zip(records, decoded) if text in d.keys.tolist())
+            origin = next(r.offset for r, d in zip(data, decoded) if text in d.keys.tolist())
             body = {"query": runner.query.name, **dead_letter(reason, text.encode(), f"{topic}/{partition}@{origin}")}
             result.messages.append(Message(DEAD_LETTER_TOPIC, encode_json(body)))
+        late = runner.pipeline.stats.dropped["late"] - late_before
+        if late:
+            # on time at stage 1 yet its trigger fired: a producer's timestamps were more out of
+            # order than the watermark delay allows (docs/operations.md, "Time and lateness")
+            log.warning("query %s: %d bounded records reached %s after their trigger fired (timestamps out of order by more "
+                        "than the watermark delay); counted as late", runner.query.name, late, source.name)
         return result
+
+    # ------------------------------------------------------------------ watermarks
+    def watermark_messages(self, now_ms: int, read_to_end: Optional[dict[tuple[str, int], int]] = None) -> list[Message]:
+        """Markers announcing how far each owned input partition has been read, to every
+        partition of each of its queries' repartition topics: after the bounded records they
+        cover were acknowledged (the caller sends only committed progress), so on each
+        repartition partition a marker follows the records it covers.
+
+        A partition's watermark is the largest Kafka timestamp read from it, or, once it has been
+        read to its end, the time the broker said where its end was (``read_to_end``: input
+        partition -> that time; an idle partition must not hold back the schedule), less the
+        watermark delay, and never past the wall clock. Stage 2 fires a
+        trigger once every input partition's watermark has passed its fire time (docs/privacy.md,
+        "Time"), so a worker that was down, or behind, reads its backlog before it fires."""
+        ends = read_to_end or {}
+        out = []
+        for (topic, p), source in self.stage1.items():
+            read = source.read_ms
+            if (topic, p) in ends:
+                read = ends[(topic, p)] if read is None else max(read, ends[(topic, p)])
+            if read is None:
+                continue
+            mark = min(read, now_ms) - self.watermark_delay_ms
+            if source.announced_ms is not None and mark <= source.announced_ms:
+                continue
+            source.announced_ms = mark
+            value = encode_watermark(topic, p, mark)
+            for pipe in source.pipelines:
+                out.extend(Message(repartition_topic(pipe.query.name), value, WATERMARK_KEY, q) for q in range(self.repartitions))
+        return out
+
+    def stage_two_clock(self, source: SourcePartition, now_ms: int) -> Optional[int]:
+        """The clock stage 2 fires a partition's triggers by: the input watermark, never past the
+        wall clock (None until every input partition has announced one)."""
+        topic = source.pipelines[0].query.input_topic
+        mark = source.input_watermark(topic, self.input_partitions[topic])
+        return None if mark is None else min(mark, now_ms)
 
     # ------------------------------------------------------------------ dynamic queries
     def process_dynamic(self, topic: str, partition: int, records: Sequence[RecordLike]) -> list[Message]:
@@ -482,13 +596,15 @@ class DpstreamWorker:
             self.dynamic[key].store.write(batch)
 
     def fire_due(self, now_ms: int) -> list[FiredTrigger]:
-        """Open (charge) the windows the wall clock has reached and fire every owned trigger whose
-        time (plus allowed lateness) has passed: the schedule, never the data, decides. Releases
-        are journaled on return."""
+        """Open (charge) the windows the wall clock has reached, and fire every owned trigger whose
+        fire time (its time plus the allowed lateness) every input partition's watermark has
+        passed (:meth:`stage_two_clock`). Which records a trigger holds is fixed by the schedule
+        and each record's Kafka timestamp; the watermark only decides when all of them have been
+        read. Releases are journaled on return."""
         fired = []
         for source in self.stage2.values():
             runner = source.runners[0]
-            due = runner.fire_due(now_ms)
+            due = runner.fire_due(self.stage_two_clock(source, now_ms), open_clock_ms=now_ms)
             while True:
                 started = time.perf_counter()
                 f = next(due, None)
@@ -538,5 +654,12 @@ class DpstreamWorker:
                 self.metrics.observe_pipeline(st.query.name, total, st.counter.plan, keys_released=0)
         for source in self.sources:
             self.metrics.state_bytes.labels(source.name).set(source.store.size_bytes())
+        marks: dict[str, list] = defaultdict(list)
+        for source in self.stage2.values():
+            topic = source.pipelines[0].query.input_topic
+            marks[source.pipelines[0].query.name].append(source.input_watermark(topic, self.input_partitions[topic]))
+        for name, values in marks.items():
+            if None not in values:
+                self.metrics.input_watermark.labels(name).set(min(values) / 1000.0)
         if self.ledger is not None:
             self.metrics.observe_ledger(self.ledger.entries(int(time.time() * 1000)))

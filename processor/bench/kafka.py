@@ -130,31 +130,9 @@ def _metrics(port: int) -> dict:
 def worker_rate(broker: str, config_path: str, key_file: str, expected: int, partitions: int, workers: int = 1) -> tuple[float, dict]:
     """``workers`` worker processes (worker i of N owns partitions p % N == i, as the Helm
     chart's replicas do), fresh state and one fresh app id; their summed metrics."""
-    ports = [_free_port() for _ in range(workers)]
-    app_id = f"dpstream-bench-{uuid.uuid4().hex[:8]}"
     with tempfile.TemporaryDirectory(prefix="dpstream-bench-") as state:
-        env = {**os.environ, "DPSTREAM_NOISE_KEY_FILE": key_file}
-        procs = []
+        procs, ports = _start_workers(broker, config_path, key_file, partitions, Path(state), workers)
         try:
-            for i, port in enumerate(ports):
-                cmd = [sys.executable, "-m", "processor.cli", "worker", "--config", config_path, "--broker", broker,
-                       "--state-dir", str(Path(state) / f"w{i}"), "--partitions", str(partitions), "--web-port", str(port),
-                       "--web-host", "127.0.0.1", "--app-id", app_id, "--worker-index", str(i), "--workers", str(workers),
-                       "--log-level", "warn"]
-                log = open(Path(state) / f"worker{i}.log", "wb")
-                procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
-            pending = set(range(workers))
-            while pending:
-                for i in list(pending):
-                    if procs[i].poll() is not None:
-                        raise RuntimeError(f"worker {i} exited: {(Path(state) / f'worker{i}.log').read_text()[-2000:]}")
-                    try:
-                        with urllib.request.urlopen(f"http://127.0.0.1:{ports[i]}/readyz", timeout=2) as r:
-                            if r.status == 200:
-                                pending.discard(i)
-                    except OSError:
-                        pass
-                time.sleep(0.05)
             started = time.perf_counter()
             while True:
                 m: dict = {}
@@ -167,17 +145,11 @@ def worker_rate(broker: str, config_path: str, key_file: str, expected: int, par
                     return expected / elapsed, m
                 time.sleep(0.05)
         finally:
-            for proc in procs:
-                proc.send_signal(signal.SIGTERM)
-            for proc in procs:
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+            _stop_workers(procs)
 
 
 def run_kafka_bench(broker: str, users: int, keys: int, repeats: int, partitions: int, json_path: str | None,
-                    workers: int = 2) -> dict:
+                    workers: int = 2, baselines: bool = True) -> dict:
     from processor.adapters.kafka_tools import produce, synthetic_lines
     from topics.kafka import TopicSpec, create_topics
 
@@ -199,14 +171,15 @@ def run_kafka_bench(broker: str, users: int, keys: int, repeats: int, partitions
                                f"    window: {window_days}d\n    triggers: 1\n    contribution_bound: 32\n    epsilon: 6\n    delta: 1.0e-9\n")
         key_file = Path(tmp) / "noise.key"
         key_file.write_bytes(os.urandom(32))  # a throwaway secret: nothing here is published
-        runs = {"confluent_default": [], "confluent_tuned": [], "aiokafka_getmany": [], "worker": []}
+        runs = {"confluent_default": [], "confluent_tuned": [], "aiokafka_getmany": [], "worker": []} if baselines else {"worker": []}
         scaled = f"workers_{workers}"
         if workers > 1:
             runs[scaled] = []
         for r in range(repeats):
-            runs["confluent_default"].append(baseline_rate(broker, topic, n))
-            runs["confluent_tuned"].append(baseline_rate(broker, topic, n, tuned=True))
-            runs["aiokafka_getmany"].append(aiokafka_rate(broker, topic, n))
+            if baselines:
+                runs["confluent_default"].append(baseline_rate(broker, topic, n))
+                runs["confluent_tuned"].append(baseline_rate(broker, topic, n, tuned=True))
+                runs["aiokafka_getmany"].append(aiokafka_rate(broker, topic, n))
             for name, count in (("worker", 1), (scaled, workers)) if workers > 1 else (("worker", 1),):
                 rate, metrics = worker_rate(broker, str(config_path), str(key_file), n, partitions, count)
                 refused = {k: v for k, v in metrics.items() if k.startswith("dropped:") and k != "dropped:contribution_bound" and v}
@@ -215,6 +188,8 @@ def run_kafka_bench(broker: str, users: int, keys: int, repeats: int, partitions
                 runs[name].append(rate)
             print(f"  run {r + 1}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in runs.items()) + " events/s", file=sys.stderr)
     medians = {k: statistics.median(v) for k, v in runs.items()}
+    if not baselines:
+        return {"events": n, "events_per_s": runs, "medians": medians}
     result = {
         "events": n, "users": users, "keys": keys, "partitions": partitions, "repeats": repeats,
         "events_per_s": runs, "medians": medians,
@@ -231,6 +206,160 @@ def run_kafka_bench(broker: str, users: int, keys: int, repeats: int, partitions
           f"{result['ratio_to_confluent_tuned']:.2f}; worker / aiokafka: {result['ratio_to_aiokafka_getmany']:.2f}"
           + (f"; {workers} worker processes together {medians[scaled]:,.0f} events/s, "
              f"{result[f'ratio_{scaled}_to_aiokafka_getmany']:.2f} of aiokafka" if workers > 1 else ""), file=sys.stderr)
+    if json_path:
+        Path(json_path).write_text(json.dumps({**result, "machine": machine()}, indent=2) + "\n")
+    return result
+
+
+# ---------------------------------------------------------------------------------------------- live
+LIVE_WINDOW_S, LIVE_TRIGGERS, LIVE_GRACE_S = 20, 4, 3.0
+
+
+def _start_workers(broker: str, config_path: str, key_file: str, partitions: int, state: Path, workers: int = 1,
+                   extra: tuple = ()) -> tuple[list, list[int]]:
+    """``workers`` worker processes with fresh state and one fresh app id, once all are ready."""
+    ports = [_free_port() for _ in range(workers)]
+    app_id = f"dpstream-bench-{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, "DPSTREAM_NOISE_KEY_FILE": key_file}
+    procs = []
+    for i, port in enumerate(ports):
+        cmd = [sys.executable, "-m", "processor.cli", "worker", "--config", config_path, "--broker", broker,
+               "--state-dir", str(state / f"w{i}"), "--partitions", str(partitions), "--web-port", str(port),
+               "--web-host", "127.0.0.1", "--app-id", app_id, "--worker-index", str(i), "--workers", str(workers),
+               "--log-level", "warn", *extra]
+        log = open(state / f"worker{i}.log", "wb")
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+    pending = set(range(workers))
+    while pending:
+        for i in list(pending):
+            if procs[i].poll() is not None:
+                raise RuntimeError(f"worker {i} exited: {(state / f'worker{i}.log').read_text()[-2000:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{ports[i]}/readyz", timeout=2) as r:
+                    if r.status == 200:
+                        pending.discard(i)
+            except OSError:
+                pass
+        time.sleep(0.05)
+    return procs, ports
+
+
+def _stop_workers(procs) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def produce_live(broker: str, topic: str, rate: float, seconds: float, users: int, keys: int, seed: int) -> tuple[int, float]:
+    """Events produced as they happen: ``rate`` per second for ``seconds``, each dated (and
+    Kafka-timestamped) when it is produced, keyed by user. Returns (events, seconds taken)."""
+    import numpy as np
+    from confluent_kafka import Producer
+
+    from processor.adapters.kafka_tools import PRODUCER_DEFAULTS
+
+    rng = np.random.default_rng(seed)
+    total = int(rate * seconds)
+    user = rng.integers(0, users, total).tolist()
+    key = np.minimum(rng.zipf(1.3, total), keys).tolist()
+    producer = Producer({"bootstrap.servers": broker, **PRODUCER_DEFAULTS, "linger.ms": 5})
+    started = time.perf_counter()
+    sent = 0
+    while sent < total:
+        due = min(total, int((time.perf_counter() - started) * rate) + 1)
+        now = int(time.time() * 1000)
+        for i in range(sent, due):
+            u = f"user-{user[i]}".encode()
+            while True:
+                try:
+                    producer.produce(topic, b'{"user_id":"%s","key":"page-%d","ts":%d}' % (u, key[i], now), u)
+                    break
+                except BufferError:
+                    producer.poll(0.01)
+        sent = due
+        producer.poll(0)
+        time.sleep(0.002)
+    elapsed = time.perf_counter() - started
+    if producer.flush(60):
+        raise RuntimeError("live producer: records not acknowledged")
+    return total, elapsed
+
+
+def live_trial(broker: str, rate: float, seconds: float, partitions: int, users: int, keys: int, key_file: str) -> dict:
+    """One worker on a fresh topic while events are produced live at ``rate``/s. Steady: the
+    producer held the rate, nothing was dropped as late, and the worker had taken in (stage 2
+    accumulated) every admitted record within LIVE_GRACE_S of the last one being produced."""
+    tag = uuid.uuid4().hex[:8]
+    topic = f"bench-live-{tag}"
+    from topics.kafka import TopicSpec, create_topics
+
+    create_topics(broker, [TopicSpec(topic, partitions)])
+    with tempfile.TemporaryDirectory(prefix="dpstream-bench-live-") as tmp:
+        config_path = Path(tmp) / "queries.yaml"
+        config_path.write_text(f"queries:\n  - name: live{tag}\n    input_topic: {topic}\n    output_topic: bench-out-{tag}\n"
+                               f"    window: {LIVE_WINDOW_S}s\n    triggers: {LIVE_TRIGGERS}\n    allowed_lateness: 1s\n"
+                               f"    contribution_bound: 32\n    epsilon: 6\n    delta: 1.0e-9\n")
+        procs, ports = _start_workers(broker, str(config_path), key_file, partitions, Path(tmp))
+        try:
+            produced, took = produce_live(broker, topic, rate, seconds, users, keys, seed=int(rate))
+            done = time.perf_counter()
+            caught_up = None
+            while time.perf_counter() - done < 30:
+                m = _metrics(ports[0])
+                admitted = m.get("dpstream_events_in_total", 0) - m.get("dpstream_events_dropped_total", 0)
+                if m.get("dpstream_events_in_total", 0) >= produced and m.get("dpstream_records_accumulated_total", 0) >= admitted:
+                    caught_up = time.perf_counter() - done
+                    break
+                time.sleep(0.05)
+            m = _metrics(ports[0])
+        finally:
+            _stop_workers(procs)
+    achieved = produced / took
+    late = m.get("dropped:late", 0)
+    return {"rate": rate, "achieved": achieved, "caught_up_s": caught_up, "late": late, "triggers": m.get("dpstream_triggers_fired_total", 0),
+            "steady": achieved >= 0.95 * rate and late == 0 and caught_up is not None and caught_up <= LIVE_GRACE_S}
+
+
+def _print_trial(t: dict) -> None:
+    caught = "never" if t["caught_up_s"] is None else f"{t['caught_up_s']:.2f} s"
+    print(f"  live {t['rate']:,.0f}/s: produced {t['achieved']:,.0f}/s, caught up {caught} after the last event, "
+          f"late {t['late']:.0f}: {'steady' if t['steady'] else 'NOT steady'}", file=sys.stderr)
+
+
+def run_live_bench(broker: str, start_rate: float, seconds: float, partitions: int, users: int, keys: int, repeats: int,
+                   json_path: str | None) -> dict:
+    """``bench kafka --live RATE``: the highest steady live rate (doubling from RATE until a trial
+    is not steady, then one step between), against the worker's bulk rate in the same run."""
+    with tempfile.TemporaryDirectory(prefix="dpstream-bench-key-") as tmp:
+        key_file = Path(tmp) / "noise.key"
+        key_file.write_bytes(os.urandom(32))  # a throwaway secret: nothing here is published
+        trials = []
+        rate, best, failed = start_rate, None, None
+        while rate <= 1_000_000:
+            t = live_trial(broker, rate, seconds, partitions, users, keys, str(key_file))
+            trials.append(t)
+            _print_trial(t)
+            if not t["steady"]:
+                failed = rate
+                break
+            best, rate = rate, rate * 2
+        if best is not None and failed is not None:
+            mid = (best * failed) ** 0.5
+            t = live_trial(broker, mid, seconds, partitions, users, keys, str(key_file))
+            trials.append(t)
+            _print_trial(t)
+            if t["steady"]:
+                best = mid
+    bulk = run_kafka_bench(broker, users, keys, repeats, partitions, None, workers=1, baselines=False)
+    result = {"live_steady_rate": best, "bulk_rate": bulk["medians"]["worker"], "trials": trials, "seconds": seconds,
+              "partitions": partitions, "ratio_bulk_to_live": (bulk["medians"]["worker"] / best) if best else None}
+    print(f"bench kafka --live: highest steady live rate {best or 0:,.0f} events/s; bulk {result['bulk_rate']:,.0f} events/s "
+          f"(median of {repeats}); bulk / live {result['ratio_bulk_to_live'] or float('inf'):.2f}", file=sys.stderr)
     if json_path:
         Path(json_path).write_text(json.dumps({**result, "machine": machine()}, indent=2) + "\n")
     return result

@@ -444,7 +444,7 @@ class QueryPipeline:
     # ------------------------------------------------------------------ stage 1
     def bound(self, events: EventColumns, prior_clock: np.ndarray, batch: WriteBatch) -> BoundedRecords:
         """Contribution bounding (section 3.2). ``prior_clock[e]`` is the clock when event e
-        arrived: events whose trigger has already fired by then are late and dropped; events
+        arrived: events whose trigger has already fired by then are late and refused; events
         dated beyond it by more than ``max_skew`` are refused as ``future``; records whose key
         id is taken by another key text are refused as a collision. Refused events are listed in
         :attr:`last_rejected` for the caller to dead-letter."""
@@ -465,7 +465,12 @@ class QueryPipeline:
         window = self.schedule.window_of(events.ts)
         trigger = self.schedule.trigger_of(events.ts, window)
         on_time = self.schedule.fire_time(window, trigger) > prior_clock
-        self.stats.dropped["late"] += int((~on_time & ~future & ~collided).sum())
+        late = ~on_time & ~future & ~collided
+        if late.any():  # dead-lettered too, not only counted: the sender can see what was lost
+            for e in np.nonzero(late)[0].tolist():
+                self.last_rejected.append((e, f"late: its trigger had fired (allowed_lateness {self.query.allowed_lateness}) "
+                                              f"when it arrived"))
+        self.stats.dropped["late"] += int(late.sum())
         idx = np.nonzero(on_time & ~future & ~collided)[0]
         window, trigger = window[idx], trigger[idx]
         users = events.users[idx]

@@ -22,6 +22,7 @@ parallel; the tests keep them fixed.
 """
 from __future__ import annotations
 
+import base64
 import json
 
 import numpy as np
@@ -211,7 +212,9 @@ def test_property_far_future_records_of_one_user_are_inert(tmp_path_factory, see
     a = replay(config, write_jsonl(tmp / "a.jsonl", base))
     b = replay(config, write_jsonl(tmp / "b.jsonl", rows))
     assert b.output == a.output
-    assert len(b.dead) == len(x_records) and all(r.startswith("future") for r in b.dead_reasons())
+    # the base stream's own late events are dead-lettered in both runs; x adds only its futures
+    added = [d["reason"] for d in b.dead if base64.b64decode(d["original_b64"]).startswith(b'{"user_id": "x"')]
+    assert len(b.dead) - len(a.dead) == len(added) == len(x_records) and all(r.startswith("future") for r in added)
     assert fates(b) == fates(a) | {"future": len(x_records)}
 
 
@@ -390,10 +393,12 @@ def test_property_chunking_and_resume_do_not_change_anything(tmp_path_factory, m
         part = replay(config, path, state_dir=tmp / "part", start_ms=start, stop_after=at, until_ms=until)
         rest = replay(config, path, state_dir=tmp / "part", start_ms=start, until_ms=until)
     assert small.output == whole.output
-    assert small.dead == whole.dead
+    # the same dead letters (late ones go out with their chunk, held ones when released or at the end)
+    assert sorted(map(json.dumps, small.dead)) == sorted(map(json.dumps, whole.dead))
     assert fates(small) == fates(whole)
     assert part.output + rest.output == whole.output
-    assert [d["reason"] for d in part.dead + rest.dead] == [d["reason"] for d in whole.dead]
+    # the same dead letters; a stop can move a held event's letter before an earlier line's late one
+    assert sorted((d["source"], d["reason"]) for d in part.dead + rest.dead) == sorted((d["source"], d["reason"]) for d in whole.dead)
 
 
 # REGRESSION: max_skew 0 was accepted and stalled the replay clock (an in-order stream was held
