@@ -12,7 +12,8 @@ The ledger never resets silently:
 
 * entries and charges are persisted in a store (RocksDB through ``state/``) and recovered on
   restart; each charge has an id (e.g. ``query:window``) and charging the same id again is a
-  no-op, so a replayed window is never charged twice and never refunded;
+  no-op, so a replayed window is never charged twice and never refunded; a refused id stays
+  refused, so every caller asking about the same window gets the same answer;
 * spent budget returns to zero only at a configured refresh (``refresh`` period after
   ``last_reset``), recorded in the entry;
 * the store carries its *epoch* (configured name + the noise secret's fingerprint); opening it
@@ -155,7 +156,12 @@ class BudgetLedger:
             charge_key = CHARGE + principal.encode() + b"\0" + charge_id.encode()
             previous = self.store.get(charge_key)
             if previous is not None:
-                earlier = json.loads(previous).get("plan")
+                record = json.loads(previous)
+                if record.get("refused"):
+                    # refused once, refused for good: a second partition of the same window, or
+                    # a restart, gets the same answer whatever was charged since
+                    raise BudgetExceeded(principal, (epsilon, delta), tuple(record["remaining"]))
+                earlier = record.get("plan")
                 if plan is not None and earlier is not None and earlier != plan:
                     raise ChargePlanError(f"charge {charge_id} of {principal!r} was made under another plan: its window "
                                           f"must finish on the plan it was charged for")
@@ -166,6 +172,8 @@ class BudgetLedger:
                 entry.refusals += 1
                 if not self.shadow:
                     batch.put(ENTRY + principal.encode(), json.dumps(asdict(entry)).encode())
+                    batch.put(charge_key, json.dumps({"refused": True, "epsilon": epsilon, "delta": delta, "at_ms": now_ms,
+                                                      "remaining": list(entry.remaining)}).encode())
                     self.store.write(batch)
                     raise BudgetExceeded(principal, (epsilon, delta), entry.remaining)
             entry.spent_epsilon += epsilon

@@ -246,6 +246,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
         ownership = Ownership(args.worker_index, args.workers)
     except ValueError as exc:
         raise ConfigError(f"--worker-index: {exc}") from None
+    if config.budget is not None and config.budget.start_ms is None and args.workers > 1:
+        raise ConfigError(f"config file {args.config}: budget.start: required with --workers {args.workers}: every worker "
+                          f"charges the same windows from the same public start, so each holds the same ledger "
+                          f"(docs/privacy.md, \"Windows and budget\")")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from topics.partitioner import PARTITIONERS
 
@@ -263,10 +267,14 @@ def cmd_worker(args: argparse.Namespace) -> int:
         broker_timeout = parse_duration_ms(args.broker_timeout) / 1000
     except ValueError as exc:
         raise ConfigError(f"--broker-timeout: {exc}") from None
+    try:
+        batch_linger = parse_duration_ms(args.batch_linger, allow_zero=True) / 1000
+    except ValueError as exc:
+        raise ConfigError(f"--batch-linger: {exc}") from None
     settings = WorkerSettings(config=config, secret=secret, broker=args.broker, state_dir=args.state_dir, ownership=ownership,
                               partitions=args.partitions, web_port=args.web_port, web_host=args.web_host, app_id=args.app_id,
                               partitioner=args.partitioner, fetch_records=args.fetch_records, watermark_delay_ms=watermark_delay,
-                              broker_timeout=broker_timeout)
+                              broker_timeout=broker_timeout, batch_linger=batch_linger)
     return run_worker(settings, loglevel=args.log_level)
 
 
@@ -367,16 +375,29 @@ def cmd_bench_scaling(args: argparse.Namespace) -> int:
 
 def cmd_bench_kafka(args: argparse.Namespace) -> int:
     from processor.adapters.faust_app import broker_address
-    from processor.bench.kafka import run_kafka_bench, run_live_bench
+    from processor.bench.kafka import (
+        run_kafka_bench,
+        run_live_bench,
+        run_partition_sweep,
+    )
 
+    try:
+        counts = [int(p) for p in str(args.partitions).split(",")]
+        if any(c < 1 for c in counts):
+            raise ValueError
+    except ValueError:
+        raise ConfigError(f"--partitions: a partition count or a list like 1,2,4, got {args.partitions!r}") from None
     if args.live is not None:
         if args.live <= 0:
             raise ConfigError(f"--live: must be a positive rate in events/s, got {args.live}")
-        run_live_bench(broker_address(args.broker), start_rate=args.live, seconds=args.live_seconds, partitions=args.partitions,
+        run_live_bench(broker_address(args.broker), start_rate=args.live, seconds=args.live_seconds, partitions=counts[0],
                        users=args.users, keys=args.keys, repeats=args.repeats, json_path=args.json)
-        return 0
-    run_kafka_bench(broker_address(args.broker), users=args.users, keys=args.keys, repeats=args.repeats, partitions=args.partitions,
-                    json_path=args.json, workers=args.workers)
+    elif len(counts) > 1:
+        run_partition_sweep(broker_address(args.broker), users=args.users, keys=args.keys, repeats=args.repeats,
+                            partition_counts=counts, json_path=args.json, workers=args.workers)
+    else:
+        run_kafka_bench(broker_address(args.broker), users=args.users, keys=args.keys, repeats=args.repeats, partitions=counts[0],
+                        json_path=args.json, workers=args.workers)
     return 0
 
 
@@ -466,6 +487,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "(or the time it was read to its end): records whose producers' timestamps are out of order by "
                              "up to this much are not late; triggers fire this much later (default $DPSTREAM_WATERMARK_DELAY "
                              "or 2s; docs/operations.md, \"Time and lateness\")")
+    worker.add_argument("--batch-linger", default=os.environ.get("DPSTREAM_BATCH_LINGER", "100ms"),
+                        help="how long fetched records gather before they are processed as one batch (or until "
+                             "--fetch-records): each batch costs one broker round trip and one state write per "
+                             "partition, so live traffic is taken in batches, with this much added latency "
+                             "(default $DPSTREAM_BATCH_LINGER or 100ms)")
     worker.add_argument("--broker-timeout", default=os.environ.get("DPSTREAM_BROKER_TIMEOUT", "60s"),
                         help="how long the worker waits for a broker that does not answer (no fetch response, no "
                              "acknowledgement) before it exits non-zero for its supervisor to restart it; after 10 s "
@@ -530,7 +556,9 @@ def build_parser() -> argparse.ArgumentParser:
     _broker_arg(kafka)
     kafka.add_argument("--users", type=int, default=80_000, help="synthetic users (about 6.1 events each; default 80,000)")
     kafka.add_argument("--keys", type=int, default=100_000, help="key space (default 100,000)")
-    kafka.add_argument("--partitions", type=int, default=8, help="input and repartition partitions (default 8)")
+    kafka.add_argument("--partitions", default="8",
+                       help="input and repartition partitions (default 8); a list such as 1,2,4 runs the whole comparison "
+                            "once per count")
     kafka.add_argument("--repeats", type=int, default=3, help="runs of each; medians are reported")
     kafka.add_argument("--workers", type=int, default=2,
                        help="also time this many worker processes sharing the partitions, as scaled-out replicas "

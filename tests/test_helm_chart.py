@@ -272,6 +272,8 @@ def test_creating_the_noise_secret_from_values_is_opt_in_and_consistent():
     ({"kafka": {"security": {"protocol": "SASL_PLAINTEXT"}, "sasl": {"existingSecret": "c"}}}, "kafka.sasl.mechanism is required"),
     ({"kafka": {"tls": {"existingSecret": "ca"}}}, "needs kafka.security.protocol SSL or SASL_SSL"),
     ({"queries": {"queries": None}}, "queries must be a mapping with a 'queries' list"),  # null removes the default list
+    ({"replicas": 2, "queries": {"budget": {"principal": "query", "default": {"max_epsilon": 60}}}},
+     "queries.budget.start is required with replicas 2"),
 ])
 def test_inconsistent_values_fail_to_render(values, message):
     with pytest.raises(helm_python.HelmRenderError, match=re.escape(message)):

@@ -291,3 +291,30 @@ def test_a_log_that_went_back_is_refused_naming_the_partition(tmp_path):
         w.stage1[("in", 0)].check_log(0, 30_002, "id-B")  # recreated, and already longer than before
     w.stage1[("in", 0)].check_log(0, 600, None)  # a broker without topic ids: offsets alone
     w.close()
+
+
+def test_large_stage_one_batches_are_split_below_the_brokers_record_limit_and_release_the_same(tmp_path, monkeypatch):
+    """Found live on Apache Kafka: at 128k events/s one stage-1 batch made a repartition message
+    over the broker's 1 MB limit, and the worker stopped (MSG_SIZE_TOO_LARGE)."""
+    import processor.adapters.worker as worker_module
+
+    records = events(6000, seed=5)
+    whole = make_worker(tmp_path / "whole")
+    out = whole.process_input("in", 0, records)
+    assert max(len(m.value) for m in out.messages) > 4096
+    bounded = sum(len(BoundedRecords.decode(m.value)) for m in out.messages if m.topic != DEAD_LETTER_TOPIC)
+    out.commit()
+    stage_two(whole, out.messages)
+    expected = all_releases(whole)
+    whole.close()
+
+    monkeypatch.setattr(worker_module, "REPARTITION_MESSAGE_BYTES", 4096)
+    w = make_worker(tmp_path / "split")
+    out = w.process_input("in", 0, records)
+    data = [m for m in out.messages if m.topic != DEAD_LETTER_TOPIC]
+    assert len(data) > 2 * 2 and all(len(m.value) <= 4096 for m in data)
+    assert sum(len(BoundedRecords.decode(m.value)) for m in data) == bounded
+    out.commit()
+    stage_two(w, out.messages)
+    assert expected and all_releases(w) == expected
+    w.close()

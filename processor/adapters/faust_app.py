@@ -7,8 +7,11 @@ the timer that fires triggers on the fixed schedule, and the web server for ``/h
 Records reach the agents in batches, from an aiokafka consumer (Faust's own Kafka client) that
 the app runs with static partition assignment (worker i of N owns partitions p % N == i; see
 :mod:`processor.adapters.worker`). Faust's per-event stream path was measured at 13k events/s on this
-machine against 587k/s for aiokafka's ``getmany``, so one channel message carries one fetched
-batch of one partition. Messages are sent with confluent-kafka (:class:`topics.kafka.KafkaPublisher`).
+machine against 587k/s for aiokafka's ``getmany``, so one channel message carries a batch: the
+records of every owned partition of a stage fetched within ``--batch-linger`` (or up to
+``--fetch-records``), sent on with one acknowledgement wait (docs/operations.md, "Batches").
+Messages are sent with confluent-kafka (:class:`topics.kafka.KafkaPublisher`). Health states and
+the broker watch: docs/operations.md, "Health".
 """
 from __future__ import annotations
 
@@ -78,6 +81,7 @@ class WorkerSettings:
     partitioner: str = "murmur2"  # how producers map a user key to an input partition (checked per record)
     watermark_delay_ms: int = WATERMARK_DELAY_MS  # see DpstreamWorker.watermark_messages
     broker_timeout: float = 60.0  # s without any answer from the broker before the worker exits non-zero
+    batch_linger: float = 0.1  # s records gather after the first one before they are processed as one batch
 
 
 def broker_address(url: str) -> str:
@@ -144,16 +148,21 @@ def build_app(s: WorkerSettings) -> faust.App:
         asyncio.get_running_loop().call_later(STOP_GRACE_S, _exit_now, 1)
         await app.crash(exc)
 
+    async def process(items, step) -> None:
+        """One dispatched batch: every partition's records through ``step`` (each partition once,
+        its own store), all their messages sent with one acknowledgement wait, then every state
+        write committed: one broker round trip per batch, not per partition."""
+        results = [r for topic, partition, records in items if (r := step(topic, partition, records)) is not None]
+        await send([m for r in results for m in r.messages])  # bounded records and dead letters first,
+        for r in results:  # then the state they cover
+            r.commit()
+
     @app.agent(stage1_in, name="dpstream.stage1_bound_contributions")
     async def stage1_bound_contributions(batches):
         """Stage 1, by user: contribution bounding; bounded records go out keyed by key."""
-        async for topic, partition, records in batches:
+        async for items in batches:
             try:
-                result = status["worker"].process_input(topic, partition, records)
-                if result is None:
-                    continue
-                await send(result.messages)
-                result.commit()
+                await process(items, status["worker"].process_input)
             except Exception as exc:  # noqa: BLE001 - any failure stops the worker
                 await crash(exc)
                 return
@@ -161,13 +170,9 @@ def build_app(s: WorkerSettings) -> faust.App:
     @app.agent(stage2_in, name="dpstream.stage2_aggregate_by_key")
     async def stage2_aggregate_by_key(batches):
         """Stage 2, by key: append bounded records to the pending micro-batches."""
-        async for topic, partition, records in batches:
+        async for items in batches:
             try:
-                result = status["worker"].process_repartitioned(topic, partition, records)
-                if result is None:
-                    continue
-                await send(result.messages)  # dead letters first, then the state they cover
-                result.commit()
+                await process(items, status["worker"].process_repartitioned)
             except Exception as exc:  # noqa: BLE001
                 await crash(exc)
                 return
@@ -175,9 +180,10 @@ def build_app(s: WorkerSettings) -> faust.App:
     @app.agent(dynamic_in, name="dpstream.dynamic_counts")
     async def dynamic_counts(batches):
         """Dynamic queries: insert/delete updates -> per-item counts at each closed segment."""
-        async for topic, partition, records in batches:
+        async for items in batches:
             try:
-                await send(status["worker"].process_dynamic(topic, partition, records))  # dead letters; state committed
+                for topic, partition, records in items:
+                    await send(status["worker"].process_dynamic(topic, partition, records))  # dead letters; state committed
             except Exception as exc:  # noqa: BLE001
                 await crash(exc)
                 return
@@ -294,9 +300,15 @@ def build_app(s: WorkerSettings) -> faust.App:
             set_state("ready")
             log.info("dpstream worker %d/%d ready: %d input and %d repartition partitions", s.ownership.index, s.ownership.workers,
                      len(worker.stage1), len(worker.stage2))
+            # batches by time and size: records gather for up to --batch-linger after the first
+            # one, or until --fetch-records, then go to each stage as one message (docs/operations.md,
+            # "Batches"): a trickle of live records costs one broker round trip per linger, not per fetch
+            pending: dict = {}
+            count, first = 0, None
             while True:
+                wait_ms = 200 if first is None else max(0, int((first + s.batch_linger - time.monotonic()) * 1000))
                 try:
-                    fetched = await consumer.getmany(timeout_ms=200, max_records=s.fetch_records)
+                    fetched = await consumer.getmany(timeout_ms=wait_ms, max_records=max(1, s.fetch_records - count))
                 except OffsetOutOfRangeError as exc:
                     tp, offset = next(iter(exc.args[0].items()))
                     raise InputWentBackError(
@@ -304,8 +316,17 @@ def build_app(s: WorkerSettings) -> faust.App:
                         f"log: the topic was recreated or the broker lost data. See docs/operations.md, \"When the input goes "
                         f"back\"") from None
                 for tp, records in fetched.items():
-                    channel, _ = stage_of[tp]
-                    await channel.send(value=(tp.topic, tp.partition, records))
+                    pending.setdefault(tp, []).extend(records)
+                    count += len(records)
+                if count and first is None:
+                    first = time.monotonic()
+                if count and (count >= s.fetch_records or time.monotonic() - first >= s.batch_linger):
+                    by_stage: dict = {}
+                    for tp, records in pending.items():
+                        by_stage.setdefault(stage_of[tp][0], []).append((tp.topic, tp.partition, records))
+                    for channel, items in by_stage.items():
+                        await channel.send(value=items)
+                    pending, count, first = {}, 0, None
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001

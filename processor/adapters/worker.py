@@ -29,10 +29,13 @@ Failure rules:
 * A store written under another noise secret, or by another worker layout, is refused: that is
   a new budget epoch, never a silent reset.
 
-Time (docs/privacy.md, "Time"): triggers fire, windows are charged and dynamic ticks are decided
-on the wall clock, data or not. Stage 1 judges each record by its own Kafka timestamp: late if
-its trigger had fired by then, ``future`` (dead-lettered) if its event time is more than
-``max_skew`` after it. Nothing one record claims moves any clock.
+Time (docs/privacy.md, "Time"): windows are charged and dynamic ticks are decided on the wall
+clock, data or not; every query's windows are charged in one public order on every worker
+(:class:`processor.engine.budget.ChargeSchedule`). Stage 1 judges each record by its own Kafka
+timestamp: ``late`` if that is past its trigger's fire time, ``future`` if its event time is
+more than ``max_skew`` after it (both dead-lettered). A trigger fires once every input partition
+has been read past its fire time (the input watermark, :meth:`DpstreamWorker.watermark_messages`),
+never past the wall clock. Nothing one record claims moves any clock.
 """
 from __future__ import annotations
 
@@ -50,7 +53,12 @@ import numpy as np
 
 from processor.adapters.metrics import PipelineMetrics
 from processor.config import DpstreamConfig, plan_for
-from processor.engine.budget import LEDGER_STORE, BudgetGate, open_ledger
+from processor.engine.budget import (
+    LEDGER_STORE,
+    BudgetGate,
+    ChargeSchedule,
+    open_ledger,
+)
 from processor.engine.dynamic_stream import DynamicQueryState
 from processor.engine.pipeline import (
     BoundedRecords,
@@ -88,6 +96,24 @@ DYNAMIC_TICKS_PER_STEP = 200_000
 
 
 _KEY, _VALUE, _TIMESTAMP = operator.attrgetter("key"), operator.attrgetter("value"), operator.attrgetter("timestamp")
+
+
+#: most bytes of one repartition message: half of Apache Kafka's default record limit (1 MB), so a
+#: large stage-1 batch never makes a message the broker refuses (which stopped the worker)
+REPARTITION_MESSAGE_BYTES = 512 * 1024
+
+
+def encoded_parts(records: BoundedRecords, limit: Optional[int] = None) -> list[bytes]:
+    """``records`` in wire form, split in halves until every part is at most ``limit`` bytes
+    (default :data:`REPARTITION_MESSAGE_BYTES`; one record is never split: its size is bounded by
+    the key's length limit). Stage 2 applies parts independently, so the split changes nothing
+    but the message count."""
+    limit = REPARTITION_MESSAGE_BYTES if limit is None else limit
+    value = records.encode()
+    if len(value) <= limit or len(records) == 1:
+        return [value]
+    half = len(records) // 2
+    return encoded_parts(records.take(np.arange(half)), limit) + encoded_parts(records.take(np.arange(half, len(records))), limit)
 
 
 class RecordLike(Protocol):
@@ -314,6 +340,7 @@ class DpstreamWorker:
         ledger_store = self._open(LEDGER_STORE)
         self.ledger = open_ledger(config, ledger_store)
         self.gate = BudgetGate(config, self.ledger) if self.ledger is not None else None
+        self.charges: Optional[ChargeSchedule] = None
         if self.gate is not None:
             start = config.budget.start_ms
             if start is None:
@@ -327,6 +354,9 @@ class DpstreamWorker:
             for source in self.stage2.values():
                 for pipe in source.pipelines:
                     pipe.set_schedule(self.gate.window_gate(pipe.query), start)
+            # every query's windows, owned or not, in the schedule's one order: the same ledger on
+            # every worker (processor/engine/budget.py)
+            self.charges = ChargeSchedule(self.gate, config.queries, start, ledger_store)
         # dynamic queries: one-partition topics, owned by the worker that owns partition 0
         self.dynamic: dict[tuple[str, int], SourcePartition] = {}
         self.dynamic_states: dict[tuple[str, int], list[DynamicQueryState]] = defaultdict(list)
@@ -458,7 +488,8 @@ class DpstreamWorker:
             target = (bounded.roots % np.uint64(self.repartitions)).astype(np.int64)
             out_topic = repartition_topic(q.name)
             for p in np.unique(target).tolist():
-                result.messages.append(Message(out_topic, bounded.take(np.nonzero(target == p)[0]).encode(), None, p))
+                for value in encoded_parts(bounded.take(np.nonzero(target == p)[0])):
+                    result.messages.append(Message(out_topic, value, None, p))
         return result
 
     def _misplaced(self, topic: str, partition: int, keys: Sequence[Optional[bytes]]) -> dict[int, str]:
@@ -602,6 +633,8 @@ class DpstreamWorker:
         and each record's Kafka timestamp; the watermark only decides when all of them have been
         read. Releases are journaled on return."""
         fired = []
+        if self.charges is not None:
+            self.charges.charge_due(now_ms)
         for source in self.stage2.values():
             runner = source.runners[0]
             due = runner.fire_due(self.stage_two_clock(source, now_ms), open_clock_ms=now_ms)

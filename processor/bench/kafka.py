@@ -258,6 +258,15 @@ def _stop_workers(procs) -> None:
 def produce_live(broker: str, topic: str, rate: float, seconds: float, users: int, keys: int, seed: int) -> tuple[int, float]:
     """Events produced as they happen: ``rate`` per second for ``seconds``, each dated (and
     Kafka-timestamped) when it is produced, keyed by user. Returns (events, seconds taken)."""
+    started = time.perf_counter()
+    lines = produce_live_lines(broker, topic, rate, seconds, users, keys, seed, keep=False)
+    return len(lines), time.perf_counter() - started
+
+
+def produce_live_lines(broker: str, topic: str, rate: float, seconds: float, users: int, keys: int, seed: int,
+                       keep: bool = True) -> list:
+    """:func:`produce_live`'s events, returned in the order sent when ``keep`` (else one None per
+    event): a replay of them is the reference for what the worker should release."""
     import numpy as np
     from confluent_kafka import Producer
 
@@ -269,25 +278,26 @@ def produce_live(broker: str, topic: str, rate: float, seconds: float, users: in
     key = np.minimum(rng.zipf(1.3, total), keys).tolist()
     producer = Producer({"bootstrap.servers": broker, **PRODUCER_DEFAULTS, "linger.ms": 5})
     started = time.perf_counter()
-    sent = 0
+    sent, out = 0, []
     while sent < total:
         due = min(total, int((time.perf_counter() - started) * rate) + 1)
         now = int(time.time() * 1000)
         for i in range(sent, due):
             u = f"user-{user[i]}".encode()
+            line = b'{"user_id":"%s","key":"page-%d","ts":%d}' % (u, key[i], now)
+            out.append(line if keep else None)
             while True:
                 try:
-                    producer.produce(topic, b'{"user_id":"%s","key":"page-%d","ts":%d}' % (u, key[i], now), u)
+                    producer.produce(topic, line, u)
                     break
                 except BufferError:
                     producer.poll(0.01)
         sent = due
         producer.poll(0)
         time.sleep(0.002)
-    elapsed = time.perf_counter() - started
     if producer.flush(60):
         raise RuntimeError("live producer: records not acknowledged")
-    return total, elapsed
+    return out
 
 
 def live_trial(broker: str, rate: float, seconds: float, partitions: int, users: int, keys: int, key_file: str) -> dict:
@@ -310,7 +320,13 @@ def live_trial(broker: str, rate: float, seconds: float, partitions: int, users:
             done = time.perf_counter()
             caught_up = None
             while time.perf_counter() - done < 30:
-                m = _metrics(ports[0])
+                if procs[0].poll() is not None:
+                    raise RuntimeError(f"the worker exited at {rate:,.0f}/s: {(Path(tmp) / 'worker0.log').read_text()[-3000:]}")
+                try:
+                    m = _metrics(ports[0])
+                except OSError:  # stopping: the next turn sees it exit
+                    time.sleep(0.5)
+                    continue
                 admitted = m.get("dpstream_events_in_total", 0) - m.get("dpstream_events_dropped_total", 0)
                 if m.get("dpstream_events_in_total", 0) >= produced and m.get("dpstream_records_accumulated_total", 0) >= admitted:
                     caught_up = time.perf_counter() - done
@@ -323,6 +339,21 @@ def live_trial(broker: str, rate: float, seconds: float, partitions: int, users:
     late = m.get("dropped:late", 0)
     return {"rate": rate, "achieved": achieved, "caught_up_s": caught_up, "late": late, "triggers": m.get("dpstream_triggers_fired_total", 0),
             "steady": achieved >= 0.95 * rate and late == 0 and caught_up is not None and caught_up <= LIVE_GRACE_S}
+
+
+def run_partition_sweep(broker: str, users: int, keys: int, repeats: int, partition_counts: list[int], json_path: str | None,
+                        workers: int = 1) -> dict:
+    """``bench kafka --partitions 1,2,4``: the whole comparison (worker against the plain
+    confluent-kafka and aiokafka loops, same run) once per partition count of one worker."""
+    results = {}
+    for count in partition_counts:
+        results[count] = run_kafka_bench(broker, users, keys, repeats, count, None, workers=workers)
+    print("bench kafka by partitions per worker (medians): " + "; ".join(
+        f"{p}: worker {r['medians']['worker']:,.0f}/s, {r['ratio_to_confluent_default']:.2f} of confluent-kafka, "
+        f"{r['ratio_to_aiokafka_getmany']:.2f} of aiokafka" for p, r in results.items()), file=sys.stderr)
+    if json_path:
+        Path(json_path).write_text(json.dumps({"by_partitions": results, "machine": machine()}, indent=2) + "\n")
+    return results
 
 
 def _print_trial(t: dict) -> None:

@@ -13,6 +13,12 @@
 
 The principal (query, tenant or input topic) is the ledger's business; the pipeline only sees a
 yes/no gate per window.
+
+One ledger per application (:class:`ChargeSchedule`): every worker charges every query's windows,
+owned partitions or not, in one public order (window start, then the config's query order), from
+the same public start (``budget.start``, required with several workers). Charges depend on
+nothing else, so each worker's ledger holds the same charges and refusals: a replicated ledger
+with no coordination, and ``dpstream budget`` can read any worker's.
 """
 from __future__ import annotations
 
@@ -24,7 +30,8 @@ from typing import Callable, Optional
 from accountant.ledger import BudgetExceeded, BudgetLedger
 from accountant.plan import plan_fingerprint
 from processor.config import DpstreamConfig, level_plans_for, plan_for
-from state.store import RocksDBStore, Store
+from state.store import RocksDBStore, Store, WriteBatch
+from state.tables import IntegerMark
 
 log = logging.getLogger("dpstream.budget")
 LEDGER_STORE = "ledger"
@@ -81,3 +88,38 @@ class BudgetGate:
             log.warning("shadow mode: charge %s of %r would have been refused (remaining epsilon %.6g)", charge_id, principal,
                         result.entry.remaining[0])
         return True
+
+
+class ChargeSchedule:
+    """Charges every query's windows in the order of the public schedule: by window start, ties in
+    the config's query order, each once, as the wall clock reaches it. A refused window stays
+    refused (the ledger records it), so which windows are charged or refused depends on the
+    config, the start and the clock only: never on which partitions a worker owns, nor on when
+    its timer happens to run (docs/privacy.md, "Windows and budget")."""
+
+    def __init__(self, gate: BudgetGate, queries, start_ms: int, store: Store):
+        self.queries = [(q, gate.window_gate(q)) for q in queries]
+        self.first = {q.name: int(start_ms) - int(start_ms) % q.window_ms for q in queries}
+        self.store = store
+        self._mark = IntegerMark(store, b"charged-through")
+        self.through = self._mark.get(int(start_ms) - 1)
+
+    def due(self, clock_ms: int) -> list[tuple[int, int, str]]:
+        """(window start, query index, query name) of the windows started in (through, clock]."""
+        out = []
+        for order, (q, _) in enumerate(self.queries):
+            w = max(self.first[q.name], self.through - self.through % q.window_ms + q.window_ms)
+            while w <= clock_ms:
+                out.append((w, order, q.name))
+                w += q.window_ms
+        return sorted(out)
+
+    def charge_due(self, clock_ms: int) -> None:
+        if clock_ms <= self.through:
+            return
+        for window, order, _ in self.due(clock_ms):
+            self.queries[order][1](window)  # charged or refused, recorded by the ledger either way
+        batch = WriteBatch()
+        self._mark.put(batch, clock_ms)
+        self.store.write(batch)
+        self.through = clock_ms

@@ -97,5 +97,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if not (or (hasKey .Values.queries "queries") (hasKey .Values.queries "dynamic")) }}
 {{- fail "queries must be a mapping with a 'queries' list (and optionally 'dynamic'), as in examples/queries.yaml" }}
 {{- end }}
+{{- $budget := .Values.queries.budget }}
+{{- if and $budget (gt (int .Values.replicas) 1) (not $budget.start) }}
+{{- fail (printf "queries.budget.start is required with replicas %d: every worker charges the same windows from the same public start (docs/privacy.md, Windows and budget)" (int .Values.replicas)) }}
+{{- end }}
 {{- end }}
 {{- end }}
