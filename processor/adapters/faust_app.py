@@ -201,7 +201,7 @@ def build_app(s: WorkerSettings) -> faust.App:
             await send(worker.watermark_messages(now, read_to_end(worker)))
             await publish(worker.fire_due(now))
             # dynamic queries: every tick the clock has passed is decided, updates or not
-            due, letters = worker.advance_dynamic(now)
+            due, letters = worker.advance_dynamic(now, read_to_end(worker))
             await send(letters)
             for key in due:
                 await send(worker.dynamic_releases(key))
@@ -210,13 +210,13 @@ def build_app(s: WorkerSettings) -> faust.App:
             await crash(exc)
 
     def read_to_end(worker: DpstreamWorker) -> dict:
-        """Owned input partitions whose committed offset has reached the end the broker last
-        reported, with the time of that report (its fetch response)."""
+        """Owned input (and dynamic update) partitions whose committed offset has reached the end
+        the broker last reported, with the time of that report (its fetch response)."""
         consumer = status["consumer"]
         ends = {}
         if consumer is None:
             return ends
-        for key, src in worker.stage1.items():
+        for key, src in [*worker.stage1.items(), *worker.dynamic.items()]:
             tp = _tp(*key)
             high = consumer.highwater(tp)
             if high is not None and src.last_offset + 1 >= high:

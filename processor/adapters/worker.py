@@ -595,18 +595,31 @@ class DpstreamWorker:
                 if reason is not None:
                     body = {"query": st.query.name, **dead_letter(reason, r.value or b"", f"{topic}/{partition}@{r.offset}")}
                     messages.append(Message(DEAD_LETTER_TOPIC, encode_json(body)))
-        source.commit(batch, records[-1].offset)
+        source.commit(batch, records[-1].offset, max(r.timestamp for r in records))
         return messages
 
-    def advance_dynamic(self, now_ms: int) -> tuple[list[tuple[str, int]], list[Message]]:
-        """Decide every dynamic tick the wall clock has passed, updates or not (the timer's job).
-        Returns the sources with releases to send (then :meth:`mark_dynamic_published`) and the
-        dead letters of updates refused now (deletes of items absent in tick order)."""
+    def advance_dynamic(self, now_ms: int, read_to_end: Optional[dict[tuple[str, int], int]] = None
+                        ) -> tuple[list[tuple[str, int]], list[Message]]:
+        """Decide every dynamic tick the update topic's watermark has passed, updates or not (the
+        timer's job): as for triggers, the watermark is the newest Kafka timestamp read from it,
+        or the time it was read to its end (``read_to_end``), less the watermark delay, never past
+        the wall clock; so a worker that was down reads the updates of an overdue tick before it
+        decides it (an update is late once its tick is decided). Returns the sources with releases
+        to send (then :meth:`mark_dynamic_published`) and the dead letters of updates refused now
+        (deletes of items absent in tick order)."""
         due, letters = [], []
+        ends = read_to_end or {}
         for key, states in self.dynamic_states.items():
+            source = self.dynamic[key]
+            read = source.read_ms
+            if key in ends:
+                read = ends[key] if read is None else max(read, ends[key])
+            if read is None:
+                continue  # nothing known about the update topic yet: decide nothing
+            clock = min(read, now_ms) - self.watermark_delay_ms
             batch = WriteBatch()
             for st in states:
-                for update, reason in st.advance_clock(now_ms, batch, max_ticks=DYNAMIC_TICKS_PER_STEP):
+                for update, reason in st.advance_clock(clock, batch, max_ticks=DYNAMIC_TICKS_PER_STEP):
                     body = {"query": st.query.name, **dead_letter(reason, st.describe(update), f"{key[0]}/{key[1]} log@{update.seq}")}
                     letters.append(Message(DEAD_LETTER_TOPIC, encode_json(body)))
             if len(batch):

@@ -150,7 +150,7 @@ def drain_worker(w: DpstreamWorker, now_ms: int, publish: bool = True) -> list[d
     """The timer: advance until the clock's ticks are all decided; collect (and publish) releases."""
     out = []
     while True:
-        due, _ = w.advance_dynamic(now_ms)
+        due, _ = w.advance_dynamic(now_ms, read_to_end=dict.fromkeys(w.dynamic, now_ms))  # the update topic read to its end
         done = all(st.decided >= st.query.decided_through(now_ms) for sts in w.dynamic_states.values() for st in sts)
         if publish or done:
             # unpublished releases stay pending (and are offered again) until marked published:
@@ -166,7 +166,7 @@ def drain_worker(w: DpstreamWorker, now_ms: int, publish: bool = True) -> list[d
 def test_worker_timer_decides_ticks_without_updates_and_matches_replay(tmp_path):
     cfg = worker_config()
     now = START + 5000 * TICK
-    w = DpstreamWorker(cfg, TEST_SECRET, tmp_path / "w", Ownership(), {}, 1, app_id="dp")
+    w = DpstreamWorker(cfg, TEST_SECRET, tmp_path / "w", Ownership(), {}, 1, app_id="dp", watermark_delay_ms=0)
     try:
         got = drain_worker(w, now)
     finally:
@@ -183,7 +183,7 @@ def test_worker_a_future_dated_update_is_dead_lettered_and_decides_nothing(tmp_p
     far = {"item": "a", "op": "insert", "ts": START + 86_400_000}
     results = []
     for with_far in (False, True):
-        w = DpstreamWorker(cfg, TEST_SECRET, tmp_path / f"w{with_far}", Ownership(), {}, 1)
+        w = DpstreamWorker(cfg, TEST_SECRET, tmp_path / f"w{with_far}", Ownership(), {}, 1, watermark_delay_ms=0)
         try:
             batch = recs[:100] + ([Record(100, None, json.dumps(far).encode(), START + 100 * TICK)] if with_far else [])
             batch += [Record(r.offset + 1, r.key, r.value, r.timestamp) for r in recs[100:]]
@@ -202,7 +202,7 @@ def test_worker_recovery_after_a_crash_republishes_identical_releases(tmp_path):
     cfg = worker_config()
     base = updates(5, 600, burst_at=300, burst=900)
     recs = [Record(i, None, json.dumps(u).encode(), u["ts"]) for i, u in enumerate(base)]
-    ref = DpstreamWorker(cfg, TEST_SECRET, tmp_path / "ref", Ownership(), {}, 1)
+    ref = DpstreamWorker(cfg, TEST_SECRET, tmp_path / "ref", Ownership(), {}, 1, watermark_delay_ms=0)
     try:
         ref.process_dynamic("upd", 0, recs)
         expected = drain_worker(ref, START + 2000 * TICK)
@@ -210,14 +210,14 @@ def test_worker_recovery_after_a_crash_republishes_identical_releases(tmp_path):
         ref.close()
     assert len(expected) >= 3
 
-    w = DpstreamWorker(cfg, TEST_SECRET, tmp_path / "w", Ownership(), {}, 1)
+    w = DpstreamWorker(cfg, TEST_SECRET, tmp_path / "w", Ownership(), {}, 1, watermark_delay_ms=0)
     w.process_dynamic("upd", 0, recs[:700])
     first = drain_worker(w, START + 250 * TICK)  # published (recs[700:] are all dated after this clock)
     w.process_dynamic("upd", 0, recs[700:])
     lost = drain_worker(w, START + 2000 * TICK, publish=False)  # computed, never marked published: crash
     w.close()
     assert lost
-    w = DpstreamWorker(cfg, TEST_SECRET, tmp_path / "w", Ownership(), {}, 1)
+    w = DpstreamWorker(cfg, TEST_SECRET, tmp_path / "w", Ownership(), {}, 1, watermark_delay_ms=0)
     try:
         resent = [json.loads(m.value) for key in w.dynamic_states for m in w.dynamic_releases(key)]
         for key in w.dynamic_states:
@@ -287,3 +287,34 @@ def test_baseline_release_existence_depended_on_a_later_update(tmp_path):
         assert proc.returncode == 0, proc.stderr
         ticks[name] = [json.loads(line)["tick"] for line in out.read_text().splitlines()]
     assert 301 in ticks["with"] and 301 not in ticks["without"], "the old leak: the burst's release needed a later update"
+
+
+def test_worker_reads_the_updates_of_overdue_ticks_before_it_decides_them(tmp_path):
+    """Issue 15's lost release, for dynamic counts: a worker back from an outage must not decide
+    overdue ticks on the wall clock before reading their updates (which would refuse them all as
+    late). Ticks are decided up to the update topic's watermark."""
+    cfg = worker_config()
+    base = updates(6, 600, burst_at=300, burst=900)
+    recs = [Record(i, None, json.dumps(u).encode(), u["ts"]) for i, u in enumerate(base)]  # sent at their time
+    end = START + 2000 * TICK
+    ref = DpstreamWorker(cfg, TEST_SECRET, tmp_path / "ref", Ownership(), {}, 1, watermark_delay_ms=0)
+    try:
+        ref.process_dynamic("upd", 0, recs)
+        expected = drain_worker(ref, end)
+    finally:
+        ref.close()
+    w = DpstreamWorker(cfg, TEST_SECRET, tmp_path / "w", Ownership(), {}, 1, watermark_delay_ms=0)
+    try:
+        w.process_dynamic("upd", 0, recs[:200])
+        # back after the outage: the wall clock is long past every tick, nothing more read yet
+        due, _ = w.advance_dynamic(end)
+        got = [json.loads(m.value) for key in due for m in w.dynamic_releases(key)]
+        for key in due:
+            w.mark_dynamic_published(key)
+        assert all(st.decided <= st.query.decided_through(recs[199].timestamp) for sts in w.dynamic_states.values() for st in sts)
+        letters = w.process_dynamic("upd", 0, recs[200:])  # the backlog
+        assert letters == [], "no update of the backlog is late"
+        got += drain_worker(w, end)
+    finally:
+        w.close()
+    assert len(expected) >= 3 and got == expected
