@@ -8,14 +8,7 @@ import time
 import pytest
 
 from tests.conftest import ROOT
-from tests.test_kafka_worker import (
-    LATENESS_S,
-    WINDOW_S,
-    Scenario,
-    assert_no_conflicting_releases,
-    canonical,
-    free_port,
-)
+from tests.test_kafka_worker import LATENESS_S, WINDOW_S, Scenario, free_port
 
 SCRIPT = str(ROOT / "scripts" / "broker")
 
@@ -50,15 +43,22 @@ def wait_for(predicate, timeout: float, what: str) -> None:
     raise AssertionError(f"{what} within {timeout} s")
 
 
+def started_with_records(sc: Scenario, name: str, extra: tuple = ()):
+    """A worker, ready, whose stage 2 has taken in part of 20,000 events produced just before
+    their window."""
+    w = sc.worker(name, extra=extra).start()
+    sc.workers.append(w)
+    w.wait_ready()
+    sc.write_events(20_000, users=2_000, keys=60, lead_s=2)
+    sc.produce_events()
+    wait_for(lambda: w.metric("dpstream_records_accumulated_total", query=sc.query) > 0, 30, "stage 2 took records")
+    return w
+
+
 def test_a_broker_restart_across_trigger_times_loses_nothing(tmp_path, own_broker):
     sc = Scenario(tmp_path, own_broker.address)
-    w = sc.worker("r").start()
-    sc.workers.append(w)
     try:
-        w.wait_ready()
-        sc.write_events(20_000, users=2_000, keys=60, lead_s=2)
-        sc.produce_events()
-        wait_for(lambda: w.metric("dpstream_records_accumulated_total", query=sc.query) > 0, 30, "stage 2 took records")
+        w = started_with_records(sc, "r")
         # the broker goes away before the window's first trigger and stays away across two
         own_broker.run("stop")
         wait_for(lambda: w.get("/readyz")[0] == 503, 20, "readiness says the worker waits for the broker")
@@ -67,24 +67,17 @@ def test_a_broker_restart_across_trigger_times_loses_nothing(tmp_path, own_broke
         time.sleep(max(0.0, sc.window_start / 1000 + WINDOW_S / 2 + LATENESS_S - time.time()))
         own_broker.run("restart")
         wait_for(lambda: w.get("/readyz")[0] == 200, 60, "the worker is ready again after the broker came back")
-        sc.wait_for_window_end()
-        assert w.proc.poll() is None
-        released = sc.read(sc.output)
-        assert_no_conflicting_releases(released)
-        assert released and canonical(released) == canonical(sc.replay())
+        sc.assert_releases_equal_replay()
+        assert w.proc.poll() is None, "the worker waited the outage out"
     finally:
-        w.stop()
+        for x in sc.workers:
+            x.stop()
 
 
 def test_an_outage_past_the_broker_timeout_exits_promptly_and_a_restart_resumes(tmp_path, own_broker):
     sc = Scenario(tmp_path, own_broker.address)
-    w = sc.worker("t", extra=("--broker-timeout", "6s")).start()
-    sc.workers.append(w)
     try:
-        w.wait_ready()
-        sc.write_events(20_000, users=2_000, keys=60, lead_s=2)
-        sc.produce_events()
-        wait_for(lambda: w.metric("dpstream_records_accumulated_total", query=sc.query) > 0, 30, "stage 2 took records")
+        w = started_with_records(sc, "t", ("--broker-timeout", "6s"))
         own_broker.run("stop")
         gone = time.time()
         w.proc.wait(60)
@@ -93,13 +86,8 @@ def test_an_outage_past_the_broker_timeout_exits_promptly_and_a_restart_resumes(
         assert time.time() - gone < 6 + 5 + 8, "the worker must exit promptly, not linger"
         time.sleep(max(0.0, sc.window_start / 1000 + WINDOW_S / 2 - time.time()))
         own_broker.run("restart")
-        w2 = sc.worker("t", extra=("--broker-timeout", "6s")).start()  # what Kubernetes does
-        sc.workers.append(w2)
-        w2.wait_ready()
-        sc.wait_for_window_end()
-        released = sc.read(sc.output)
-        assert_no_conflicting_releases(released)
-        assert released and canonical(released) == canonical(sc.replay())
+        sc.ready_worker("t", ("--broker-timeout", "6s"))  # what Kubernetes does
+        sc.assert_releases_equal_replay()
     finally:
         for x in sc.workers:
             x.stop()

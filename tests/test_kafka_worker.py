@@ -62,6 +62,26 @@ class Scenario:
     def worker(self, name: str, index: int = 0, workers: int = 1, extra: tuple = ()) -> "Worker":
         return Worker(self, self.tmp / f"state-{name}", index, workers, extra)
 
+    def ready_worker(self, name: str, extra: tuple = ()) -> "Worker":
+        """A worker started (stopped at the test's end) and ready."""
+        w = self.worker(name, extra=extra).start()
+        self.workers.append(w)
+        return w.wait_ready()
+
+    def assert_releases_equal_replay(self) -> None:
+        """After the window: no two different releases for one trigger, and exactly replay's."""
+        self.wait_for_window_end()
+        released = self.read(self.output)
+        assert_no_conflicting_releases(released)
+        assert released and canonical(released) == canonical(self.replay())
+
+    def take_in(self, w: "Worker", n: int, timeout: float = 60) -> float:
+        """Until ``w`` has taken in ``n`` events (or the timeout); returns how many it has."""
+        deadline = time.time() + timeout
+        while time.time() < deadline and w.metric("dpstream_events_in_total", query=self.query) < n:
+            time.sleep(0.2)
+        return w.metric("dpstream_events_in_total", query=self.query)
+
     def write_events(self, n: int, users: int, keys: int, lead_s: float, seed: int = 11) -> None:
         """n events of a skewed key law, time-ordered over the window starting >= lead_s from now."""
         window_ms = self.window_s * 1000
@@ -428,14 +448,10 @@ def test_a_recreated_input_topic_is_refused_with_its_name_not_silently_miscounte
     from topics.kafka import TopicSpec, create_topics
 
     sc = scenario
-    w = sc.worker("re").start()
-    sc.workers.append(w)
-    w.wait_ready()
+    w = sc.ready_worker("re")
     sc.write_events(5_000, users=500, keys=20, lead_s=30)
     sc.produce_events()
-    deadline = time.time() + 60
-    while time.time() < deadline and w.metric("dpstream_events_in_total", query=sc.query) < 5_000:
-        time.sleep(0.2)
+    assert sc.take_in(w, 5_000) == 5_000
     w.stop()
     admin = AdminClient({"bootstrap.servers": sc.broker})
     admin.delete_topics([sc.input])[sc.input].result(30)
