@@ -16,8 +16,8 @@ HOUR = 3_600_000
 START = 1_800_000_000_000 - 1_800_000_000_000 % (6 * HOUR)
 
 
-def config(start=START) -> DpstreamConfig:
-    budget = {"principal": "tenant", "principals": {"acme": {"max_epsilon": 20, "max_delta": 1e-6}}}
+def config(start=START, max_epsilon=20) -> DpstreamConfig:
+    budget = {"principal": "tenant", "principals": {"acme": {"max_epsilon": max_epsilon, "max_delta": 1e-6}}}
     if start is not None:
         budget["start"] = start
     common = dict(input_topic="in", tenant="acme", triggers=2, allowed_lateness="0s", contribution_bound=2, epsilon=3,
@@ -84,3 +84,48 @@ def test_several_workers_with_a_budget_need_its_public_start(tmp_path, capsys):
     assert code != 0
     err = capsys.readouterr().err
     assert "budget.start" in err and "--workers 2" in err
+
+
+def test_replay_charges_in_the_workers_order_and_holds_the_same_ledger(tmp_path):
+    """Replay's per-query clocks follow the data; its charges still follow the one public order, so
+    a replay over the same span refuses the same windows as the worker."""
+    import io
+
+    from processor.adapters.replay import ReplayRunner
+
+    end = START + 7 * HOUR
+    # 4 of the 10 windows fit: the worker's order charges hourly 0, six-hourly 0, hourly 1 and 2;
+    # query by query (each query's windows up to the clock, in config order) would differ
+    worker = DpstreamWorker(config(max_epsilon=14), TEST_SECRET, tmp_path / "w", Ownership(), {"in": 1}, 1)
+    for t in range(START, end + 1, 600_000):
+        worker.fire_due(t)
+    events = tmp_path / "e.jsonl"  # a few hours of events: the replay's clocks follow them, then --until
+    events.write_text("".join(f'{{"user_id":"u{i}","key":"k","ts":{START + i * 60_000}}}\n' for i in range(200)))
+    runner = ReplayRunner(config(max_epsilon=14), TEST_SECRET, str(tmp_path / "r"), start_ms=START)
+    try:
+        runner.run(str(events), io.StringIO(), until_ms=end + 1)
+        replayed = [(e.principal, e.spent_epsilon, e.charges, e.refusals) for e in runner.ledger.entries(end)]
+        refused = {k for k, v in ((k, json.loads(v)) for k, v in runner.ledger.store.scan_prefix(b"C")) if v.get("refused")}
+    finally:
+        runner.close()
+    assert replayed == [(e.principal, e.spent_epsilon, e.charges, e.refusals) for e in worker.ledger.entries(end)]
+    assert refused and refused == {k for k, v in charge_records(worker).items() if v.get("refused")}
+    first_six = b"Cacme\0sixhourly:%d" % START  # charged before hourly 3, which starts later
+    assert first_six in charge_records(worker) and first_six not in refused
+    worker.close()
+
+
+def test_the_window_holding_a_start_that_is_not_a_window_start_is_charged_first(tmp_path):
+    """Found by the budget-schedule property test: with the start 1 ms into a window, the walk
+    treated that window as already charged, and the pipeline charged it later, out of order."""
+    from processor.engine.budget import BudgetGate, ChargeSchedule
+    from state.store import MemoryStore
+
+    cfg = config(start=START + 1)
+    store = MemoryStore()
+    from processor.engine.budget import open_ledger
+
+    schedule = ChargeSchedule(BudgetGate(cfg, open_ledger(cfg, store)), cfg.queries, START + 1, store)
+    assert schedule.due(START + 1) == [(START, 0, "hourly"), (START, 1, "sixhourly")]
+    schedule.charge_due(START + HOUR)
+    assert schedule.due(START + HOUR) == [] and schedule.due(START + 2 * HOUR) == [(START + 2 * HOUR, 0, "hourly")]

@@ -46,7 +46,12 @@ from typing import Callable, Iterable, Iterator, Optional, TextIO
 import numpy as np
 
 from processor.config import ConfigError, DpstreamConfig
-from processor.engine.budget import LEDGER_STORE, BudgetGate, open_ledger
+from processor.engine.budget import (
+    LEDGER_STORE,
+    BudgetGate,
+    ChargeSchedule,
+    open_ledger,
+)
 from processor.engine.dynamic_stream import DynamicQueryState
 from processor.engine.pipeline import EventColumns, QueryPipeline, check_noise_epoch
 from processor.engine.runner import Engine, Fired, QueryRunner
@@ -299,6 +304,7 @@ class ReplayRunner:
         self.dynamic = [DynamicQueryState(q, self.noise, self.pseudonyms, self.store) for q in config.dynamic]
         self.start_ms = start_ms
         self.ledger = open_ledger(config, self.stores.store(LEDGER_STORE))
+        self.charges: Optional[ChargeSchedule] = None
         if self.ledger is not None:
             start = start_ms if start_ms is not None else config.budget.start_ms
             if start is None:
@@ -308,6 +314,8 @@ class ReplayRunner:
             gate = BudgetGate(config, self.ledger)
             for pipe in self.pipelines:
                 pipe.set_schedule(gate.window_gate(pipe.query), start)
+            # the worker's one charge order (window start, then config order): the same ledger
+            self.charges = ChargeSchedule(gate, config.queries, start, self.stores.store(LEDGER_STORE))
             for dyn in self.dynamic:
                 dyn.refused = not gate.start_dynamic(dyn.query)
         # one event-time clock per stream: each DP-SQLP query's events, each dynamic query's updates
@@ -403,6 +411,8 @@ class ReplayRunner:
             chunk.clear()
             self._advance_dynamic([c.clock for c in self.dynamic_clocks], output, summary, dead_letters)
             clocks = [c.clock for c in self.clocks]
+            if self.charges is not None and any(c is not None for c in clocks):
+                self.charges.charge_due(max(c for c in clocks if c is not None))
             self.engine.open_due(clocks)
             self._publish(self.engine.fire_due(clocks), output, summary)
 
@@ -458,6 +468,8 @@ class ReplayRunner:
                 clock.save(batch)
         self.store.write(batch)
         if until_ms is not None:
+            if self.charges is not None:
+                self.charges.charge_due(until_ms - 1)
             self.engine.open_due([until_ms - 1] * len(self.pipelines))  # windows that start before the end
             self._publish(self.engine.fire_due([until_ms] * len(self.pipelines)), output, summary)
             self._advance_dynamic([until_ms] * len(self.dynamic), output, summary, dead_letters)

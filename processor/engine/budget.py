@@ -102,7 +102,9 @@ class ChargeSchedule:
         self.first = {q.name: int(start_ms) - int(start_ms) % q.window_ms for q in queries}
         self.store = store
         self._mark = IntegerMark(store, b"charged-through")
-        self.through = self._mark.get(int(start_ms) - 1)
+        # nothing charged yet: through the instant before the earliest first window (which may
+        # start before start_ms: the window holding the start is the first)
+        self.through = self._mark.get(min(self.first.values(), default=int(start_ms)) - 1)
 
     def due(self, clock_ms: int) -> list[tuple[int, int, str]]:
         """(window start, query index, query name) of the windows started in (through, clock]."""
