@@ -210,8 +210,10 @@ WORKER_HELP = """Run the service: Faust agents on a Kafka broker.
 
 Stage 1 (by user) reads the queries' input topics, bounds each user's contributions and sends
 the bounded records to one repartition topic per query, partitioned by key; stage 2 (by key)
-accumulates them per micro-batch and, at each trigger of the fixed schedule (wall clock), runs key
-selection, perturbation and release prediction and publishes the releases to the output topic.
+accumulates them per micro-batch and, at each trigger of the fixed schedule, once every input
+partition has been read past it (the input watermark: Kafka timestamps, never past the wall
+clock), runs key selection, perturbation and release prediction and publishes the releases to
+the output topic.
 Input records must be keyed by the user id. Dynamic queries (insert/delete updates, one-partition
 input topics) run in an agent of the worker that owns partition 0. A hierarchical query (hierarchy:
 true) is partitioned by its level-1 key, so each subtree is made consistent on one worker. Worker
@@ -219,8 +221,11 @@ i of N owns partitions p with p % N == i of every topic it reads, and keeps thei
 --state-dir (keep it across restarts: it holds the contribution counts, the budget ledger, the
 release journal and the input offsets). A worker whose --state-dir is empty but which already ran
 under the configured budget epoch and noise secret (recorded in the dpstream-epochs topic)
-refuses to start: its volume was lost; configure a new epoch. Topics are created if missing.
-Health and metrics: http://HOST:WEB_PORT/healthz, /readyz, /metrics."""
+refuses to start: its volume was lost; configure a new epoch. So does a worker whose input log
+went back (a recreated topic, a broker that lost data). With a budget and several workers,
+budget.start is required: every worker charges the same windows. Topics are created if missing.
+Health and metrics: http://HOST:WEB_PORT/healthz, /readyz (starting, ready, waiting-for-broker,
+stopping), /metrics."""
 
 
 def _env_int(name: str, default: int) -> int:
