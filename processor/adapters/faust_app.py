@@ -209,6 +209,14 @@ def build_app(s: WorkerSettings) -> faust.App:
         except Exception as exc:  # noqa: BLE001
             await crash(exc)
 
+    def check_logs_of(worker: DpstreamWorker) -> dict:
+        """Every source partition's log against the state (raises InputWentBackError); returns
+        the log positions (start, end, topic id) by partition."""
+        positions = _log_positions(broker, worker.sources)
+        for src in worker.sources:
+            src.check_log(*positions[(src.topic, src.partition)])
+        return positions
+
     def read_to_end(worker: DpstreamWorker) -> dict:
         """Owned input (and dynamic update) partitions whose committed offset has reached the end
         the broker last reported, with the time of that report (its fetch response)."""
@@ -273,10 +281,7 @@ def build_app(s: WorkerSettings) -> faust.App:
                 worker.mark_dynamic_published(key)
             # the logs must still hold what the state has read (a recreated topic, a broker that
             # lost data: refused, never silently counted from wherever the log is now)
-            positions = await loop.run_in_executor(None, lambda: _log_positions(broker, worker.sources))
-            for src in worker.sources:
-                start, end, topic_id = positions[(src.topic, src.partition)]
-                src.check_log(start, end, topic_id)
+            positions = await loop.run_in_executor(None, lambda: check_logs_of(worker))
             # "none": an offset out of range later (the log went back while running) raises
             consumer = AIOKafkaConsumer(bootstrap_servers=broker, group_id=None, enable_auto_commit=False, auto_offset_reset="none",
                                         max_partition_fetch_bytes=8 * 1024 * 1024, fetch_max_bytes=32 * 1024 * 1024,
@@ -367,10 +372,7 @@ def build_app(s: WorkerSettings) -> faust.App:
         if worker is None or status["state"] != "ready":
             return
         try:
-            positions = await asyncio.get_running_loop().run_in_executor(None, lambda: _log_positions(broker, worker.sources))
-            for src in worker.sources:
-                start, end, topic_id = positions[(src.topic, src.partition)]
-                src.check_log(start, end, topic_id)
+            await asyncio.get_running_loop().run_in_executor(None, lambda: check_logs_of(worker))
         except InputWentBackError as exc:
             await crash(exc)
         except Exception as exc:  # noqa: BLE001 - the broker may be away: watch_broker handles that

@@ -227,6 +227,16 @@ class SourcePartition:
         if read_ms is not None:
             self.read_ms = read_ms if self.read_ms is None else max(self.read_ms, read_ms)
 
+    def read_watermark(self, now_ms: int, end_ms: Optional[int], delay_ms: int) -> Optional[int]:
+        """Stage 1 and dynamic updates: how far this partition has been read, as a time. The
+        newest committed Kafka timestamp, or ``end_ms`` (when the broker said where the log ends,
+        if it has been read to there), less ``delay_ms``, never past ``now_ms``; None before
+        anything is known (docs/privacy.md, "Time")."""
+        read = self.read_ms
+        if end_ms is not None:
+            read = end_ms if read is None else max(read, end_ms)
+        return None if read is None else min(read, now_ms) - delay_ms
+
     def advance_watermarks(self, batch: WriteBatch, marks: Iterable[tuple[str, int, int]]) -> None:
         """Stage 2: take in watermark markers (kept with the offset they were read at)."""
         changed = False
@@ -557,13 +567,8 @@ class DpstreamWorker:
         ends = read_to_end or {}
         out = []
         for (topic, p), source in self.stage1.items():
-            read = source.read_ms
-            if (topic, p) in ends:
-                read = ends[(topic, p)] if read is None else max(read, ends[(topic, p)])
-            if read is None:
-                continue
-            mark = min(read, now_ms) - self.watermark_delay_ms
-            if source.announced_ms is not None and mark <= source.announced_ms:
+            mark = source.read_watermark(now_ms, ends.get((topic, p)), self.watermark_delay_ms)
+            if mark is None or (source.announced_ms is not None and mark <= source.announced_ms):
                 continue
             source.announced_ms = mark
             value = encode_watermark(topic, p, mark)
@@ -574,9 +579,12 @@ class DpstreamWorker:
     def stage_two_clock(self, source: SourcePartition, now_ms: int) -> Optional[int]:
         """The clock stage 2 fires a partition's triggers by: the input watermark, never past the
         wall clock (None until every input partition has announced one)."""
-        topic = source.pipelines[0].query.input_topic
-        mark = source.input_watermark(topic, self.input_partitions[topic])
+        mark = self._input_watermark(source)
         return None if mark is None else min(mark, now_ms)
+
+    def _input_watermark(self, source: SourcePartition) -> Optional[int]:
+        topic = source.pipelines[0].query.input_topic
+        return source.input_watermark(topic, self.input_partitions[topic])
 
     # ------------------------------------------------------------------ dynamic queries
     def process_dynamic(self, topic: str, partition: int, records: Sequence[RecordLike]) -> list[Message]:
@@ -610,13 +618,9 @@ class DpstreamWorker:
         due, letters = [], []
         ends = read_to_end or {}
         for key, states in self.dynamic_states.items():
-            source = self.dynamic[key]
-            read = source.read_ms
-            if key in ends:
-                read = ends[key] if read is None else max(read, ends[key])
-            if read is None:
+            clock = self.dynamic[key].read_watermark(now_ms, ends.get(key), self.watermark_delay_ms)
+            if clock is None:
                 continue  # nothing known about the update topic yet: decide nothing
-            clock = min(read, now_ms) - self.watermark_delay_ms
             batch = WriteBatch()
             for st in states:
                 for update, reason in st.advance_clock(clock, batch, max_ticks=DYNAMIC_TICKS_PER_STEP):
@@ -702,8 +706,7 @@ class DpstreamWorker:
             self.metrics.state_bytes.labels(source.name).set(source.store.size_bytes())
         marks: dict[str, list] = defaultdict(list)
         for source in self.stage2.values():
-            topic = source.pipelines[0].query.input_topic
-            marks[source.pipelines[0].query.name].append(source.input_watermark(topic, self.input_partitions[topic]))
+            marks[source.pipelines[0].query.name].append(self._input_watermark(source))
         for name, values in marks.items():
             if None not in values:
                 self.metrics.input_watermark.labels(name).set(min(values) / 1000.0)
