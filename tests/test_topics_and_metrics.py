@@ -17,6 +17,8 @@ def test_every_topic_is_declared_once_with_its_config():
     # the lost-volume record: one partition, the latest mark per worker kept
     assert specs[EPOCH_TOPIC].partitions == 1 and specs[EPOCH_TOPIC].config["cleanup.policy"] == "compact"
     assert specs["events"].partitions == 4
+    # input timestamps are the broker's, never a producer's choice (docs/privacy.md, "Time")
+    assert specs["events"].config["message.timestamp.type"] == "LogAppendTime"
 
 
 def test_metrics_follow_prometheus_names_and_count_deltas():

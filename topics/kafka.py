@@ -28,6 +28,13 @@ class TopicSpec:
     role: str = ""
 
 
+#: Input topics the worker creates are stamped by the broker (LogAppendTime): a record's Kafka
+#: timestamp decides whether it is late and moves its partition's watermark, so it must not be
+#: a value the producer chooses. With CreateTime, a producer stamping a record ahead could lift a
+#: lagging partition's watermark and make other users' unread records late (docs/privacy.md, "Time").
+INPUT_TOPIC_CONFIG = {"message.timestamp.type": "LogAppendTime"}
+
+
 def repartition_topic(query_name: str) -> str:
     return f"dpstream-{query_name}-by-key"
 
@@ -41,11 +48,11 @@ def topics_for(queries: Iterable, partitions: int = 8, dynamic: Iterable = ()) -
         specs.setdefault(spec.name, spec)
 
     for q in queries:
-        add(TopicSpec(q.input_topic, partitions, {}, "input events"))
+        add(TopicSpec(q.input_topic, partitions, INPUT_TOPIC_CONFIG, "input events"))
         add(TopicSpec(repartition_topic(q.name), partitions, {"cleanup.policy": "delete"}, "stage 1 -> stage 2, keyed by group-by key"))
         add(TopicSpec(q.output_topic, partitions, {"cleanup.policy": "compact"}, "releases, keyed by (query, window, key)"))
     for q in dynamic:
-        add(TopicSpec(q.input_topic, 1, {}, "insert/delete updates for the dynamic agent (one partition)"))
+        add(TopicSpec(q.input_topic, 1, INPUT_TOPIC_CONFIG, "insert/delete updates for the dynamic agent (one partition)"))
         add(TopicSpec(q.output_topic, 1, {"cleanup.policy": "compact"}, "dynamic counts, keyed by query"))
     add(TopicSpec(DEAD_LETTER_TOPIC, 1, {"cleanup.policy": "delete"}, "invalid records with reason and original bytes"))
     add(TopicSpec(DYNAMIC_UPDATES_TOPIC, 1, {}, "insert/delete updates for the dynamic agent (one partition)"))
