@@ -211,8 +211,8 @@ WORKER_HELP = """Run the service: Faust agents on a Kafka broker.
 Stage 1 (by user) reads the queries' input topics, bounds each user's contributions and sends
 the bounded records to one repartition topic per query, partitioned by key; stage 2 (by key)
 accumulates them per micro-batch and, at each trigger of the fixed schedule, once every input
-partition has been read past it (the input watermark: Kafka timestamps, never past the wall
-clock), runs key selection, perturbation and release prediction and publishes the releases to
+partition has been read past it (the input watermark: the broker's timestamps, or the time a
+partition was read to its end, never a producer's stamp, never past the wall clock), runs key selection, perturbation and release prediction and publishes the releases to
 the output topic.
 Input records must be keyed by the user id. Dynamic queries (insert/delete updates, one-partition
 input topics) run in an agent of the worker that owns partition 0. A hierarchical query (hierarchy:
@@ -488,10 +488,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "fixed cost, so larger reads take in more events/s and hold the event loop longer "
                              "(default $DPSTREAM_FETCH_RECORDS or 100,000)")
     worker.add_argument("--watermark-delay", default=os.environ.get("DPSTREAM_WATERMARK_DELAY", "2s"),
-                        help="how far an input partition's watermark stays behind the newest Kafka timestamp read from it "
-                             "(or the time it was read to its end): records whose producers' timestamps are out of order by "
-                             "up to this much are not late; triggers fire this much later (default $DPSTREAM_WATERMARK_DELAY "
-                             "or 2s; docs/operations.md, \"Time and lateness\")")
+                        help="how far an input partition's watermark stays behind the newest broker-stamped "
+                             "(LogAppendTime) timestamp read from it, or the time it was read to its end: the broker's and "
+                             "the worker's clocks may differ, and a producer's record (CreateTime) may reach the broker, by up "
+                             "to this much without being late; triggers fire this much later (default "
+                             "$DPSTREAM_WATERMARK_DELAY or 2s; docs/operations.md, \"Time and lateness\")")
     worker.add_argument("--batch-linger", default=os.environ.get("DPSTREAM_BATCH_LINGER", "100ms"),
                         help="how long fetched records gather before they are processed as one batch (or until "
                              "--fetch-records): each batch costs one broker round trip and one state write per "

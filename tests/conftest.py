@@ -23,6 +23,7 @@ class Record:
     key: Optional[bytes]
     value: Optional[bytes]
     timestamp: int
+    timestamp_type: int = 0  # CreateTime (a producer's stamp); 1: LogAppendTime (the broker's)
 
 
 @pytest.fixture(scope="session")

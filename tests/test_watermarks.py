@@ -6,7 +6,12 @@ the wall clock; late records are dead-lettered."""
 import base64
 import json
 
-from processor.adapters.worker import DpstreamWorker, Ownership
+from processor.adapters.worker import (
+    CREATE_TIME,
+    LOG_APPEND_TIME,
+    DpstreamWorker,
+    Ownership,
+)
 from tests.conftest import TEST_SECRET, Record
 from tests.test_worker_service import START, WINDOW_MS, config, events, stage_two
 from topics.kafka import DEAD_LETTER_TOPIC
@@ -19,12 +24,14 @@ def two_partition_worker(path, delay_ms: int = 2000) -> DpstreamWorker:
     return DpstreamWorker(config(), TEST_SECRET, path, Ownership(), {"in": 2}, 2, watermark_delay_ms=delay_ms)
 
 
-def split(records: list[Record]) -> dict[int, list[Record]]:
-    """The workload as a 2-partition input topic holds it (by user, murmur2), with offsets."""
+def split(records: list[Record], stamps: int = LOG_APPEND_TIME) -> dict[int, list[Record]]:
+    """The workload as a 2-partition input topic holds it (by user, murmur2), with offsets;
+    ``stamps``: who stamped the Kafka timestamps (the broker, by default, as on the topics the
+    worker creates)."""
     parts = partition_for([r.key for r in records], 2).tolist()
     out: dict[int, list[Record]] = {0: [], 1: []}
     for r, p in zip(records, parts):
-        out[p].append(Record(len(out[p]), r.key, r.value, r.timestamp))
+        out[p].append(Record(len(out[p]), r.key, r.value, r.timestamp, stamps))
     return out
 
 
@@ -83,17 +90,64 @@ def test_triggers_fire_in_step_with_the_slowest_partition(tmp_path):
 
 
 def test_no_timestamp_moves_the_watermark_past_the_wall_clock(tmp_path):
-    """One record stamped a year ahead (a producer's CreateTime) must not fire anything early."""
+    """One record stamped a year ahead (even by a broker whose clock is wrong) must not fire
+    anything early."""
     parts = split(events(2000))
     w = two_partition_worker(tmp_path / "w")
     now = START + WINDOW_MS // 8  # before the first trigger's fire time
     for p in (0, 1):
-        future = Record(len(parts[p]), parts[p][0].key, parts[p][0].value, START + 365 * 86_400_000)
+        future = Record(len(parts[p]), parts[p][0].key, parts[p][0].value, START + 365 * 86_400_000, LOG_APPEND_TIME)
         read(w, p, [r for r in parts[p] if r.timestamp <= now] + [future])
         announce(w, now, {("in", p): now})
     assert w.fire_due(now) == []
     clock = w.stage_two_clock(next(iter(w.stage2.values())), now)
     assert clock is not None and clock <= now - 2000
+    w.close()
+
+
+def test_a_producers_stamp_never_lifts_a_lagging_partitions_watermark(tmp_path):
+    """The attack on a CreateTime topic: partition 1 lags (its backlog is half read) when one
+    producer's record, stamped ahead yet on time for its own trigger and not past the wall clock,
+    is read there. If that stamp lifted partition 1's watermark, the triggers before it would
+    fire, and the other users' unread records would then be late: their counts would depend on
+    one user's record. Only the broker's stamps (LogAppendTime) and a partition read to its end
+    move a watermark."""
+    parts = split(events(4000), stamps=CREATE_TIME)
+    half = len(parts[1]) // 2
+    first = json.loads(parts[1][0].value)
+    last_trigger_fires = START + WINDOW_MS + 1000  # the last trigger's time plus allowed_lateness (1 s)
+    ahead = Record(half, parts[1][0].key, json.dumps({**first, "ts": START + WINDOW_MS - 1}).encode(), last_trigger_fires - 1)
+    backlog = parts[1][:half] + [ahead] + [Record(r.offset + 1, r.key, r.value, r.timestamp) for r in parts[1][half:]]
+
+    ref = two_partition_worker(tmp_path / "ref")
+    read(ref, 0, parts[0])
+    read(ref, 1, backlog)
+    announce(ref, END, {("in", 0): END, ("in", 1): END})
+    expected = releases(ref.fire_due(END))
+    ref.close()
+
+    w = two_partition_worker(tmp_path / "w")
+    read(w, 0, parts[0])
+    read(w, 1, backlog[: half + 1])
+    announce(w, END, {("in", 0): END})  # partition 1 has not been read to its end
+    assert w.fire_due(END) == [], "a producer's stamp moved partition 1's watermark"
+    read(w, 1, backlog[half + 1:])  # the rest of its backlog: on time by its own stamps
+    announce(w, END, {("in", 0): END, ("in", 1): END})
+    got = releases(w.fire_due(END))
+    assert sum(p.stats.dropped["late"] for p in w.pipelines()) == 0
+    assert got == expected
+    w.close()
+
+
+def test_a_brokers_stamps_move_the_watermark_with_the_reading(tmp_path):
+    """LogAppendTime stamps rise with the offsets, so the newest one read says how far the
+    partition has been read: a backlog's triggers fire as it is read, before it is read to its end."""
+    parts = split(events(4000), stamps=LOG_APPEND_TIME)
+    w = two_partition_worker(tmp_path / "w", delay_ms=0)
+    read(w, 0, parts[0])
+    read(w, 1, parts[1][: len(parts[1]) // 2])
+    announce(w, END, {("in", 0): END})
+    assert w.fire_due(END), "the broker's stamps read from partition 1 fire the triggers they pass"
     w.close()
 
 

@@ -28,10 +28,11 @@ class TopicSpec:
     role: str = ""
 
 
-#: Input topics the worker creates are stamped by the broker (LogAppendTime): a record's Kafka
-#: timestamp decides whether it is late and moves its partition's watermark, so it must not be
-#: a value the producer chooses. With CreateTime, a producer stamping a record ahead could lift a
-#: lagging partition's watermark and make other users' unread records late (docs/privacy.md, "Time").
+#: Input topics the worker creates are stamped by the broker (LogAppendTime). A record's Kafka
+#: timestamp decides whether it is late; the broker's stamps rise with the offsets, so they also
+#: tell how far a partition has been read, and a backlog's triggers fire as it is read. A
+#: producer's stamps (CreateTime) never move a watermark: such a partition's watermark moves only
+#: when it has been read to its end (processor.adapters.worker.broker_stamped_max; docs/privacy.md, "Time").
 INPUT_TOPIC_CONFIG = {"message.timestamp.type": "LogAppendTime"}
 
 
@@ -55,7 +56,7 @@ def topics_for(queries: Iterable, partitions: int = 8, dynamic: Iterable = ()) -
         add(TopicSpec(q.input_topic, 1, INPUT_TOPIC_CONFIG, "insert/delete updates for the dynamic agent (one partition)"))
         add(TopicSpec(q.output_topic, 1, {"cleanup.policy": "compact"}, "dynamic counts, keyed by query"))
     add(TopicSpec(DEAD_LETTER_TOPIC, 1, {"cleanup.policy": "delete"}, "invalid records with reason and original bytes"))
-    add(TopicSpec(DYNAMIC_UPDATES_TOPIC, 1, {}, "insert/delete updates for the dynamic agent (one partition)"))
+    add(TopicSpec(DYNAMIC_UPDATES_TOPIC, 1, INPUT_TOPIC_CONFIG, "insert/delete updates for the dynamic agent (one partition)"))
     add(TopicSpec(EPOCH_TOPIC, 1, {"cleanup.policy": "compact"}, "each worker's budget epoch and noise fingerprint (lost-volume check)"))
     return list(specs.values())
 
@@ -101,6 +102,24 @@ def write_epoch_mark(bootstrap: str, worker: str, mark: dict) -> None:
     publisher = KafkaPublisher(bootstrap)
     publisher.produce(EPOCH_TOPIC, json.dumps(mark, sort_keys=True).encode(), worker.encode())
     publisher.flush()
+
+
+def timestamp_types(bootstrap: str, topics: Iterable[str], timeout: float = 15.0) -> dict[str, str]:
+    """Each topic's ``message.timestamp.type`` (``CreateTime`` or ``LogAppendTime``), from
+    DescribeConfigs; topics the broker does not describe are left out."""
+    from confluent_kafka.admin import AdminClient, ConfigResource
+
+    admin = AdminClient({"bootstrap.servers": bootstrap, **client_security()})  # kept alive until the futures resolve
+    out = {}
+    futures = admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, t) for t in sorted(set(topics))], request_timeout=timeout)
+    for resource, future in futures.items():
+        try:
+            entry = future.result(timeout).get("message.timestamp.type")
+        except Exception:  # noqa: BLE001 - a broker without DescribeConfigs (e.g. Tansu): unknown
+            continue
+        if entry is not None:
+            out[resource.name] = entry.value
+    return out
 
 
 def create_topics(bootstrap: str, specs: list[TopicSpec], replication: int = 1, timeout: float = 15.0, client_config: dict | None = None) -> list[str]:

@@ -41,6 +41,7 @@ from topics.kafka import (
     create_topics,
     read_epoch_marks,
     repartition_topic,
+    timestamp_types,
     topics_for,
     write_epoch_mark,
 )
@@ -256,6 +257,13 @@ def build_app(s: WorkerSettings) -> faust.App:
             dynamic_inputs = {q.input_topic for q in s.config.dynamic}
             counts = await loop.run_in_executor(None, lambda: _partition_counts(
                 broker, inputs | dynamic_inputs | {repartition_topic(q.name) for q in s.config.queries}))
+            stamps = await loop.run_in_executor(None, lambda: timestamp_types(broker, inputs | dynamic_inputs))
+            for topic in sorted(t for t, kind in stamps.items() if kind != "LogAppendTime"):
+                # the producers' stamps decide lateness, and the partitions' watermarks move only
+                # when read to their end (docs/operations.md, "Time and lateness")
+                log.warning("input topic %s has message.timestamp.type=%s: its producers' timestamps decide which records "
+                            "are late; set LogAppendTime for the broker's (docs/operations.md, \"Time and lateness\")",
+                            topic, stamps[topic])
             for topic in dynamic_inputs:
                 if counts[topic] != 1:
                     raise RuntimeError(f"dynamic input topic {topic!r} has {counts[topic]} partitions; it needs exactly 1")

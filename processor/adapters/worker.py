@@ -86,9 +86,10 @@ from topics.records import (
 log = logging.getLogger("dpstream.worker")
 
 LAYOUT_FILE = "worker-layout.json"
-#: default of how far behind the newest Kafka timestamp read (or the wall clock, once a partition
-#: is read to its end) a stage-1 partition's watermark stays: producers' timestamps (CreateTime)
-#: may arrive this much out of order without being late (docs/privacy.md, "Time")
+#: default of how far behind the newest broker-stamped timestamp read (or the time a partition was
+#: read to its end) a stage-1 partition's watermark stays: the broker's and the worker's clocks may
+#: differ this much, and a producer's record (CreateTime) may reach the broker this long after its
+#: stamp, without being late (docs/privacy.md, "Time")
 WATERMARK_DELAY_MS = 2000
 #: dynamic ticks decided per timer call at most: a query whose start is long past catches up
 #: over several calls instead of stalling the event loop
@@ -96,6 +97,22 @@ DYNAMIC_TICKS_PER_STEP = 200_000
 
 
 _KEY, _VALUE, _TIMESTAMP = operator.attrgetter("key"), operator.attrgetter("value"), operator.attrgetter("timestamp")
+
+#: Kafka's timestamp types (the record batch attribute; aiokafka's ``ConsumerRecord.timestamp_type``)
+CREATE_TIME, LOG_APPEND_TIME = 0, 1
+
+
+def broker_stamped_max(records: Sequence["RecordLike"]) -> Optional[int]:
+    """The newest timestamp among ``records`` that the broker stamped (LogAppendTime), or None.
+
+    Only these may move a partition's watermark: a broker's append times rise with the offsets,
+    so every record stamped at or before the newest one read has been read. A producer's stamp
+    (CreateTime) is data: one producer stamping a record ahead would lift a lagging partition's
+    watermark and make other users' unread records late, so their inclusion would depend on
+    another user's record (docs/privacy.md, "Time"). A CreateTime partition's watermark moves only
+    when it has been read to its end."""
+    stamped = [r.timestamp for r in records if getattr(r, "timestamp_type", CREATE_TIME) == LOG_APPEND_TIME]
+    return max(stamped) if stamped else None
 
 
 #: most bytes of one repartition message: half of Apache Kafka's default record limit (1 MB), so a
@@ -123,6 +140,7 @@ class RecordLike(Protocol):
     key: Optional[bytes]
     value: Optional[bytes]
     timestamp: int  # ms
+    timestamp_type: int  # CREATE_TIME or LOG_APPEND_TIME
 
 
 @dataclass
@@ -186,7 +204,8 @@ class SourcePartition:
         self.runners = [QueryRunner(p) for p in pipelines]
         self._offset = IntegerMark(store, b"offset")
         self.last_offset = self._offset.get(-1)
-        #: stage 1: the largest Kafka timestamp among the committed records read since start, and
+        #: stage 1: the newest broker-stamped (LogAppendTime) timestamp among the committed records
+        #: read since start (:func:`broker_stamped_max`), and
         #: the watermark last announced to stage 2 (in memory: stage 2 keeps the announced ones)
         self.read_ms: Optional[int] = None
         self.announced_ms: Optional[int] = None
@@ -229,7 +248,7 @@ class SourcePartition:
 
     def read_watermark(self, now_ms: int, end_ms: Optional[int], delay_ms: int) -> Optional[int]:
         """Stage 1 and dynamic updates: how far this partition has been read, as a time. The
-        newest committed Kafka timestamp, or ``end_ms`` (when the broker said where the log ends,
+        newest committed broker-stamped timestamp (:func:`broker_stamped_max`), or ``end_ms`` (when the broker said where the log ends,
         if it has been read to there), less ``delay_ms``, never past ``now_ms``; None before
         anything is known (docs/privacy.md, "Time")."""
         read = self.read_ms
@@ -263,7 +282,7 @@ class StageOneResult:
     last_offset: int
     messages: list[Message] = field(default_factory=list)
     invalid: Counter = field(default_factory=Counter)
-    read_ms: Optional[int] = None  # the largest Kafka timestamp of the batch's records
+    read_ms: Optional[int] = None  # the newest broker-stamped timestamp of the batch (broker_stamped_max)
 
     def commit(self) -> None:
         self.source.commit(self.batch, self.last_offset, self.read_ms)
@@ -439,7 +458,7 @@ class DpstreamWorker:
         # the records' fields as columns once: per-record attribute access is much of a batch's cost
         message_keys = list(map(_KEY, records))
         stamps = np.fromiter(map(_TIMESTAMP, records), dtype=np.int64, count=len(records))
-        result.read_ms = int(stamps.max())
+        result.read_ms = broker_stamped_max(records)
         parsed = self.decoder.decode(list(map(_VALUE, records)))  # once for every query
         misplaced = self._misplaced(topic, partition, message_keys)
         for runner in source.runners:
@@ -558,7 +577,8 @@ class DpstreamWorker:
         cover were acknowledged (the caller sends only committed progress), so on each
         repartition partition a marker follows the records it covers.
 
-        A partition's watermark is the largest Kafka timestamp read from it, or, once it has been
+        A partition's watermark is the newest broker-stamped (LogAppendTime) timestamp read from
+        it (:func:`broker_stamped_max`: never a producer's), or, once it has been
         read to its end, the time the broker said where its end was (``read_to_end``: input
         partition -> that time; an idle partition must not hold back the schedule), less the
         watermark delay, and never past the wall clock. Stage 2 fires a
@@ -603,14 +623,14 @@ class DpstreamWorker:
                 if reason is not None:
                     body = {"query": st.query.name, **dead_letter(reason, r.value or b"", f"{topic}/{partition}@{r.offset}")}
                     messages.append(Message(DEAD_LETTER_TOPIC, encode_json(body)))
-        source.commit(batch, records[-1].offset, max(r.timestamp for r in records))
+        source.commit(batch, records[-1].offset, broker_stamped_max(records))
         return messages
 
     def advance_dynamic(self, now_ms: int, read_to_end: Optional[dict[tuple[str, int], int]] = None
                         ) -> tuple[list[tuple[str, int]], list[Message]]:
         """Decide every dynamic tick the update topic's watermark has passed, updates or not (the
-        timer's job): as for triggers, the watermark is the newest Kafka timestamp read from it,
-        or the time it was read to its end (``read_to_end``), less the watermark delay, never past
+        timer's job): as for triggers, the watermark is the newest broker-stamped timestamp read
+        from it (:func:`broker_stamped_max`), or the time it was read to its end (``read_to_end``), less the watermark delay, never past
         the wall clock; so a worker that was down reads the updates of an overdue tick before it
         decides it (an update is late once its tick is decided). Returns the sources with releases
         to send (then :meth:`mark_dynamic_published`) and the dead letters of updates refused now
