@@ -256,12 +256,15 @@ def cmd_worker(args: argparse.Namespace) -> int:
                           f"charges the same windows from the same public start, so each holds the same ledger "
                           f"(docs/privacy.md, \"Windows and budget\")")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from processor.adapters.faust_app import DELIVERIES
     from topics.partitioner import PARTITIONERS
 
     if args.partitioner not in PARTITIONERS:
         raise ConfigError(f"--partitioner: must be one of {', '.join(PARTITIONERS)}, got {args.partitioner!r}")
     if args.fetch_records < 1:
         raise ConfigError(f"--fetch-records: must be at least 1, got {args.fetch_records}")
+    if args.delivery not in DELIVERIES:
+        raise ConfigError(f"--delivery: must be one of {', '.join(DELIVERIES)}, got {args.delivery!r}")
     from processor.config import parse_duration_ms
 
     try:
@@ -279,7 +282,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     settings = WorkerSettings(config=config, secret=secret, broker=args.broker, state_dir=args.state_dir, ownership=ownership,
                               partitions=args.partitions, web_port=args.web_port, web_host=args.web_host, app_id=args.app_id,
                               partitioner=args.partitioner, fetch_records=args.fetch_records, watermark_delay_ms=watermark_delay,
-                              broker_timeout=broker_timeout, batch_linger=batch_linger)
+                              broker_timeout=broker_timeout, batch_linger=batch_linger, delivery=args.delivery)
     return run_worker(settings, loglevel=args.log_level)
 
 
@@ -502,6 +505,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="how long the worker waits for a broker that does not answer (no fetch response, no "
                              "acknowledgement) before it exits non-zero for its supervisor to restart it; after 10 s "
                              "/readyz already says waiting-for-broker (default $DPSTREAM_BROKER_TIMEOUT or 60s)")
+    worker.add_argument("--delivery", default=os.environ.get("DPSTREAM_DELIVERY", "exactly-once"),
+                        help="exactly-once: each batch's messages (repartition records, dead letters, a trigger's "
+                             "releases) go out in one Kafka transaction with a record of what it completes, and the "
+                             "worker's consumers read committed records only: a read_committed consumer sees each "
+                             "release once, even across crashes. at-least-once: no transactions (a broker without "
+                             "them); after a crash byte-identical releases can appear twice (default $DPSTREAM_DELIVERY "
+                             "or exactly-once; docs/operations.md, \"Delivery\")")
     worker.add_argument("--log-level", default="info", choices=["debug", "info", "warn", "error"])
     worker.set_defaults(func=cmd_worker)
 

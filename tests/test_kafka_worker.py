@@ -210,11 +210,16 @@ def canonical(records: list[dict]) -> set[str]:
     return {json.dumps(r, sort_keys=True) for r in records}
 
 
-def assert_no_conflicting_releases(records: list[dict]) -> None:
+def assert_no_conflicting_releases(records: list[dict], exactly_once: bool = True) -> None:
+    """No two different releases for one (window, key, trigger); with exactly-once delivery (the
+    worker's default) not even two copies of one: a read_committed reader sees each once, across
+    crashes (docs/operations.md, "Delivery")."""
     seen = {}
     for r in records:
         key = (r["query"], r["window_start"], json.dumps(r["key"]), r["trigger"])
         assert seen.setdefault(key, r) == r, f"two different releases for {key}"
+    if exactly_once:
+        assert len(seen) == len(records), f"{len(records) - len(seen)} releases delivered twice"
 
 
 @pytest.fixture

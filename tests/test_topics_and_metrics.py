@@ -4,7 +4,7 @@ from prometheus_client import generate_latest
 from processor.adapters.metrics import PipelineMetrics
 from processor.config import DpstreamConfig, QueryConfig, plan_for
 from processor.engine.pipeline import PipelineStats
-from topics.kafka import DEAD_LETTER_TOPIC, EPOCH_TOPIC, repartition_topic, topics_for
+from topics.kafka import DEAD_LETTER_TOPIC, EPOCH_TOPIC, PROGRESS_TOPIC, repartition_topic, topics_for
 
 
 def test_every_topic_is_declared_once_with_its_config():
@@ -12,10 +12,12 @@ def test_every_topic_is_declared_once_with_its_config():
     b = QueryConfig(name="b", epsilon=1, delta=1e-6, output_topic="other-out")
     specs = {s.name: s for s in topics_for(DpstreamConfig(queries=[a, b]).queries, partitions=4)}
     assert set(specs) == {"events", repartition_topic("a"), repartition_topic("b"), "dp-histograms", "other-out",
-                          DEAD_LETTER_TOPIC, "dpstream-dynamic-updates", EPOCH_TOPIC}
+                          DEAD_LETTER_TOPIC, "dpstream-dynamic-updates", EPOCH_TOPIC, PROGRESS_TOPIC}
     assert specs["dp-histograms"].config["cleanup.policy"] == "compact"
     # the lost-volume record: one partition, the latest mark per worker kept
     assert specs[EPOCH_TOPIC].partitions == 1 and specs[EPOCH_TOPIC].config["cleanup.policy"] == "compact"
+    # what each source partition delivered (exactly once): the latest record per key kept
+    assert specs[PROGRESS_TOPIC].partitions == 1 and specs[PROGRESS_TOPIC].config["cleanup.policy"] == "compact"
     assert specs["events"].partitions == 4
     # input timestamps are the broker's, never a producer's choice (docs/privacy.md, "Time")
     assert specs["events"].config["message.timestamp.type"] == "LogAppendTime"

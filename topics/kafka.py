@@ -18,6 +18,12 @@ DYNAMIC_UPDATES_TOPIC = "dpstream-dynamic-updates"
 #: volume so that a lost volume is noticed (docs/privacy.md, "Failures"): compacted, keyed by
 #: ``<app id>/<worker index>``, value ``{"budget_epoch", "noise", "since_ms"}``.
 EPOCH_TOPIC = "dpstream-epochs"
+#: What each worker has delivered, written in the same Kafka transaction as the outputs it covers
+#: (``--delivery exactly-once``; docs/operations.md, "Delivery"): compacted, keyed by
+#: ``<app id>/<source topic-partition>`` (value ``{"offset"}``: the outputs of every input record
+#: up to it are on Kafka) and ``<app id>/<source topic-partition>/published`` (value
+#: ``{"window", "trigger"}``: the releases of every trigger up to it are on Kafka).
+PROGRESS_TOPIC = "dpstream-progress"
 
 
 @dataclass(frozen=True)
@@ -58,41 +64,59 @@ def topics_for(queries: Iterable, partitions: int = 8, dynamic: Iterable = ()) -
     add(TopicSpec(DEAD_LETTER_TOPIC, 1, {"cleanup.policy": "delete"}, "invalid records with reason and original bytes"))
     add(TopicSpec(DYNAMIC_UPDATES_TOPIC, 1, INPUT_TOPIC_CONFIG, "insert/delete updates for the dynamic agent (one partition)"))
     add(TopicSpec(EPOCH_TOPIC, 1, {"cleanup.policy": "compact"}, "each worker's budget epoch and noise fingerprint (lost-volume check)"))
+    add(TopicSpec(PROGRESS_TOPIC, 1, {"cleanup.policy": "compact"}, "what each source partition's outputs have delivered (exactly-once)"))
     return list(specs.values())
 
 
-def read_epoch_marks(bootstrap: str, timeout: float = 30.0) -> dict[str, dict]:
-    """The latest epoch mark per worker (``<app id>/<index>`` -> mark) in :data:`EPOCH_TOPIC`.
-
-    Reads the whole (small, compacted) topic up to its end offset; raises if it cannot, because
-    a worker must not decide that its state is new without knowing what it ran before."""
+def read_compacted(bootstrap: str, topic: str, prefix: str = "", timeout: float = 30.0) -> dict[str, dict]:
+    """The latest JSON value per key (keys starting with ``prefix``) of a small compacted
+    one-partition topic, read to its end with ``read_committed`` (a transaction's records count
+    once it committed; an aborted one's never). Raises if the end cannot be reached: a worker must
+    not decide what it has done without knowing it."""
     import json
     import time
 
-    from confluent_kafka import Consumer, TopicPartition
+    from confluent_kafka import Consumer, KafkaError, TopicPartition
 
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "dpstream-epoch-marks", "enable.auto.commit": False,
-                         "auto.offset.reset": "earliest", **client_security()})
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"dpstream-read-{topic}", "enable.auto.commit": False,
+                         "auto.offset.reset": "earliest", "isolation.level": "read_committed", "enable.partition.eof": True,
+                         **client_security()})
     try:
-        low, high = consumer.get_watermark_offsets(TopicPartition(EPOCH_TOPIC, 0), timeout=timeout)
-        marks: dict[str, dict] = {}
+        low, high = consumer.get_watermark_offsets(TopicPartition(topic, 0), timeout=timeout)
+        values: dict[str, dict] = {}
         if high <= low:
-            return marks
-        consumer.assign([TopicPartition(EPOCH_TOPIC, 0, low)])
+            return values
+        consumer.assign([TopicPartition(topic, 0, low)])
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             msg = consumer.poll(0.5)
             if msg is None:
                 continue
             if msg.error():
-                raise RuntimeError(f"reading {EPOCH_TOPIC}: {msg.error()}")
-            if msg.key() is not None and msg.value() is not None:
-                marks[msg.key().decode()] = json.loads(msg.value())
-            if msg.offset() >= high - 1:
-                return marks
-        raise RuntimeError(f"could not read {EPOCH_TOPIC} to its end offset {high} within {timeout:g} s")
+                if msg.error().code() == KafkaError._PARTITION_EOF:  # past the last stable offset: all committed read
+                    return values
+                raise RuntimeError(f"reading {topic}: {msg.error()}")
+            key = msg.key().decode() if msg.key() is not None else None
+            if key is not None and key.startswith(prefix):
+                if msg.value() is None:
+                    values.pop(key, None)
+                else:
+                    values[key] = json.loads(msg.value())
+        raise RuntimeError(f"could not read {topic} to its end offset {high} within {timeout:g} s")
     finally:
         consumer.close()
+
+
+def read_epoch_marks(bootstrap: str, timeout: float = 30.0) -> dict[str, dict]:
+    """The latest epoch mark per worker (``<app id>/<index>`` -> mark) in :data:`EPOCH_TOPIC`."""
+    return read_compacted(bootstrap, EPOCH_TOPIC, timeout=timeout)
+
+
+def read_progress(bootstrap: str, app_id: str, timeout: float = 30.0) -> dict[str, dict]:
+    """What the application's workers have delivered (:data:`PROGRESS_TOPIC`), by key without
+    the ``<app id>/`` prefix."""
+    prefix = f"{app_id}/"
+    return {k[len(prefix):]: v for k, v in read_compacted(bootstrap, PROGRESS_TOPIC, prefix, timeout).items()}
 
 
 def write_epoch_mark(bootstrap: str, worker: str, mark: dict) -> None:
@@ -151,23 +175,33 @@ class DeliveryError(RuntimeError):
 class KafkaPublisher:
     """A confluent-kafka producer that reports whether everything sent was acknowledged.
 
-    ``acks=all`` and no idempotence: the worker tolerates duplicates by design (docs/privacy.md, "Failures"),
-    and it commits state only after :meth:`flush` returns without error.
+    At least once (no ``transactional_id``): ``acks=all`` and no idempotence; the worker
+    tolerates duplicates by design (docs/privacy.md, "Failures"), and it commits state only after
+    :meth:`flush` returns without error.
+
+    Exactly once (``transactional_id``): each :meth:`send` is one Kafka transaction. A consumer
+    reading with ``read_committed`` sees all of its messages or none; starting a publisher with
+    the same id fences the previous one (a worker's earlier incarnation can no longer commit).
     """
 
-    def __init__(self, bootstrap: str, client_config: dict | None = None):
+    def __init__(self, bootstrap: str, client_config: dict | None = None, transactional_id: str | None = None,
+                 timeout: float = 60.0):
         from confluent_kafka import Producer
 
         self._errors: list[str] = []
-        self.producer = Producer({"bootstrap.servers": bootstrap, "acks": "all", "linger.ms": 5, "enable.idempotence": False,
+        self.transactional = transactional_id is not None
+        delivery = {"enable.idempotence": True, "transactional.id": transactional_id} if self.transactional else {"enable.idempotence": False}
+        self.producer = Producer({"bootstrap.servers": bootstrap, "acks": "all", "linger.ms": 5,
                                   "queue.buffering.max.messages": 1_000_000, "message.max.bytes": 8 * 1024 * 1024,
-                                  **client_security(), **(client_config or {})})
+                                  **delivery, **client_security(), **(client_config or {})})
+        if self.transactional:
+            self._call("starting transactions", lambda: self.producer.init_transactions(timeout))
 
     def _on_delivery(self, err, msg) -> None:
         if err is not None:
             self._errors.append(f"{msg.topic()}: {err}")
 
-    def produce(self, topic: str, value: bytes, key: bytes | None = None, partition: int | None = None) -> None:
+    def produce(self, topic: str, value: bytes | None, key: bytes | None = None, partition: int | None = None) -> None:
         args = {"on_delivery": self._on_delivery}
         if partition is not None:
             args["partition"] = partition
@@ -183,6 +217,38 @@ class KafkaPublisher:
         errors, self._errors = self._errors, []
         if left or errors:
             raise DeliveryError(f"{left} messages not acknowledged after {timeout:g} s; errors: {errors[:5]}")
+
+    def send(self, messages: Iterable[tuple[str, bytes | None, bytes | None, int | None]], timeout: float = 60.0) -> None:
+        """Send ``(topic, value, key, partition)`` messages and wait until they are acknowledged
+        (at least once) or committed as one transaction (exactly once). Raises
+        :class:`DeliveryError` otherwise: then none of them counts for a ``read_committed``
+        consumer, and the caller must not commit what they cover."""
+        if not self.transactional:
+            for m in messages:
+                self.produce(*m)
+            self.flush(timeout)
+            return
+        self._call("beginning a transaction", self.producer.begin_transaction)
+        try:
+            for m in messages:
+                self.produce(*m)
+            self._call("committing a transaction", lambda: self.producer.commit_transaction(timeout))
+        except BaseException:
+            try:
+                self.producer.abort_transaction(timeout)
+            except Exception:  # noqa: BLE001 - fenced or fatal: the transaction aborts on the broker anyway
+                pass
+            raise
+        finally:
+            self._errors = []
+
+    def _call(self, what: str, action) -> None:
+        from confluent_kafka import KafkaException
+
+        try:
+            action()
+        except KafkaException as exc:
+            raise DeliveryError(f"{what}: {exc.args[0] if exc.args else exc}") from None
 
 
 SECURITY_ENV = {

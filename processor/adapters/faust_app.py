@@ -40,6 +40,7 @@ from topics.kafka import (
     client_security,
     create_topics,
     read_epoch_marks,
+    read_progress,
     repartition_topic,
     timestamp_types,
     topics_for,
@@ -48,6 +49,8 @@ from topics.kafka import (
 
 log = logging.getLogger("dpstream.worker")
 
+#: --delivery choices (docs/operations.md, "Delivery")
+DELIVERIES = ("exactly-once", "at-least-once")
 #: s a stopping worker gives Faust to shut down before the process exits anyway (non-zero)
 STOP_GRACE_S = 5.0
 #: s without a broker answer before readiness says the worker is waiting for it
@@ -83,6 +86,7 @@ class WorkerSettings:
     watermark_delay_ms: int = WATERMARK_DELAY_MS  # see DpstreamWorker.watermark_messages
     broker_timeout: float = 60.0  # s without any answer from the broker before the worker exits non-zero
     batch_linger: float = 0.1  # s records gather after the first one before they are processed as one batch
+    delivery: str = "exactly-once"  # or "at-least-once" (docs/operations.md, "Delivery")
 
 
 def broker_address(url: str) -> str:
@@ -111,7 +115,12 @@ def build_app(s: WorkerSettings) -> faust.App:
         broker_credentials=_faust_credentials(security),
     )
     metrics = PipelineMetrics()
-    publisher = KafkaPublisher(broker)
+    exactly_once = s.delivery == "exactly-once"
+    #: who sends: one transactional producer per role (a transaction is one role's batch; each
+    #: id fences its previous incarnation), or one plain producer for every role at least once
+    roles = ("stage1", "stage2", "timer", "dynamic")
+    publishers: dict[str, KafkaPublisher] = {}
+    locks: dict[str, asyncio.Lock] = {}
     stage1_in = app.channel()
     stage2_in = app.channel()
     dynamic_in = app.channel()
@@ -124,17 +133,32 @@ def build_app(s: WorkerSettings) -> faust.App:
         status["ready"] = state == "ready"
         metrics.ready.set(1 if state == "ready" else 0)
 
-    async def send(messages) -> None:
-        for m in messages:
-            publisher.produce(m.topic, m.value, m.key, m.partition)
-        # wait for acknowledgements off the event loop; the caller commits state only after this
-        await asyncio.get_running_loop().run_in_executor(None, lambda: publisher.flush(s.broker_timeout))
+    def start_publishers() -> None:
+        """Blocking: exactly once, each role's producer starts its transactions, fencing the
+        previous incarnation of this worker (its open transactions abort)."""
+        for role in roles:
+            if exactly_once:
+                publishers[role] = KafkaPublisher(broker, transactional_id=f"{s.app_id}-{s.ownership.index}-{role}",
+                                                  timeout=s.broker_timeout)
+            else:
+                publishers[role] = publishers.get("stage1") or KafkaPublisher(broker)
+
+    async def send(messages, role: str = "timer") -> None:
+        """Send and wait until acknowledged (at least once) or committed as one transaction
+        (exactly once), off the event loop; the caller commits state only after this."""
+        batch = [(m.topic, m.value, m.key, m.partition) for m in messages]
+        if not batch:
+            return
+        lock = locks.setdefault(role, asyncio.Lock())
+        async with lock:
+            await asyncio.get_running_loop().run_in_executor(None, lambda: publishers[role].send(batch, s.broker_timeout))
         status["acknowledged"] = time.monotonic()
 
     async def publish(fired: list[FiredTrigger]) -> None:
         worker: DpstreamWorker = status["worker"]
         for f in fired:
-            await send(worker.release_messages(f))
+            # exactly once: the releases and the record that they are published, in one transaction
+            await send(worker.release_messages(f) + ([worker.published_message(f)] if exactly_once else []))
             worker.mark_published(f)
 
     async def crash(exc: BaseException) -> None:
@@ -149,12 +173,17 @@ def build_app(s: WorkerSettings) -> faust.App:
         asyncio.get_running_loop().call_later(STOP_GRACE_S, _exit_now, 1)
         await app.crash(exc)
 
-    async def process(items, step) -> None:
+    async def process(items, step, role: str) -> None:
         """One dispatched batch: every partition's records through ``step`` (each partition once,
-        its own store), all their messages sent with one acknowledgement wait, then every state
-        write committed: one broker round trip per batch, not per partition."""
+        its own store), all their messages sent with one acknowledgement wait (exactly once: one
+        transaction, with the progress record of each partition), then every state write
+        committed: one broker round trip per batch, not per partition."""
+        worker: DpstreamWorker = status["worker"]
         results = [r for topic, partition, records in items if (r := step(topic, partition, records)) is not None]
-        await send([m for r in results for m in r.messages])  # bounded records and dead letters first,
+        messages = [m for r in results for m in r.messages]
+        if exactly_once:
+            messages += [worker.progress_message(r) for r in results]
+        await send(messages, role)  # bounded records and dead letters first,
         for r in results:  # then the state they cover
             r.commit()
 
@@ -163,7 +192,7 @@ def build_app(s: WorkerSettings) -> faust.App:
         """Stage 1, by user: contribution bounding; bounded records go out keyed by key."""
         async for items in batches:
             try:
-                await process(items, status["worker"].process_input)
+                await process(items, status["worker"].process_input, "stage1")
             except Exception as exc:  # noqa: BLE001 - any failure stops the worker
                 await crash(exc)
                 return
@@ -173,7 +202,7 @@ def build_app(s: WorkerSettings) -> faust.App:
         """Stage 2, by key: append bounded records to the pending micro-batches."""
         async for items in batches:
             try:
-                await process(items, status["worker"].process_repartitioned)
+                await process(items, status["worker"].process_repartitioned, "stage2")
             except Exception as exc:  # noqa: BLE001
                 await crash(exc)
                 return
@@ -184,7 +213,7 @@ def build_app(s: WorkerSettings) -> faust.App:
         async for items in batches:
             try:
                 for topic, partition, records in items:
-                    await send(status["worker"].process_dynamic(topic, partition, records))  # dead letters; state committed
+                    await send(status["worker"].process_dynamic(topic, partition, records), "dynamic")  # dead letters; state committed
             except Exception as exc:  # noqa: BLE001
                 await crash(exc)
                 return
@@ -203,9 +232,9 @@ def build_app(s: WorkerSettings) -> faust.App:
             await publish(worker.fire_due(now))
             # dynamic queries: every tick the clock has passed is decided, updates or not
             due, letters = worker.advance_dynamic(now, read_to_end(worker))
-            await send(letters)
+            await send(letters, "dynamic")
             for key in due:
-                await send(worker.dynamic_releases(key))
+                await send(worker.dynamic_releases(key), "dynamic")
                 worker.mark_dynamic_published(key)
         except Exception as exc:  # noqa: BLE001
             await crash(exc)
@@ -283,15 +312,21 @@ def build_app(s: WorkerSettings) -> faust.App:
             if previous is None or {k: previous.get(k) for k in worker.epoch_mark} != worker.epoch_mark:
                 mark = {**worker.epoch_mark, "since_ms": int(time.time() * 1000)}
                 await loop.run_in_executor(None, lambda: write_epoch_mark(broker, mark_key, mark))
+            await loop.run_in_executor(None, start_publishers)
+            if exactly_once:  # what the last incarnation delivered: never sent again
+                progress = await loop.run_in_executor(None, lambda: read_progress(broker, s.app_id))
+                worker.resume(progress)
             await publish(worker.unpublished())
             for key in worker.dynamic:  # releases recomputed from the update log, not yet sent
-                await send(worker.dynamic_releases(key))
+                await send(worker.dynamic_releases(key), "dynamic")
                 worker.mark_dynamic_published(key)
             # the logs must still hold what the state has read (a recreated topic, a broker that
             # lost data: refused, never silently counted from wherever the log is now)
             positions = await loop.run_in_executor(None, lambda: check_logs_of(worker))
             # "none": an offset out of range later (the log went back while running) raises
+            # read_committed: our own repartition records count once their transaction committed
             consumer = AIOKafkaConsumer(bootstrap_servers=broker, group_id=None, enable_auto_commit=False, auto_offset_reset="none",
+                                        isolation_level="read_committed",
                                         max_partition_fetch_bytes=8 * 1024 * 1024, fetch_max_bytes=32 * 1024 * 1024,
                                         **aiokafka_security(security))
             await consumer.start()

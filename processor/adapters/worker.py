@@ -72,7 +72,7 @@ from processor.mechanisms.noise import NodeNoise, Pseudonymizer
 from state.store import PartitionStores, Store, WriteBatch
 from state.tables import InputWatermarks, IntegerMark, TextMark
 from topics.decoding import decoder_for
-from topics.kafka import DEAD_LETTER_TOPIC, repartition_topic
+from topics.kafka import DEAD_LETTER_TOPIC, PROGRESS_TOPIC, repartition_topic
 from topics.records import (
     WATERMARK_KEY,
     EventParser,
@@ -131,6 +131,20 @@ def encoded_parts(records: BoundedRecords, limit: Optional[int] = None) -> list[
         return [value]
     half = len(records) // 2
     return encoded_parts(records.take(np.arange(half)), limit) + encoded_parts(records.take(np.arange(half, len(records))), limit)
+
+
+def _undelivered(source: "SourcePartition", records: Sequence["RecordLike"], apply) -> list["RecordLike"]:
+    """The records of a batch not yet in ``source``'s state, after applying (``apply``, then
+    committing its result with no message sent) those whose outputs were already delivered in a
+    committed transaction before a crash (exactly once: docs/operations.md, "Delivery"). A batch
+    is split at that offset, so no output is sent twice however the batches fall."""
+    if records and records[0].offset <= source.last_offset:
+        records = [r for r in records if r.offset > source.last_offset]  # redelivered: already in state
+    if records and records[0].offset <= source.delivered_offset:
+        done = [r for r in records if r.offset <= source.delivered_offset]
+        apply(done).commit()
+        records = records[len(done):]
+    return list(records)
 
 
 class RecordLike(Protocol):
@@ -204,6 +218,10 @@ class SourcePartition:
         self.runners = [QueryRunner(p) for p in pipelines]
         self._offset = IntegerMark(store, b"offset")
         self.last_offset = self._offset.get(-1)
+        #: exactly once: the outputs of every record up to this offset are on Kafka in a committed
+        #: transaction (the progress topic, :meth:`DpstreamWorker.resume`); such records are
+        #: applied to the state again after a crash, their outputs never sent again
+        self.delivered_offset = -1
         #: stage 1: the newest broker-stamped (LogAppendTime) timestamp among the committed records
         #: read since start (:func:`broker_stamped_max`), and
         #: the watermark last announced to stage 2 (in memory: stage 2 keeps the announced ones)
@@ -339,6 +357,7 @@ class DpstreamWorker:
         self.input_partitions = dict(input_partitions)
         self.partitioner = partitioner
         self.metrics = metrics or PipelineMetrics()
+        self.app_id = app_id
         self.noise = NodeNoise(secret, worker_noise_label(app_id, config))
         self.pseudonyms = Pseudonymizer(secret)
         self.state_dir = Path(state_dir)
@@ -450,10 +469,10 @@ class DpstreamWorker:
     def process_input(self, topic: str, partition: int, records: Sequence[RecordLike]) -> Optional[StageOneResult]:
         """Bound a batch of input records of one partition; nothing is written yet."""
         source = self.stage1[(topic, partition)]
-        if records and records[0].offset <= source.last_offset:
-            records = [r for r in records if r.offset > source.last_offset]  # redelivered: already in state
-        if not records:
-            return None
+        records = _undelivered(source, records, lambda done: self._bound_input(source, topic, partition, done))
+        return self._bound_input(source, topic, partition, records) if records else None
+
+    def _bound_input(self, source: SourcePartition, topic: str, partition: int, records: Sequence[RecordLike]) -> StageOneResult:
         result = StageOneResult(source, WriteBatch(), records[-1].offset)
         # the records' fields as columns once: per-record attribute access is much of a batch's cost
         message_keys = list(map(_KEY, records))
@@ -544,9 +563,10 @@ class DpstreamWorker:
         among them; nothing is written yet. Returns the dead letters (key id collisions) to send
         before :meth:`StageTwoResult.commit`."""
         source = self.stage2[(topic, partition)]
-        records = [r for r in records if r.offset > source.last_offset]
-        if not records:
-            return None
+        records = _undelivered(source, records, lambda done: self._accumulate(source, topic, partition, done))
+        return self._accumulate(source, topic, partition, records) if records else None
+
+    def _accumulate(self, source: SourcePartition, topic: str, partition: int, records: Sequence[RecordLike]) -> StageTwoResult:
         runner = source.runners[0]
         result = StageTwoResult(source, WriteBatch(), records[-1].offset, applied=len(records))
         data = [r for r in records if r.key != WATERMARK_KEY]
@@ -687,6 +707,34 @@ class DpstreamWorker:
     def unpublished(self) -> list[FiredTrigger]:
         """Journaled releases not yet marked published (after a crash): send them again."""
         return [FiredTrigger(source, f) for source in self.stage2.values() for runner in source.runners for f in runner.unpublished()]
+
+    # ------------------------------------------------------------------ exactly once
+    # With --delivery exactly-once, every send is one Kafka transaction that also carries a
+    # progress record (topics.kafka.PROGRESS_TOPIC) saying which inputs' outputs, or which
+    # triggers' releases, it completes. The state is committed after the transaction; a crash in
+    # between leaves the state behind the progress topic, and :meth:`resume` tells the restarted
+    # worker what not to send again (docs/operations.md, "Delivery").
+    def resume(self, progress: dict[str, dict]) -> None:
+        """Take in what the progress topic says was delivered (:func:`topics.kafka.read_progress`):
+        records up to each source's delivered offset are applied to the state with no output
+        sent, and journaled triggers up to its published one are marked published, not sent."""
+        for source in [*self.stage1.values(), *self.stage2.values()]:
+            done = progress.get(source.name)
+            source.delivered_offset = int(done["offset"]) if done else -1
+        for f in self.unpublished():
+            done = progress.get(f"{f.source.name}/published")
+            if done and (f.window, f.trigger) <= (int(done["window"]), int(done["trigger"])):
+                self.mark_published(f)
+
+    def progress_message(self, result: "StageOneResult | StageTwoResult") -> Message:
+        """The progress record of a processed batch: its outputs are delivered up to its last offset."""
+        return Message(PROGRESS_TOPIC, encode_json({"offset": result.last_offset}), f"{self.app_id}/{result.source.name}".encode())
+
+    def published_message(self, fired: FiredTrigger) -> Message:
+        """The progress record of a trigger: its releases (and every earlier trigger's of its
+        partition: they fire and publish in order) are delivered."""
+        return Message(PROGRESS_TOPIC, encode_json({"window": fired.window, "trigger": fired.trigger}),
+                       f"{self.app_id}/{fired.source.name}/published".encode())
 
     @staticmethod
     def release_messages(fired: FiredTrigger) -> list[Message]:

@@ -127,11 +127,13 @@ def _metrics(port: int) -> dict:
     return out
 
 
-def worker_rate(broker: str, config_path: str, key_file: str, expected: int, partitions: int, workers: int = 1) -> tuple[float, dict]:
+def worker_rate(broker: str, config_path: str, key_file: str, expected: int, partitions: int, workers: int = 1,
+                extra: tuple = ()) -> tuple[float, dict]:
     """``workers`` worker processes (worker i of N owns partitions p % N == i, as the Helm
-    chart's replicas do), fresh state and one fresh app id; their summed metrics."""
+    chart's replicas do), fresh state and one fresh app id; their summed metrics. ``extra``:
+    more worker options."""
     with tempfile.TemporaryDirectory(prefix="dpstream-bench-") as state:
-        procs, ports = _start_workers(broker, config_path, key_file, partitions, Path(state), workers)
+        procs, ports = _start_workers(broker, config_path, key_file, partitions, Path(state), workers, extra)
         try:
             started = time.perf_counter()
             while True:
@@ -171,7 +173,8 @@ def run_kafka_bench(broker: str, users: int, keys: int, repeats: int, partitions
                                f"    window: {window_days}d\n    triggers: 1\n    contribution_bound: 32\n    epsilon: 6\n    delta: 1.0e-9\n")
         key_file = Path(tmp) / "noise.key"
         key_file.write_bytes(os.urandom(32))  # a throwaway secret: nothing here is published
-        runs = {"confluent_default": [], "confluent_tuned": [], "aiokafka_getmany": [], "worker": []} if baselines else {"worker": []}
+        runs = ({"confluent_default": [], "confluent_tuned": [], "aiokafka_getmany": [], "worker": [], "worker_at_least_once": []}
+                if baselines else {"worker": []})
         scaled = f"workers_{workers}"
         if workers > 1:
             runs[scaled] = []
@@ -180,8 +183,13 @@ def run_kafka_bench(broker: str, users: int, keys: int, repeats: int, partitions
                 runs["confluent_default"].append(baseline_rate(broker, topic, n))
                 runs["confluent_tuned"].append(baseline_rate(broker, topic, n, tuned=True))
                 runs["aiokafka_getmany"].append(aiokafka_rate(broker, topic, n))
-            for name, count in (("worker", 1), (scaled, workers)) if workers > 1 else (("worker", 1),):
-                rate, metrics = worker_rate(broker, str(config_path), str(key_file), n, partitions, count)
+            trials = [("worker", 1, ())]  # exactly-once delivery, the default
+            if baselines:  # what the transactions cost, in the same run
+                trials.append(("worker_at_least_once", 1, ("--delivery", "at-least-once")))
+            if workers > 1:
+                trials.append((scaled, workers, ()))
+            for name, count, extra in trials:
+                rate, metrics = worker_rate(broker, str(config_path), str(key_file), n, partitions, count, extra)
                 refused = {k: v for k, v in metrics.items() if k.startswith("dropped:") and k != "dropped:contribution_bound" and v}
                 if refused or metrics.get("dpstream_records_accumulated_total", 0) <= 0:
                     raise RuntimeError(f"the worker refused events ({refused}): the run would measure refusals, not the product")
@@ -196,6 +204,7 @@ def run_kafka_bench(broker: str, users: int, keys: int, repeats: int, partitions
         "ratio_to_confluent_default": medians["worker"] / medians["confluent_default"],
         "ratio_to_confluent_tuned": medians["worker"] / medians["confluent_tuned"],
         "ratio_to_aiokafka_getmany": medians["worker"] / medians["aiokafka_getmany"],
+        "ratio_exactly_once_to_at_least_once": medians["worker"] / medians["worker_at_least_once"],
     }
     if workers > 1:
         result["workers"] = workers
@@ -203,7 +212,9 @@ def run_kafka_bench(broker: str, users: int, keys: int, repeats: int, partitions
     print(f"bench kafka (medians of {repeats}): worker {medians['worker']:,.0f} events/s; plain confluent-kafka loop "
           f"{medians['confluent_default']:,.0f} (defaults) / {medians['confluent_tuned']:,.0f} (tuned fetch); aiokafka getmany "
           f"{medians['aiokafka_getmany']:,.0f}. Worker / confluent: {result['ratio_to_confluent_default']:.2f} / "
-          f"{result['ratio_to_confluent_tuned']:.2f}; worker / aiokafka: {result['ratio_to_aiokafka_getmany']:.2f}"
+          f"{result['ratio_to_confluent_tuned']:.2f}; worker / aiokafka: {result['ratio_to_aiokafka_getmany']:.2f}; "
+          f"exactly-once / at-least-once: {result['ratio_exactly_once_to_at_least_once']:.2f} "
+          f"({medians['worker_at_least_once']:,.0f} events/s at least once)"
           + (f"; {workers} worker processes together {medians[scaled]:,.0f} events/s, "
              f"{result[f'ratio_{scaled}_to_aiokafka_getmany']:.2f} of aiokafka" if workers > 1 else ""), file=sys.stderr)
     if json_path:
