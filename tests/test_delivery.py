@@ -134,7 +134,10 @@ def test_an_aborted_or_fenced_transaction_is_never_read(broker):
     assert read_compacted(broker, topic, "app/") == {"app/in-0": {"offset": 4}}
 
 
-def test_records_of_an_open_transaction_are_not_read_until_it_commits(broker):
+def test_a_read_waits_for_a_transaction_open_below_the_end_and_counts_it_once_committed(broker):
+    """A worker reads the progress topic up to the end it had when the read began: a transaction
+    still open there (another worker's, about to commit) is waited for, then read."""
+    import threading
     import uuid
 
     from topics.kafka import KafkaPublisher, TopicSpec, create_topics, read_compacted
@@ -142,9 +145,10 @@ def test_records_of_an_open_transaction_are_not_read_until_it_commits(broker):
     topic = f"it-progress-{uuid.uuid4().hex[:8]}"
     create_topics(broker, [TopicSpec(topic, 1, {"cleanup.policy": "compact"})])
     p = KafkaPublisher(broker, transactional_id=f"it-{uuid.uuid4().hex[:8]}")
+    p.send([(topic, b'{"offset": 3}', b"app/in-1", None)])  # the last record is a commit marker
+    assert read_compacted(broker, topic, "app/") == {"app/in-1": {"offset": 3}}
     p.producer.begin_transaction()
     p.produce(topic, b'{"offset": 7}', b"app/in-0")
     p.producer.flush(10)  # on the broker, not committed
-    assert read_compacted(broker, topic, "app/") == {}
-    p.producer.commit_transaction(10)
-    assert read_compacted(broker, topic, "app/") == {"app/in-0": {"offset": 7}}
+    threading.Timer(2.0, lambda: p.producer.commit_transaction(10)).start()
+    assert read_compacted(broker, topic, "app/") == {"app/in-0": {"offset": 7}, "app/in-1": {"offset": 3}}

@@ -70,19 +70,27 @@ def topics_for(queries: Iterable, partitions: int = 8, dynamic: Iterable = ()) -
 
 def read_compacted(bootstrap: str, topic: str, prefix: str = "", timeout: float = 30.0) -> dict[str, dict]:
     """The latest JSON value per key (keys starting with ``prefix``) of a small compacted
-    one-partition topic, read to its end with ``read_committed`` (a transaction's records count
-    once it committed; an aborted one's never). Raises if the end cannot be reached: a worker must
-    not decide what it has done without knowing it."""
+    one-partition topic, read with ``read_committed`` (a transaction's records count once it
+    committed; an aborted one's never) up to the end offset it had when the read began: other
+    writers' transactions keep it growing, and an open one holds back what can be read (so no
+    end-of-partition event may come), but every record the caller wrote before is below that
+    offset. Raises if it cannot be reached: a worker must not decide what it has done without
+    knowing it."""
     import json
     import time
 
     from confluent_kafka import Consumer, KafkaError, TopicPartition
 
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"dpstream-read-{topic}", "enable.auto.commit": False,
-                         "auto.offset.reset": "earliest", "isolation.level": "read_committed", "enable.partition.eof": True,
-                         **client_security()})
+    common = {"bootstrap.servers": bootstrap, "group.id": f"dpstream-read-{topic}", "enable.auto.commit": False, **client_security()}
+    # the log's end (high watermark): a read_committed consumer would be told the last stable
+    # offset, which another writer's open transaction can hold before records the caller wrote
+    ends = Consumer({**common, "isolation.level": "read_uncommitted"})
     try:
-        low, high = consumer.get_watermark_offsets(TopicPartition(topic, 0), timeout=timeout)
+        low, high = ends.get_watermark_offsets(TopicPartition(topic, 0), timeout=timeout)
+    finally:
+        ends.close()
+    consumer = Consumer({**common, "auto.offset.reset": "earliest", "isolation.level": "read_committed", "enable.partition.eof": True})
+    try:
         values: dict[str, dict] = {}
         if high <= low:
             return values
@@ -90,18 +98,23 @@ def read_compacted(bootstrap: str, topic: str, prefix: str = "", timeout: float 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             msg = consumer.poll(0.5)
-            if msg is None:
-                continue
-            if msg.error():
-                if msg.error().code() == KafkaError._PARTITION_EOF:  # past the last stable offset: all committed read
+            if msg is not None and msg.error():
+                # the end of what can be read now is the last stable offset, which an open
+                # transaction holds back: not necessarily past ``high``, so read on
+                if msg.error().code() != KafkaError._PARTITION_EOF:
+                    raise RuntimeError(f"reading {topic}: {msg.error()}")
+                msg = None
+            if msg is not None:
+                if msg.offset() >= high:
                     return values
-                raise RuntimeError(f"reading {topic}: {msg.error()}")
-            key = msg.key().decode() if msg.key() is not None else None
-            if key is not None and key.startswith(prefix):
-                if msg.value() is None:
-                    values.pop(key, None)
-                else:
-                    values[key] = json.loads(msg.value())
+                key = msg.key().decode() if msg.key() is not None else None
+                if key is not None and key.startswith(prefix):
+                    if msg.value() is None:
+                        values.pop(key, None)
+                    else:
+                        values[key] = json.loads(msg.value())
+            if consumer.position([TopicPartition(topic, 0)])[0].offset >= high:  # past aborted records and markers too
+                return values
         raise RuntimeError(f"could not read {topic} to its end offset {high} within {timeout:g} s")
     finally:
         consumer.close()
