@@ -4,7 +4,13 @@ from prometheus_client import generate_latest
 from processor.adapters.metrics import PipelineMetrics
 from processor.config import DpstreamConfig, QueryConfig, plan_for
 from processor.engine.pipeline import PipelineStats
-from topics.kafka import DEAD_LETTER_TOPIC, EPOCH_TOPIC, PROGRESS_TOPIC, repartition_topic, topics_for
+from topics.kafka import (
+    DEAD_LETTER_TOPIC,
+    EPOCH_TOPIC,
+    PROGRESS_TOPIC,
+    repartition_topic,
+    topics_for,
+)
 
 
 def test_every_topic_is_declared_once_with_its_config():
