@@ -152,3 +152,35 @@ def test_a_read_waits_for_a_transaction_open_below_the_end_and_counts_it_once_co
     p.producer.flush(10)  # on the broker, not committed
     threading.Timer(2.0, lambda: p.producer.commit_transaction(10)).start()
     assert read_compacted(broker, topic, "app/") == {"app/in-0": {"offset": 7}, "app/in-1": {"offset": 3}}
+
+
+def test_dynamic_releases_published_before_a_crash_are_not_sent_again(tmp_path):
+    """The dynamic agent's part: releases of segments up to the one its progress record names
+    went out in a committed transaction; after the crash only the later ones are pending."""
+    from state.store import RocksDBStore, WriteBatch
+    from tests.test_dynamic_stream import make, run, stream
+
+    records = stream(20_000)
+    store = RocksDBStore(tmp_path / "s")
+    first = make(store)
+    run(first, records[:10_000], store)
+    batch = WriteBatch()
+    for rec in records[10_000:14_000]:
+        first.apply(rec, batch)
+    first.advance_clock(records[13_999]["ts"], batch)
+    store.write(batch)
+    pending = first.take_pending()
+    assert len(first.pending) >= 2
+    through = first.pending[len(first.pending) // 2].segment  # the transaction that carried these committed
+    store.close()  # ... and the worker died before marking them published
+
+    store = RocksDBStore(tmp_path / "s")
+    again = make(store)
+    mark = WriteBatch()
+    again.mark_published(mark, through)
+    store.write(mark)
+    left = again.take_pending()
+    assert left and all(r.segment > through for r in again.pending)
+    assert [json.dumps(r, sort_keys=True) for r in left] == [json.dumps(r, sort_keys=True) for r in pending[-len(left):]]
+    assert len(left) < len(pending)
+    store.close()

@@ -161,6 +161,12 @@ def build_app(s: WorkerSettings) -> faust.App:
             await send(worker.release_messages(f) + ([worker.published_message(f)] if exactly_once else []))
             worker.mark_published(f)
 
+    async def publish_dynamic(key) -> None:
+        worker: DpstreamWorker = status["worker"]
+        # exactly once: the releases and the record of the segments they complete, in one transaction
+        await send(worker.dynamic_releases(key) + (worker.dynamic_published_messages(key) if exactly_once else []), "dynamic")
+        worker.mark_dynamic_published(key)
+
     async def crash(exc: BaseException) -> None:
         # at-least-once: stop rather than go on past a batch whose state was not committed;
         # the restarted worker resumes from the last committed offsets. Every state write is
@@ -212,8 +218,7 @@ def build_app(s: WorkerSettings) -> faust.App:
         """Dynamic queries: insert/delete updates -> per-item counts at each closed segment."""
         async for items in batches:
             try:
-                for topic, partition, records in items:
-                    await send(status["worker"].process_dynamic(topic, partition, records), "dynamic")  # dead letters; state committed
+                await process(items, status["worker"].process_dynamic, "dynamic")  # dead letters, then the update log
             except Exception as exc:  # noqa: BLE001
                 await crash(exc)
                 return
@@ -231,11 +236,11 @@ def build_app(s: WorkerSettings) -> faust.App:
             await send(worker.watermark_messages(now, read_to_end(worker)))
             await publish(worker.fire_due(now))
             # dynamic queries: every tick the clock has passed is decided, updates or not
-            due, letters = worker.advance_dynamic(now, read_to_end(worker))
-            await send(letters, "dynamic")
+            due, letters = worker.advance_dynamic(now, read_to_end(worker), commit=False)
+            await send(letters, "dynamic")  # the refused deletes' dead letters, then the decisions
+            worker.commit_dynamic()
             for key in due:
-                await send(worker.dynamic_releases(key), "dynamic")
-                worker.mark_dynamic_published(key)
+                await publish_dynamic(key)
         except Exception as exc:  # noqa: BLE001
             await crash(exc)
 
@@ -318,8 +323,7 @@ def build_app(s: WorkerSettings) -> faust.App:
                 worker.resume(progress)
             await publish(worker.unpublished())
             for key in worker.dynamic:  # releases recomputed from the update log, not yet sent
-                await send(worker.dynamic_releases(key), "dynamic")
-                worker.mark_dynamic_published(key)
+                await publish_dynamic(key)
             # the logs must still hold what the state has read (a recreated topic, a broker that
             # lost data: refused, never silently counted from wherever the log is now)
             positions = await loop.run_in_executor(None, lambda: check_logs_of(worker))

@@ -358,6 +358,7 @@ class DpstreamWorker:
         self.partitioner = partitioner
         self.metrics = metrics or PipelineMetrics()
         self.app_id = app_id
+        self._decided: list = []  # tick decisions of advance_dynamic(commit=False) not yet written
         self.noise = NodeNoise(secret, worker_noise_label(app_id, config))
         self.pseudonyms = Pseudonymizer(secret)
         self.state_dir = Path(state_dir)
@@ -627,15 +628,19 @@ class DpstreamWorker:
         return source.input_watermark(topic, self.input_partitions[topic])
 
     # ------------------------------------------------------------------ dynamic queries
-    def process_dynamic(self, topic: str, partition: int, records: Sequence[RecordLike]) -> list[Message]:
+    def process_dynamic(self, topic: str, partition: int, records: Sequence[RecordLike]) -> Optional[StageTwoResult]:
         """Log update records (judged late or future by each record's own Kafka timestamp): the
-        update log, unit counts and offset in one write; returns the dead letters to send. Ticks
-        are decided by the timer (:meth:`advance_dynamic`), never by the arrival of updates."""
+        update log, unit counts and offset in one write, committed after its dead letters are
+        sent. Ticks are decided by the timer (:meth:`advance_dynamic`), never by the arrival of
+        updates."""
         key = (topic, partition)
         source = self.dynamic[key]
-        records = [r for r in records if r.offset > source.last_offset]
-        if not records:
-            return []
+        records = _undelivered(source, records, lambda done: self._log_updates(key, done))
+        return self._log_updates(key, records) if records else None
+
+    def _log_updates(self, key: tuple[str, int], records: Sequence[RecordLike]) -> StageOneResult:
+        topic, partition = key
+        source = self.dynamic[key]
         batch, messages = WriteBatch(), []
         for r, obj in zip(records, self.decoder.decode([r.value for r in records])):
             for st in self.dynamic_states[key]:
@@ -643,18 +648,19 @@ class DpstreamWorker:
                 if reason is not None:
                     body = {"query": st.query.name, **dead_letter(reason, r.value or b"", f"{topic}/{partition}@{r.offset}")}
                     messages.append(Message(DEAD_LETTER_TOPIC, encode_json(body)))
-        source.commit(batch, records[-1].offset, broker_stamped_max(records))
-        return messages
+        result = StageOneResult(source, batch, records[-1].offset, messages, read_ms=broker_stamped_max(records))
+        return result
 
-    def advance_dynamic(self, now_ms: int, read_to_end: Optional[dict[tuple[str, int], int]] = None
+    def advance_dynamic(self, now_ms: int, read_to_end: Optional[dict[tuple[str, int], int]] = None, commit: bool = True
                         ) -> tuple[list[tuple[str, int]], list[Message]]:
         """Decide every dynamic tick the update topic's watermark has passed, updates or not (the
         timer's job): as for triggers, the watermark is the newest broker-stamped timestamp read
-        from it (:func:`broker_stamped_max`), or the time it was read to its end (``read_to_end``), less the watermark delay, never past
-        the wall clock; so a worker that was down reads the updates of an overdue tick before it
+        from it (:func:`broker_stamped_max`), or the time it was read to its end (``read_to_end``),
+        less the watermark delay, never past the wall clock; so a worker that was down reads the updates of an overdue tick before it
         decides it (an update is late once its tick is decided). Returns the sources with releases
         to send (then :meth:`mark_dynamic_published`) and the dead letters of updates refused now
-        (deletes of items absent in tick order)."""
+        (deletes of items absent in tick order). ``commit=False``: the decisions are written by
+        :meth:`commit_dynamic`, once those dead letters were sent."""
         due, letters = [], []
         ends = read_to_end or {}
         for key, states in self.dynamic_states.items():
@@ -667,21 +673,40 @@ class DpstreamWorker:
                     body = {"query": st.query.name, **dead_letter(reason, st.describe(update), f"{key[0]}/{key[1]} log@{update.seq}")}
                     letters.append(Message(DEAD_LETTER_TOPIC, encode_json(body)))
             if len(batch):
-                self.dynamic[key].store.write(batch)
+                self._decided.append((self.dynamic[key].store, batch))
             if any(st.pending for st in states):
                 due.append(key)
+        if commit:
+            self.commit_dynamic()
         return due, letters
+
+    def commit_dynamic(self) -> None:
+        """Write the tick decisions of :meth:`advance_dynamic` (``commit=False``: after its dead
+        letters were sent; a crash before recomputes the same decisions from the update log)."""
+        decided, self._decided = self._decided, []
+        for store, batch in decided:
+            store.write(batch)
 
     def dynamic_releases(self, key: tuple[str, int]) -> list[Message]:
         return [Message(st.query.output_topic, encode_json(rec), st.query.name.encode())
                 for st in self.dynamic_states[key] for rec in st.take_pending()]
 
-    def mark_dynamic_published(self, key: tuple[str, int]) -> None:
+    def mark_dynamic_published(self, key: tuple[str, int], through: Optional[dict[str, int]] = None) -> None:
+        """The pending dynamic releases reached the output (``through``: only those up to each
+        query's segment, by query name)."""
         batch = WriteBatch()
         for st in self.dynamic_states[key]:
-            st.mark_published(batch)
+            if through is None or st.query.name in through:
+                st.mark_published(batch, None if through is None else through[st.query.name])
         if len(batch):
             self.dynamic[key].store.write(batch)
+
+    def dynamic_published_messages(self, key: tuple[str, int]) -> list[Message]:
+        """Exactly once: the progress records of the pending dynamic releases (sent with them)."""
+        source = self.dynamic[key]
+        return [Message(PROGRESS_TOPIC, encode_json({"segment": st.pending[-1].segment}),
+                        f"{self.app_id}/{source.name}/published/{st.query.name}".encode())
+                for st in self.dynamic_states[key] if st.pending]
 
     def fire_due(self, now_ms: int) -> list[FiredTrigger]:
         """Open (charge) the windows the wall clock has reached, and fire every owned trigger whose
@@ -725,6 +750,12 @@ class DpstreamWorker:
             done = progress.get(f"{f.source.name}/published")
             if done and (f.window, f.trigger) <= (int(done["window"]), int(done["trigger"])):
                 self.mark_published(f)
+        for key, states in self.dynamic_states.items():
+            source = self.dynamic[key]
+            source.delivered_offset = int(progress[source.name]["offset"]) if source.name in progress else -1
+            through = {st.query.name: int(progress[f"{source.name}/published/{st.query.name}"]["segment"])
+                       for st in states if f"{source.name}/published/{st.query.name}" in progress}
+            self.mark_dynamic_published(key, through)
 
     def progress_message(self, result: "StageOneResult | StageTwoResult") -> Message:
         """The progress record of a processed batch: its outputs are delivered up to its last offset."""

@@ -190,9 +190,11 @@ class DynamicQueryState:
         """Releases to publish now (logged, not yet marked published), as records."""
         return [dynamic_release_record(self.query, self.counter, r) for r in self.pending]
 
-    def mark_published(self, batch: WriteBatch) -> None:
-        if self.pending:
-            self.published = self.pending[-1].segment
-            self.releases += len(self.pending)
+    def mark_published(self, batch: WriteBatch, through: Optional[int] = None) -> None:
+        """The pending releases (those up to segment ``through``, if given) reached the output."""
+        done = [r for r in self.pending if through is None or r.segment <= through]
+        if done:
+            self.published = done[-1].segment
+            self.releases += len(done)
             self.tables.put_published(batch, self.published)
-            self.pending = []
+            self.pending = self.pending[len(done):]

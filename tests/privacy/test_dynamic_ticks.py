@@ -39,6 +39,16 @@ ITEMS = ["a", "b", "c"]
 TICK = 1000
 
 
+
+def log_updates(worker: DpstreamWorker, records) -> list:
+    """Log update records as the worker's dynamic agent does: the update log is committed once
+    its dead letters were sent; returns those dead letters."""
+    result = worker.process_dynamic("upd", 0, records)
+    if result is None:
+        return []
+    result.commit()
+    return result.messages
+
 def dyn_query(**kw) -> DynamicQueryConfig:
     fields = dict(name="plans", items=ITEMS, epsilon=1.0, start=START, tick="1s", allowed_lateness="1s")
     fields.update(kw)
@@ -187,7 +197,7 @@ def test_worker_a_future_dated_update_is_dead_lettered_and_decides_nothing(tmp_p
         try:
             batch = recs[:100] + ([Record(100, None, json.dumps(far).encode(), START + 100 * TICK)] if with_far else [])
             batch += [Record(r.offset + 1, r.key, r.value, r.timestamp) for r in recs[100:]]
-            letters = w.process_dynamic("upd", 0, batch)
+            letters = log_updates(w, batch)
             releases = drain_worker(w, START + 1000 * TICK)
             results.append((letters, releases))
         finally:
@@ -204,16 +214,16 @@ def test_worker_recovery_after_a_crash_republishes_identical_releases(tmp_path):
     recs = [Record(i, None, json.dumps(u).encode(), u["ts"]) for i, u in enumerate(base)]
     ref = DpstreamWorker(cfg, TEST_SECRET, tmp_path / "ref", Ownership(), {}, 1, watermark_delay_ms=0)
     try:
-        ref.process_dynamic("upd", 0, recs)
+        log_updates(ref, recs)
         expected = drain_worker(ref, START + 2000 * TICK)
     finally:
         ref.close()
     assert len(expected) >= 3
 
     w = DpstreamWorker(cfg, TEST_SECRET, tmp_path / "w", Ownership(), {}, 1, watermark_delay_ms=0)
-    w.process_dynamic("upd", 0, recs[:700])
+    log_updates(w, recs[:700])
     first = drain_worker(w, START + 250 * TICK)  # published (recs[700:] are all dated after this clock)
-    w.process_dynamic("upd", 0, recs[700:])
+    log_updates(w, recs[700:])
     lost = drain_worker(w, START + 2000 * TICK, publish=False)  # computed, never marked published: crash
     w.close()
     assert lost
@@ -299,20 +309,20 @@ def test_worker_reads_the_updates_of_overdue_ticks_before_it_decides_them(tmp_pa
     end = START + 2000 * TICK
     ref = DpstreamWorker(cfg, TEST_SECRET, tmp_path / "ref", Ownership(), {}, 1, watermark_delay_ms=0)
     try:
-        ref.process_dynamic("upd", 0, recs)
+        log_updates(ref, recs)
         expected = drain_worker(ref, end)
     finally:
         ref.close()
     w = DpstreamWorker(cfg, TEST_SECRET, tmp_path / "w", Ownership(), {}, 1, watermark_delay_ms=0)
     try:
-        w.process_dynamic("upd", 0, recs[:200])
+        log_updates(w, recs[:200])
         # back after the outage: the wall clock is long past every tick, nothing more read yet
         due, _ = w.advance_dynamic(end)
         got = [json.loads(m.value) for key in due for m in w.dynamic_releases(key)]
         for key in due:
             w.mark_dynamic_published(key)
         assert all(st.decided <= st.query.decided_through(recs[199].timestamp) for sts in w.dynamic_states.values() for st in sts)
-        letters = w.process_dynamic("upd", 0, recs[200:])  # the backlog
+        letters = log_updates(w, recs[200:])  # the backlog
         assert letters == [], "no update of the backlog is late"
         got += drain_worker(w, end)
     finally:
