@@ -79,14 +79,24 @@ def read_compacted(bootstrap: str, topic: str, prefix: str = "", timeout: float 
     import json
     import time
 
-    from confluent_kafka import Consumer, KafkaError, TopicPartition
+    from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
+    no_leader_yet = (KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE, KafkaError.UNKNOWN_TOPIC_OR_PART)
     common = {"bootstrap.servers": bootstrap, "group.id": f"dpstream-read-{topic}", "enable.auto.commit": False, **client_security()}
     # the log's end (high watermark): a read_committed consumer would be told the last stable
     # offset, which another writer's open transaction can hold before records the caller wrote
     ends = Consumer({**common, "isolation.level": "read_uncommitted"})
+    deadline = time.monotonic() + timeout
     try:
-        low, high = ends.get_watermark_offsets(TopicPartition(topic, 0), timeout=timeout)
+        while True:
+            try:
+                low, high = ends.get_watermark_offsets(TopicPartition(topic, 0), timeout=timeout)
+                break
+            except KafkaException as exc:  # a topic created a moment ago may have no leader yet
+                waiting = exc.args[0].retriable() or exc.args[0].code() in no_leader_yet
+                if not waiting or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
     finally:
         ends.close()
     consumer = Consumer({**common, "auto.offset.reset": "earliest", "isolation.level": "read_committed", "enable.partition.eof": True})

@@ -28,6 +28,10 @@ Failure rules:
   position only, so it is identical after a restart.
 * A store written under another noise secret, or by another worker layout, is refused: that is
   a new budget epoch, never a silent reset.
+* Exactly-once delivery (docs/operations.md, "Delivery"): the messages of a batch, or of a
+  trigger, go out in one Kafka transaction with a progress record of what they complete
+  (:meth:`DpstreamWorker.progress_message`, :meth:`DpstreamWorker.published_message`); after a
+  crash, :meth:`DpstreamWorker.resume` keeps what was delivered from being sent again.
 
 Time (docs/privacy.md, "Time"): windows are charged and dynamic ticks are decided on the wall
 clock, data or not; every query's windows are charged in one public order on every worker
@@ -266,9 +270,10 @@ class SourcePartition:
 
     def read_watermark(self, now_ms: int, end_ms: Optional[int], delay_ms: int) -> Optional[int]:
         """Stage 1 and dynamic updates: how far this partition has been read, as a time. The
-        newest committed broker-stamped timestamp (:func:`broker_stamped_max`), or ``end_ms`` (when the broker said where the log ends,
-        if it has been read to there), less ``delay_ms``, never past ``now_ms``; None before
-        anything is known (docs/privacy.md, "Time")."""
+        newest committed broker-stamped timestamp (:func:`broker_stamped_max`), or ``end_ms``
+        (when the broker said where the log ends, if it has been read to there), less
+        ``delay_ms``, never past ``now_ms``; None before anything is known (docs/privacy.md,
+        "Time")."""
         read = self.read_ms
         if end_ms is not None:
             read = end_ms if read is None else max(read, end_ms)
@@ -628,7 +633,7 @@ class DpstreamWorker:
         return source.input_watermark(topic, self.input_partitions[topic])
 
     # ------------------------------------------------------------------ dynamic queries
-    def process_dynamic(self, topic: str, partition: int, records: Sequence[RecordLike]) -> Optional[StageTwoResult]:
+    def process_dynamic(self, topic: str, partition: int, records: Sequence[RecordLike]) -> Optional[StageOneResult]:
         """Log update records (judged late or future by each record's own Kafka timestamp): the
         update log, unit counts and offset in one write, committed after its dead letters are
         sent. Ticks are decided by the timer (:meth:`advance_dynamic`), never by the arrival of
@@ -648,16 +653,15 @@ class DpstreamWorker:
                 if reason is not None:
                     body = {"query": st.query.name, **dead_letter(reason, r.value or b"", f"{topic}/{partition}@{r.offset}")}
                     messages.append(Message(DEAD_LETTER_TOPIC, encode_json(body)))
-        result = StageOneResult(source, batch, records[-1].offset, messages, read_ms=broker_stamped_max(records))
-        return result
+        return StageOneResult(source, batch, records[-1].offset, messages, read_ms=broker_stamped_max(records))
 
     def advance_dynamic(self, now_ms: int, read_to_end: Optional[dict[tuple[str, int], int]] = None, commit: bool = True
                         ) -> tuple[list[tuple[str, int]], list[Message]]:
         """Decide every dynamic tick the update topic's watermark has passed, updates or not (the
         timer's job): as for triggers, the watermark is the newest broker-stamped timestamp read
         from it (:func:`broker_stamped_max`), or the time it was read to its end (``read_to_end``),
-        less the watermark delay, never past the wall clock; so a worker that was down reads the updates of an overdue tick before it
-        decides it (an update is late once its tick is decided). Returns the sources with releases
+        less the watermark delay, never past the wall clock; so a worker that was down reads the
+        updates of an overdue tick before it decides it (an update is late once its tick is decided). Returns the sources with releases
         to send (then :meth:`mark_dynamic_published`) and the dead letters of updates refused now
         (deletes of items absent in tick order). ``commit=False``: the decisions are written by
         :meth:`commit_dynamic`, once those dead letters were sent."""
