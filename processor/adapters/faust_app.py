@@ -126,7 +126,11 @@ def build_app(s: WorkerSettings) -> faust.App:
     dynamic_in = app.channel()
     #: state: starting -> ready <-> waiting-for-broker; any -> stopping (docs/operations.md, "Health")
     status = {"ready": False, "state": "starting", "reason": "opening state", "worker": None, "consumer": None,
-              "acknowledged": time.monotonic()}
+              "acknowledged": time.monotonic(),
+              # by partition: the consumer's position after the last fetch (past transaction
+              # markers and aborted records, which no record's offset stands for), and the offset
+              # after the last record fetched
+              "positions": {}, "fetched": {}}
 
     def set_state(state: str, reason: str = "") -> None:
         status["state"], status["reason"] = state, reason
@@ -253,8 +257,10 @@ def build_app(s: WorkerSettings) -> faust.App:
         return positions
 
     def read_to_end(worker: DpstreamWorker) -> dict:
-        """Owned input (and dynamic update) partitions whose committed offset has reached the end
-        the broker last reported, with the time of that report (its fetch response)."""
+        """Owned input (and dynamic update) partitions read to the end the broker last reported,
+        every record fetched committed, with the time of that report (its fetch response). The
+        end can be a transaction marker (an upstream producer's transactions), which no record
+        holds: the consumer's position passes it."""
         consumer = status["consumer"]
         ends = {}
         if consumer is None:
@@ -262,7 +268,11 @@ def build_app(s: WorkerSettings) -> faust.App:
         for key, src in [*worker.stage1.items(), *worker.dynamic.items()]:
             tp = _tp(*key)
             high = consumer.highwater(tp)
-            if high is not None and src.last_offset + 1 >= high:
+            if high is None:
+                continue
+            committed = src.last_offset + 1
+            position = status["positions"].get(tp, committed)
+            if committed >= high or (position >= high and committed >= status["fetched"].get(tp, 0)):
                 ends[key] = consumer.last_poll_timestamp(tp)
         return ends
 
@@ -370,6 +380,9 @@ def build_app(s: WorkerSettings) -> faust.App:
                 for tp, records in fetched.items():
                     pending.setdefault(tp, []).extend(records)
                     count += len(records)
+                    status["fetched"][tp] = records[-1].offset + 1
+                for tp in stage_of:
+                    status["positions"][tp] = await consumer.position(tp)
                 if count and first is None:
                     first = time.monotonic()
                 if count and (count >= s.fetch_records or time.monotonic() - first >= s.batch_linger):
