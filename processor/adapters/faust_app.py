@@ -238,7 +238,8 @@ def build_app(s: WorkerSettings) -> faust.App:
             # announce how far each owned input partition has been read (committed progress
             # only); stage 2 fires a trigger once every input partition is past it
             await send(worker.watermark_messages(now, read_to_end(worker)))
-            await publish(worker.fire_due(now))
+            for fired in worker.iter_fire_due(now):  # each published before the next is computed
+                await publish([fired])
             # dynamic queries: every tick the clock has passed is decided, updates or not
             due, letters = worker.advance_dynamic(now, read_to_end(worker), commit=False)
             await send(letters, "dynamic")  # the refused deletes' dead letters, then the decisions

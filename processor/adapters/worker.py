@@ -51,7 +51,7 @@ import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Optional, Protocol, Sequence
+from typing import Iterable, Iterator, Optional, Protocol, Sequence
 
 import numpy as np
 
@@ -718,7 +718,12 @@ class DpstreamWorker:
         passed (:meth:`stage_two_clock`). Which records a trigger holds is fixed by the schedule
         and each record's Kafka timestamp; the watermark only decides when all of them have been
         read. Releases are journaled on return."""
-        fired = []
+        return list(self.iter_fire_due(now_ms))
+
+    def iter_fire_due(self, now_ms: int) -> Iterator[FiredTrigger]:
+        """:meth:`fire_due`, one trigger at a time (each journaled as it is yielded): the worker
+        publishes each before it computes the next, so a backlog of overdue triggers does not
+        hold its event loop (health probes, /metrics) for all of them at once."""
         if self.charges is not None:
             self.charges.charge_due(now_ms)
         for source in self.stage2.values():
@@ -730,8 +735,7 @@ class DpstreamWorker:
                 if f is None:
                     break
                 self.metrics.trigger_seconds.labels(runner.query.name).observe(time.perf_counter() - started)
-                fired.append(FiredTrigger(source, f))
-        return fired
+                yield FiredTrigger(source, f)
 
     def unpublished(self) -> list[FiredTrigger]:
         """Journaled releases not yet marked published (after a crash): send them again."""
