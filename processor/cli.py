@@ -212,8 +212,10 @@ Stage 1 (by user) reads the queries' input topics, bounds each user's contributi
 the bounded records to one repartition topic per query, partitioned by key; stage 2 (by key)
 accumulates them per micro-batch and, at each trigger of the fixed schedule, once every input
 partition has been read past it (the input watermark: the broker's timestamps, or the time a
-partition was read to its end, never a producer's stamp, never past the wall clock), runs key selection, perturbation and release prediction and publishes the releases to
-the output topic.
+partition was read to its end, never a producer's stamp, never past the wall clock), runs key
+selection, perturbation and release prediction and publishes the releases to the output topic.
+Each batch's messages, and each trigger's releases, go out in one Kafka transaction (--delivery
+exactly-once): a read_committed consumer sees each release once, across crashes.
 Input records must be keyed by the user id. Dynamic queries (insert/delete updates, one-partition
 input topics) run in an agent of the worker that owns partition 0. A hierarchical query (hierarchy:
 true) is partitioned by its level-1 key, so each subtree is made consistent on one worker. Worker
