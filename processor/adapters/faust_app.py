@@ -124,6 +124,9 @@ def build_app(s: WorkerSettings) -> faust.App:
     stage1_in = app.channel()
     stage2_in = app.channel()
     dynamic_in = app.channel()
+    #: batches sent to each stage's agent and not yet processed (the consume loop gathers more
+    #: records for a stage while it is busy)
+    in_flight = {stage1_in: 0, stage2_in: 0, dynamic_in: 0}
     #: state: starting -> ready <-> waiting-for-broker; any -> stopping (docs/operations.md, "Health")
     status = {"ready": False, "state": "starting", "reason": "opening state", "worker": None, "consumer": None,
               "acknowledged": time.monotonic(),
@@ -206,6 +209,7 @@ def build_app(s: WorkerSettings) -> faust.App:
             except Exception as exc:  # noqa: BLE001 - any failure stops the worker
                 await crash(exc)
                 return
+            in_flight[stage1_in] -= 1
 
     @app.agent(stage2_in, name="dpstream.stage2_aggregate_by_key")
     async def stage2_aggregate_by_key(batches):
@@ -216,6 +220,7 @@ def build_app(s: WorkerSettings) -> faust.App:
             except Exception as exc:  # noqa: BLE001
                 await crash(exc)
                 return
+            in_flight[stage2_in] -= 1
 
     @app.agent(dynamic_in, name="dpstream.dynamic_counts")
     async def dynamic_counts(batches):
@@ -226,6 +231,7 @@ def build_app(s: WorkerSettings) -> faust.App:
             except Exception as exc:  # noqa: BLE001
                 await crash(exc)
                 return
+            in_flight[dynamic_in] -= 1
 
     @app.timer(trigger_tick_seconds(s.config), name="dpstream.fire_triggers")
     async def fire_triggers():
@@ -364,35 +370,50 @@ def build_app(s: WorkerSettings) -> faust.App:
             log.info("dpstream worker %d/%d ready: %d input and %d repartition partitions", s.ownership.index, s.ownership.workers,
                      len(worker.stage1), len(worker.stage2))
             # batches by time and size: records gather for up to --batch-linger after the first
-            # one, or until --fetch-records, then go to each stage as one message (docs/operations.md,
-            # "Batches"): a trickle of live records costs one broker round trip per linger, not per fetch
-            pending: dict = {}
-            count, first = 0, None
+            # one, or until --fetch-records, then go to their stage as one message (docs/operations.md,
+            # "Batches"): a trickle of live records costs one broker round trip (one transaction)
+            # per linger, not per fetch. While a stage is still busy with its last batch, its
+            # records go on gathering: under load batches grow, and the fixed cost of each
+            # (acknowledgement wait, transaction commit) is shared by more records
+            stages = (stage1_in, stage2_in, dynamic_in)
+            pending: dict = {ch: {} for ch in stages}
+            counts = dict.fromkeys(stages, 0)
+            firsts: dict = dict.fromkeys(stages)
             while True:
-                wait_ms = 200 if first is None else max(0, int((first + s.batch_linger - time.monotonic()) * 1000))
-                try:
-                    fetched = await consumer.getmany(timeout_ms=wait_ms, max_records=max(1, s.fetch_records - count))
-                except OffsetOutOfRangeError as exc:
-                    tp, offset = next(iter(exc.args[0].items()))
-                    raise InputWentBackError(
-                        f"{tp.topic}-{tp.partition}: offset {offset}, where this worker's state goes on, is no longer in the "
-                        f"log: the topic was recreated or the broker lost data. See docs/operations.md, \"When the input goes "
-                        f"back\"") from None
+                now = time.monotonic()
+                due = [firsts[ch] + s.batch_linger - now for ch in stages if counts[ch] and not in_flight[ch]]
+                wait_ms = 200 if not due else max(0, int(min(due) * 1000))
+                if any(in_flight[ch] for ch in stages if counts[ch]):
+                    wait_ms = min(wait_ms, 20)  # look again soon: a busy stage may have finished
+                await asyncio.sleep(0)  # a fetch that returns at once does not yield: let the agents and the web server run
+                room = s.fetch_records - sum(counts.values())
+                if room <= 0:
+                    fetched = {}
+                    await asyncio.sleep(0.02)  # full: wait for a busy stage to take its batch
+                else:
+                    try:
+                        fetched = await consumer.getmany(timeout_ms=wait_ms, max_records=room)
+                    except OffsetOutOfRangeError as exc:
+                        tp, offset = next(iter(exc.args[0].items()))
+                        raise InputWentBackError(
+                            f"{tp.topic}-{tp.partition}: offset {offset}, where this worker's state goes on, is no longer in "
+                            f"the log: the topic was recreated or the broker lost data. See docs/operations.md, \"When the "
+                            f"input goes back\"") from None
                 for tp, records in fetched.items():
-                    pending.setdefault(tp, []).extend(records)
-                    count += len(records)
+                    ch = stage_of[tp][0]
+                    pending[ch].setdefault(tp, []).extend(records)
+                    counts[ch] += len(records)
+                    if firsts[ch] is None:
+                        firsts[ch] = time.monotonic()
                     status["fetched"][tp] = records[-1].offset + 1
                 for tp in stage_of:
                     status["positions"][tp] = await consumer.position(tp)
-                if count and first is None:
-                    first = time.monotonic()
-                if count and (count >= s.fetch_records or time.monotonic() - first >= s.batch_linger):
-                    by_stage: dict = {}
-                    for tp, records in pending.items():
-                        by_stage.setdefault(stage_of[tp][0], []).append((tp.topic, tp.partition, records))
-                    for channel, items in by_stage.items():
-                        await channel.send(value=items)
-                    pending, count, first = {}, 0, None
+                now = time.monotonic()
+                for ch in stages:
+                    if counts[ch] and not in_flight[ch] and (counts[ch] >= s.fetch_records or now - firsts[ch] >= s.batch_linger):
+                        in_flight[ch] += 1
+                        await ch.send(value=[(tp.topic, tp.partition, records) for tp, records in pending[ch].items()])
+                        pending[ch], counts[ch], firsts[ch] = {}, 0, None
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001
