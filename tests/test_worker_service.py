@@ -83,16 +83,21 @@ def counted_per_user(messages) -> dict:
     return per_user
 
 
-def test_crash_between_send_and_commit_resends_identical_records_and_counts_them_once(tmp_path):
-    records = events(4000)
-    # reference: one worker, no crash
-    ref = make_worker(tmp_path / "ref")
+def reference_releases(path, records) -> dict:
+    """What one worker releases from ``records`` with no crash."""
+    ref = make_worker(path)
     out = ref.process_input("in", 0, records)
     out.commit()
     stage_two(ref, out.messages)
     expected = all_releases(ref)
     ref.close()
     assert expected, "the workload must release something"
+    return expected
+
+
+def test_crash_between_send_and_commit_resends_identical_records_and_counts_them_once(tmp_path):
+    records = events(4000)
+    expected = reference_releases(tmp_path / "ref", records)
 
     # crash: stage 1 sent its output but died before committing the user counts
     w = make_worker(tmp_path / "crash")
