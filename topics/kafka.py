@@ -21,8 +21,9 @@ EPOCH_TOPIC = "dpstream-epochs"
 #: What each worker has delivered, written in the same Kafka transaction as the outputs it covers
 #: (``--delivery exactly-once``; docs/operations.md, "Delivery"): compacted, keyed by
 #: ``<app id>/<source topic-partition>`` (value ``{"offset"}``: the outputs of every input record
-#: up to it are on Kafka) and ``<app id>/<source topic-partition>/published`` (value
-#: ``{"window", "trigger"}``: the releases of every trigger up to it are on Kafka).
+#: up to it are on Kafka), ``<app id>/<source topic-partition>/published`` (value
+#: ``{"window", "trigger"}``: the releases of every trigger up to it are on Kafka) and
+#: ``<app id>/<update topic-partition>/published/<dynamic query>`` (value ``{"segment"}``).
 PROGRESS_TOPIC = "dpstream-progress"
 
 
