@@ -284,7 +284,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     settings = WorkerSettings(config=config, secret=secret, broker=args.broker, state_dir=args.state_dir, ownership=ownership,
                               partitions=args.partitions, web_port=args.web_port, web_host=args.web_host, app_id=args.app_id,
                               partitioner=args.partitioner, fetch_records=args.fetch_records, watermark_delay_ms=watermark_delay,
-                              broker_timeout=broker_timeout, batch_linger=batch_linger, delivery=args.delivery)
+                              broker_timeout=broker_timeout, batch_linger=batch_linger, delivery=args.delivery,
+                              allow_create_time=args.allow_create_time)
     return run_worker(settings, loglevel=args.log_level)
 
 
@@ -514,6 +515,14 @@ def build_parser() -> argparse.ArgumentParser:
                              "release once, even across crashes. at-least-once: no transactions (a broker without "
                              "them); after a crash byte-identical releases can appear twice (default $DPSTREAM_DELIVERY "
                              "or exactly-once; docs/operations.md, \"Delivery\")")
+    worker.add_argument("--allow-create-time", action="store_true",
+                        default=os.environ.get("DPSTREAM_ALLOW_CREATE_TIME", "").lower() in ("1", "true", "yes"),
+                        help="run on input topics with message.timestamp.type=CreateTime (the producers' stamps; Kafka's "
+                             "default for topics you create). Without it the worker refuses them at start: with the "
+                             "producers' stamps, a record reaching the broker more than --watermark-delay after its stamp "
+                             "is late or not depending on how far behind the worker was, which other users' records "
+                             "influence. Input topics the worker creates use LogAppendTime (default "
+                             "$DPSTREAM_ALLOW_CREATE_TIME or off; docs/privacy.md, \"Time\")")
     worker.add_argument("--log-level", default="info", choices=["debug", "info", "warn", "error"])
     worker.set_defaults(func=cmd_worker)
 

@@ -235,10 +235,10 @@ def test_worker_releases_equal_replay_dead_letters_and_metrics(scenario):
     sc = scenario
     from confluent_kafka import Producer
 
-    from topics.kafka import TopicSpec, create_topics
+    from topics.kafka import INPUT_TOPIC_CONFIG, TopicSpec, create_topics
 
     # an input topic that takes 8 MB records, beside a dead-letter topic at Kafka's 1 MB default
-    create_topics(sc.broker, [TopicSpec(sc.input, 4, {"max.message.bytes": str(8 * 1024 * 1024)})])
+    create_topics(sc.broker, [TopicSpec(sc.input, 4, {**INPUT_TOPIC_CONFIG, "max.message.bytes": str(8 * 1024 * 1024)})])
     w = sc.worker("one").start()
     sc.workers.append(w)
     w.wait_ready()
@@ -462,7 +462,7 @@ def test_a_recreated_input_topic_is_refused_with_its_name_not_silently_miscounte
     old offsets), with no metric, no log line and /readyz answering. Now it is refused."""
     from confluent_kafka.admin import AdminClient
 
-    from topics.kafka import TopicSpec, create_topics
+    from topics.kafka import INPUT_TOPIC_CONFIG, TopicSpec, create_topics
 
     sc = scenario
     w = sc.ready_worker("re")
@@ -475,7 +475,7 @@ def test_a_recreated_input_topic_is_refused_with_its_name_not_silently_miscounte
     deadline = time.time() + 30
     while time.time() < deadline:  # deletion is asynchronous
         try:
-            create_topics(sc.broker, [TopicSpec(sc.input, 4)])
+            create_topics(sc.broker, [TopicSpec(sc.input, 4, INPUT_TOPIC_CONFIG)])
             break
         except Exception:  # noqa: BLE001 - still marked for deletion
             time.sleep(0.5)
@@ -532,3 +532,21 @@ def test_input_from_a_transactional_producer_is_read_to_its_end_and_fired(scenar
         producer.commit_transaction(30)
     assert sc.take_in(w, 6_000) == 6_000
     sc.assert_releases_equal_replay()
+
+
+def test_an_input_topic_stamped_by_its_producers_is_refused_unless_allowed(scenario):
+    """With CreateTime, whether a record delivered late is counted would depend on how far behind
+    the worker was, which other users' records influence (docs/privacy.md, "Time"): refused at
+    start, naming the topic and both ways out."""
+    from topics.kafka import TopicSpec, create_topics
+
+    sc = scenario
+    create_topics(sc.broker, [TopicSpec(sc.input, 4)])  # Kafka's default: CreateTime
+    w = sc.worker("ct").start()
+    sc.workers.append(w)
+    assert w.proc.wait(90) != 0
+    log = w.log.read_text()
+    assert f"input topic {sc.input} has message.timestamp.type=CreateTime" in log
+    assert "message.timestamp.type=LogAppendTime" in log and "--allow-create-time" in log
+    allowed = sc.ready_worker("ct-allowed", ("--allow-create-time",))
+    assert allowed.proc.poll() is None

@@ -59,6 +59,10 @@ BROKER_WAIT_S = 10.0
 LOG_CHECK_S = 30.0
 
 
+class CreateTimeInputError(RuntimeError):
+    """An input topic's timestamps are its producers' (CreateTime), and --allow-create-time was not given."""
+
+
 class BrokerUnreachableError(RuntimeError):
     """The broker has not answered for ``--broker-timeout`` seconds."""
 
@@ -87,6 +91,7 @@ class WorkerSettings:
     broker_timeout: float = 60.0  # s without any answer from the broker before the worker exits non-zero
     batch_linger: float = 0.1  # s records gather after the first one before they are processed as one batch
     delivery: str = "exactly-once"  # or "at-least-once" (docs/operations.md, "Delivery")
+    allow_create_time: bool = False  # run on input topics whose producers stamp the timestamps (docs/privacy.md, "Time")
 
 
 def broker_address(url: str) -> str:
@@ -310,11 +315,18 @@ def build_app(s: WorkerSettings) -> faust.App:
                 broker, inputs | dynamic_inputs | {repartition_topic(q.name) for q in s.config.queries}))
             stamps = await loop.run_in_executor(None, lambda: timestamp_types(broker, inputs | dynamic_inputs))
             for topic in sorted(t for t, kind in stamps.items() if kind != "LogAppendTime"):
-                # the producers' stamps decide lateness, and the partitions' watermarks move only
-                # when read to their end (docs/operations.md, "Time and lateness")
-                log.warning("input topic %s has message.timestamp.type=%s: its producers' timestamps decide which records "
-                            "are late; set LogAppendTime for the broker's (docs/operations.md, \"Time and lateness\")",
-                            topic, stamps[topic])
+                # the producers' stamps decide lateness: a record reaching the broker more than the
+                # watermark delay after its stamp is late or not depending on how far behind the
+                # worker was, which other users' records influence (docs/privacy.md, "Time")
+                if not s.allow_create_time:
+                    raise CreateTimeInputError(
+                        f"input topic {topic} has message.timestamp.type={stamps[topic]}: its producers' timestamps would "
+                        f"decide which records are late, and the guarantee would rest on every producer delivering within "
+                        f"the watermark delay. Set it to LogAppendTime (kafka-configs.sh --alter --entity-type topics "
+                        f"--entity-name {topic} --add-config message.timestamp.type=LogAppendTime), or start with "
+                        f"--allow-create-time. See docs/privacy.md, \"Time\"")
+                log.warning("input topic %s has message.timestamp.type=%s (--allow-create-time): its producers' timestamps "
+                            "decide which records are late (docs/operations.md, \"Time and lateness\")", topic, stamps[topic])
             for topic in dynamic_inputs:
                 if counts[topic] != 1:
                     raise RuntimeError(f"dynamic input topic {topic!r} has {counts[topic]} partitions; it needs exactly 1")

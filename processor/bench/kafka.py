@@ -153,11 +153,11 @@ def worker_rate(broker: str, config_path: str, key_file: str, expected: int, par
 def run_kafka_bench(broker: str, users: int, keys: int, repeats: int, partitions: int, json_path: str | None,
                     workers: int = 2, baselines: bool = True) -> dict:
     from processor.adapters.kafka_tools import produce, synthetic_lines
-    from topics.kafka import TopicSpec, create_topics
+    from topics.kafka import INPUT_TOPIC_CONFIG, TopicSpec, create_topics
 
     tag = uuid.uuid4().hex[:8]
     topic = f"bench-events-{tag}"
-    create_topics(broker, [TopicSpec(topic, partitions)])
+    create_topics(broker, [TopicSpec(topic, partitions, INPUT_TOPIC_CONFIG)])
     now = int(time.time() * 1000)
     span = 30 * 60_000
     # the first window length whose window holds the last half hour and ends over 2 h from now
@@ -317,9 +317,9 @@ def live_trial(broker: str, rate: float, seconds: float, partitions: int, users:
     accumulated) every admitted record within LIVE_GRACE_S of the last one being produced."""
     tag = uuid.uuid4().hex[:8]
     topic = f"bench-live-{tag}"
-    from topics.kafka import TopicSpec, create_topics
+    from topics.kafka import INPUT_TOPIC_CONFIG, TopicSpec, create_topics
 
-    create_topics(broker, [TopicSpec(topic, partitions)])
+    create_topics(broker, [TopicSpec(topic, partitions, INPUT_TOPIC_CONFIG)])
     with tempfile.TemporaryDirectory(prefix="dpstream-bench-live-") as tmp:
         config_path = Path(tmp) / "queries.yaml"
         config_path.write_text(f"queries:\n  - name: live{tag}\n    input_topic: {topic}\n    output_topic: bench-out-{tag}\n"
