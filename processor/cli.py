@@ -337,6 +337,12 @@ def cmd_produce(args: argparse.Namespace) -> int:
     else:
         start = args.start_ms if args.start_ms is not None else int(time.time() * 1000)
         lines = synthetic_lines(args.synthetic_users, args.synthetic_keys, args.seed, start, args.span_ms)
+    from topics.kafka import INPUT_TOPIC_CONFIG, TopicSpec, create_topics
+
+    if args.partitions < 1:
+        raise ConfigError(f"--partitions: must be at least 1, got {args.partitions}")
+    # a topic the broker would auto-create has CreateTime, which the worker refuses: create it as the worker would
+    create_topics(broker_address(args.broker), [TopicSpec(args.topic, args.partitions, INPUT_TOPIC_CONFIG)])
     started = time.perf_counter()
     sent = produce(broker_address(args.broker), args.topic, lines, user_field=args.user_field)
     print(f"produce: {sent:,} records to {args.topic} in {time.perf_counter() - started:.1f} s", file=sys.stderr)
@@ -535,6 +541,9 @@ def build_parser() -> argparse.ArgumentParser:
     producer = sub.add_parser("produce", help="send a JSONL file or a synthetic stream to an input topic, keyed by user")
     _broker_arg(producer)
     producer.add_argument("--topic", default="events", help="input topic (default events)")
+    producer.add_argument("--partitions", type=int, default=8,
+                          help="partitions of the topic if it does not exist yet; it is then created as the worker creates "
+                               "its input topics, with LogAppendTime (default 8)")
     producer.add_argument("--input", help="events, one JSON object per line (.jsonl or .jsonl.gz)")
     producer.add_argument("--user-field", default="user_id", help="field whose value becomes the message key (default user_id)")
     producer.add_argument("--synthetic-users", type=int, help="instead of --input: the DP-SQLP workload with this many users")

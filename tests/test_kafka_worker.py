@@ -550,3 +550,16 @@ def test_an_input_topic_stamped_by_its_producers_is_refused_unless_allowed(scena
     assert "message.timestamp.type=LogAppendTime" in log and "--allow-create-time" in log
     allowed = sc.ready_worker("ct-allowed", ("--allow-create-time",))
     assert allowed.proc.poll() is None
+
+
+def test_produce_creates_a_missing_input_topic_as_the_worker_would(broker, tmp_path):
+    """The README starts the worker and produces at once: if the producer came first, the broker
+    would auto-create the topic with CreateTime, which the worker refuses."""
+    from topics.kafka import timestamp_types
+
+    topic = f"it-produced-{uuid.uuid4().hex[:8]}"
+    proc = subprocess.run([sys.executable, "-m", "processor.cli", "produce", "--broker", broker, "--topic", topic,
+                           "--synthetic-users", "50", "--synthetic-keys", "5", "--span-ms", "60000", "--partitions", "3"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert timestamp_types(broker, [topic]) == {topic: "LogAppendTime"}
