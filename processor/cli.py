@@ -224,7 +224,8 @@ i of N owns partitions p with p % N == i of every topic it reads, and keeps thei
 release journal and the input offsets). A worker whose --state-dir is empty but which already ran
 under the configured budget epoch and noise secret (recorded in the dpstream-epochs topic)
 refuses to start: its volume was lost; configure a new epoch. So does a worker whose input log
-went back (a recreated topic, a broker that lost data). With a budget and several workers,
+went back (a recreated topic, a broker that lost data), or whose input topic is stamped by its
+producers (CreateTime) without --allow-create-time. With a budget and several workers,
 budget.start is required: every worker charges the same windows. Topics are created if missing.
 Health and metrics: http://HOST:WEB_PORT/healthz, /readyz (starting, ready, waiting-for-broker,
 stopping), /metrics."""
