@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -313,7 +314,8 @@ def test_sigkill_mid_stream_and_restart_changes_nothing(scenario, delivery):
     sc.workers.append(w)
     w.wait_ready()
     sc.write_events(300_000, users=20_000, keys=200, lead_s=35)
-    sc.produce_events()
+    producing = threading.Thread(target=sc.produce_events)  # the worker reads as fast as the producer sends
+    producing.start()
     # kill as soon as the worker has taken in part of the stream
     deadline = time.time() + 60
     while time.time() < deadline and not 0 < w.metric("dpstream_events_in_total", query=sc.query) < 300_000:
@@ -321,6 +323,7 @@ def test_sigkill_mid_stream_and_restart_changes_nothing(scenario, delivery):
     taken = w.metric("dpstream_events_in_total", query=sc.query)
     w.proc.send_signal(signal.SIGKILL)
     w.proc.wait()
+    producing.join()
     assert 0 < taken < 300_000, "the kill must land mid-stream"
     assert time.time() < sc.window_start / 1000, "restart must happen before the window's first trigger"
     w2 = sc.worker("k", extra=("--delivery", delivery)).start()  # same state directory
