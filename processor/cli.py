@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sys
 import time
 from typing import Sequence
@@ -254,6 +255,23 @@ def cmd_worker(args: argparse.Namespace) -> int:
         ownership = Ownership(args.worker_index, args.workers)
     except ValueError as exc:
         raise ConfigError(f"--worker-index: {exc}") from None
+    from processor.adapters.faust_app import ASSIGNMENTS
+
+    if args.assignment not in ASSIGNMENTS:
+        raise ConfigError(f"--assignment: must be one of {', '.join(ASSIGNMENTS)}, got {args.assignment!r}")
+    group = args.assignment == "group"
+    if group and args.workers > 1:
+        raise ConfigError("--workers: the consumer group assigns the partitions with --assignment group; leave --workers and "
+                          "--worker-index out")
+    if group and args.delivery != "exactly-once":
+        raise ConfigError("--delivery: --assignment group needs exactly-once: a partition's state moves through its changelog, "
+                          "written in the transactions of the outputs it goes with (docs/operations.md, \"Elastic workers\")")
+    if group and not args.instance_id:
+        raise ConfigError("--instance-id: required with --assignment group (names this worker's transactional producers)")
+    if config.budget is not None and config.budget.start_ms is None and group:
+        raise ConfigError(f"config file {args.config}: budget.start: required with --assignment group: every worker "
+                          f"charges the same windows from the same public start, so each holds the same ledger "
+                          f"(docs/privacy.md, \"Windows and budget\")")
     if config.budget is not None and config.budget.start_ms is None and args.workers > 1:
         raise ConfigError(f"config file {args.config}: budget.start: required with --workers {args.workers}: every worker "
                           f"charges the same windows from the same public start, so each holds the same ledger "
@@ -286,7 +304,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
                               partitions=args.partitions, web_port=args.web_port, web_host=args.web_host, app_id=args.app_id,
                               partitioner=args.partitioner, fetch_records=args.fetch_records, watermark_delay_ms=watermark_delay,
                               broker_timeout=broker_timeout, batch_linger=batch_linger, delivery=args.delivery,
-                              allow_create_time=args.allow_create_time)
+                              allow_create_time=args.allow_create_time, assignment=args.assignment,
+                              instance_id=args.instance_id)
     return run_worker(settings, loglevel=args.log_level)
 
 
@@ -485,6 +504,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help="this worker's index i in [0, N) (default $DPSTREAM_WORKER_INDEX or 0)")
     worker.add_argument("--workers", type=int, default=_env_int("DPSTREAM_WORKERS", 1),
                         help="number of workers N; worker i owns partitions p %% N == i (default $DPSTREAM_WORKERS or 1)")
+    worker.add_argument("--assignment", default=os.environ.get("DPSTREAM_ASSIGNMENT", "static"),
+                        help="static: worker i of N owns partitions p %% N == i (--worker-index/--workers), each keeping its "
+                             "state on its own volume. group: the workers form a consumer group (the app id) with "
+                             "cooperative-sticky assignment; add or remove workers at any time, and a partition's state "
+                             "moves with it through its changelog topic, restored before it is processed (needs "
+                             "exactly-once delivery; default $DPSTREAM_ASSIGNMENT or static; docs/operations.md, \"Elastic "
+                             "workers\")")
+    worker.add_argument("--instance-id", default=os.environ.get("DPSTREAM_INSTANCE_ID") or socket.gethostname(),
+                        help="this worker's name in its group, unique among the running workers: it names the worker's "
+                             "transactional producers, so a restarted worker fences its earlier incarnation (default "
+                             "$DPSTREAM_INSTANCE_ID or the host name: the pod's name in a StatefulSet)")
     worker.add_argument("--partitions", type=int, default=_env_int("DPSTREAM_PARTITIONS", 8),
                         help="partitions of the topics the worker creates (repartition, output, ...) (default 8)")
     worker.add_argument("--web-port", type=int, default=_env_int("DPSTREAM_WEB_PORT", 9400),

@@ -1,4 +1,4 @@
-"""A store that records every change it makes, so its state can move (issue 15, item 2; work in progress).
+"""A store that records every change it makes, so its state can move (docs/operations.md, "Elastic workers").
 
 Kafka Streams keeps each store's state in a compacted changelog topic: every write is also a
 record ``key -> value`` (a delete: a tombstone), so replaying the topic from its start, last
@@ -18,7 +18,9 @@ no range deletes.
 """
 from __future__ import annotations
 
+import json
 import struct
+from dataclasses import dataclass
 from typing import Iterable, Iterator, Optional, Sequence
 
 from state.store import Store, WriteBatch
@@ -26,6 +28,14 @@ from state.store import Store, WriteBatch
 #: the key holding the store's changelog sequence number (written in every change, changelogged
 #: like any key, so a restored store knows how far its changelog went)
 SEQUENCE_KEY = b"\x00changelog-seq"
+
+#: local only, never in the changelog: the changelog offset and sequence number up to which this
+#: store is known to equal its committed changelog (written after each transaction committed)
+CHECKPOINT_KEY = b"\x00changelog-checkpoint"
+#: a checkpoint older than this is not trusted for an incremental restore: compaction may have
+#: removed the tombstones of deletes made after it (the topic's delete.retention.ms, 24 h by
+#: default, is twice this), so the store is rebuilt from the start instead
+CHECKPOINT_MAX_AGE_MS = 12 * 3600 * 1000
 
 Change = tuple[bytes, Optional[bytes]]  # (key, value), value None: deleted
 
@@ -83,10 +93,51 @@ class ChangelogStore(Store):
         changes, self._changes = self._changes, []
         return changes, self.sequence
 
+    def checkpoint(self, offset: int, sequence: int, now_ms: int) -> None:
+        """The changes up to ``sequence`` are committed on the changelog, the last of them at
+        ``offset``: a later owner's writes follow it there (local only, not changelogged)."""
+        write_checkpoint(self.inner, Checkpoint(offset, sequence, now_ms))
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    offset: int  # the changelog offset of the last committed change this store holds
+    sequence: int  # the store's sequence number then
+    written_ms: int
+
+
+def read_checkpoint(store: Store) -> Optional[Checkpoint]:
+    raw = store.get(CHECKPOINT_KEY)
+    return None if raw is None else Checkpoint(**json.loads(raw))
+
+
+def write_checkpoint(store: Store, checkpoint: Checkpoint) -> None:
+    batch = WriteBatch()
+    batch.put(CHECKPOINT_KEY, json.dumps(checkpoint.__dict__).encode())
+    store.write(batch)
+
+
+def restore_start(store: Store, now_ms: int, max_age_ms: int = CHECKPOINT_MAX_AGE_MS) -> Optional[int]:
+    """Where a store's changelog must be read from for the store to equal it, or None when the
+    local store must be wiped and rebuilt from the changelog's start.
+
+    Incremental only when the store is exactly what a committed transaction left: its sequence
+    equals its checkpoint's (no write since, whose transaction might have aborted: then the local
+    store is *ahead* of the changelog, as Kafka Streams finds after an unclean stop under
+    exactly-once), and the checkpoint is recent enough that no tombstone after it was compacted
+    away. An empty store (a new or lost volume) reads from the start; so does any other."""
+    checkpoint = read_checkpoint(store)
+    empty = next(iter(store.scan(b"", b"\xff" * 9)), None) is None
+    if empty:
+        return 0
+    if checkpoint is None or checkpoint.sequence != sequence_of(store) or now_ms - checkpoint.written_ms > max_age_ms:
+        return None
+    return checkpoint.offset + 1
+
 
 def restore_store(target: Store, records: Iterable[Change], batch_size: int = 10_000) -> int:
-    """Rebuild ``target`` (empty) from changelog records read in offset order; returns the
-    sequence number the changelog reached."""
+    """Rebuild ``target`` (empty, or at a checkpoint when ``records`` follow it) from changelog
+    records read in offset order; returns the sequence number the changelog reached."""
     batch = WriteBatch()
     for key, value in records:
         if value is None:

@@ -267,6 +267,20 @@ class PartitionStores:
                 self._open[partition] = RocksDBStore(self.directory / f"partition-{partition}", self.block_cache_mb, self.write_buffer_mb)
         return self._open[partition]
 
+    def release(self, partition: int | str) -> None:
+        """Close a partition's store (a partition that moved to another worker); its data stays."""
+        store = self._open.pop(partition, None)
+        if store is not None:
+            store.close()
+
+    def wipe(self, partition: int | str) -> Store:
+        """A partition's store emptied (closed, its data deleted, opened again): before it is
+        rebuilt from its changelog (state/changelog.py)."""
+        self.release(partition)
+        if self.directory is not None:
+            shutil.rmtree(self.directory / f"partition-{partition}", ignore_errors=True)
+        return self.store(partition)
+
     def close(self) -> None:
         for store in self._open.values():
             store.close()

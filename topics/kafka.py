@@ -27,6 +27,22 @@ EPOCH_TOPIC = "dpstream-epochs"
 PROGRESS_TOPIC = "dpstream-progress"
 
 
+#: Elastic workers (``--assignment group``; docs/operations.md, "Elastic workers"): each source
+#: topic's stores have a compacted changelog topic with as many partitions, partition p holding
+#: every change of the store of source partition p, written in the same transaction as the
+#: outputs those changes go with. Values up to this size (a commit's blob of user states can be
+#: tens of MB; producer and topic allow it).
+CHANGELOG_MAX_BYTES = 64 * 1024 * 1024
+CHANGELOG_TOPIC_CONFIG = {"cleanup.policy": "compact", "max.message.bytes": str(CHANGELOG_MAX_BYTES + 1024)}
+
+
+def changelog_topic(app_id: str, epoch: str, source_topic: str) -> str:
+    """The changelog of the stores of ``source_topic``'s partitions, for one application and
+    budget epoch (a new epoch starts from new changelogs)."""
+    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in f"{app_id}-{epoch}")
+    return f"{safe}-{source_topic}-changelog"
+
+
 @dataclass(frozen=True)
 class TopicSpec:
     name: str
@@ -131,6 +147,63 @@ def read_compacted(bootstrap: str, topic: str, prefix: str = "", timeout: float 
         consumer.close()
 
 
+def read_changelog(bootstrap: str, topic: str, partition: int, start: int, timeout: float = 120.0,
+                   batch: int = 10_000) -> tuple[int, Iterable[list[tuple[int, bytes, bytes | None]]]]:
+    """The end offset of a changelog partition, and its committed records from offset ``start``
+    to that end, in batches of ``(offset, key, value)`` (value None: a tombstone).
+
+    ``read_committed``: an aborted transaction's records (a fenced owner's) are never restored.
+    A transaction still open below the end (the partition's previous owner, still finishing)
+    holds the read until it commits or aborts; after ``timeout`` s this raises, and nothing
+    is processed with a partial state."""
+
+    from confluent_kafka import Consumer, TopicPartition
+
+    common = {"bootstrap.servers": bootstrap, "group.id": f"dpstream-restore-{topic}", "enable.auto.commit": False,
+              "fetch.max.bytes": CHANGELOG_MAX_BYTES + 1024 * 1024, "receive.message.max.bytes": 2 * CHANGELOG_MAX_BYTES,
+              **client_security()}
+    ends = Consumer({**common, "isolation.level": "read_uncommitted"})
+    try:
+        low, high = ends.get_watermark_offsets(TopicPartition(topic, partition), timeout=min(timeout, 30))
+    finally:
+        ends.close()
+    return high, _read_changelog(common, topic, partition, max(start, low), high, timeout, batch)
+
+
+def _read_changelog(common: dict, topic: str, partition: int, start: int, high: int, timeout: float, batch: int):
+    import time
+
+    from confluent_kafka import Consumer, KafkaError, TopicPartition
+
+    if start >= high:
+        return
+    consumer = Consumer({**common, "auto.offset.reset": "earliest", "isolation.level": "read_committed"})
+    try:
+        tp = TopicPartition(topic, partition, start)
+        consumer.assign([tp])
+        deadline = time.monotonic() + timeout
+        while True:
+            msgs = consumer.consume(batch, 0.5)
+            out = []
+            for m in msgs:
+                if m.error():
+                    if m.error().code() == KafkaError._PARTITION_EOF:
+                        continue
+                    raise RuntimeError(f"restoring from {topic}-{partition}: {m.error()}")
+                if m.offset() < high:
+                    out.append((m.offset(), m.key(), m.value()))
+            if out:
+                yield out
+                deadline = time.monotonic() + timeout
+            if consumer.position([TopicPartition(topic, partition)])[0].offset >= high:  # past markers too
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"could not read the changelog {topic}-{partition} to its end offset {high} within "
+                                   f"{timeout:g} s (a transaction open below it?)")
+    finally:
+        consumer.close()
+
+
 def read_epoch_marks(bootstrap: str, timeout: float = 30.0) -> dict[str, dict]:
     """The latest epoch mark per worker (``<app id>/<index>`` -> mark) in :data:`EPOCH_TOPIC`."""
     return read_compacted(bootstrap, EPOCH_TOPIC, timeout=timeout)
@@ -213,6 +286,8 @@ class KafkaPublisher:
         from confluent_kafka import Producer
 
         self._errors: list[str] = []
+        #: the offset of the last message acknowledged per (topic, partition), since :meth:`send` began
+        self.acknowledged: dict[tuple[str, int], int] = {}
         self.transactional = transactional_id is not None
         delivery = {"enable.idempotence": True, "transactional.id": transactional_id} if self.transactional else {"enable.idempotence": False}
         self.producer = Producer({"bootstrap.servers": bootstrap, "acks": "all", "linger.ms": 5,
@@ -224,6 +299,9 @@ class KafkaPublisher:
     def _on_delivery(self, err, msg) -> None:
         if err is not None:
             self._errors.append(f"{msg.topic()}: {err}")
+        else:
+            key = (msg.topic(), msg.partition())
+            self.acknowledged[key] = max(self.acknowledged.get(key, -1), msg.offset())
 
     def produce(self, topic: str, value: bytes | None, key: bytes | None = None, partition: int | None = None) -> None:
         args = {"on_delivery": self._on_delivery}
@@ -242,11 +320,18 @@ class KafkaPublisher:
         if left or errors:
             raise DeliveryError(f"{left} messages not acknowledged after {timeout:g} s; errors: {errors[:5]}")
 
-    def send(self, messages: Iterable[tuple[str, bytes | None, bytes | None, int | None]], timeout: float = 60.0) -> None:
+    def send(self, messages: Iterable[tuple[str, bytes | None, bytes | None, int | None]], timeout: float = 60.0,
+             offsets: list | None = None, group=None) -> None:
         """Send ``(topic, value, key, partition)`` messages and wait until they are acknowledged
         (at least once) or committed as one transaction (exactly once). Raises
         :class:`DeliveryError` otherwise: then none of them counts for a ``read_committed``
-        consumer, and the caller must not commit what they cover."""
+        consumer, and the caller must not commit what they cover.
+
+        ``offsets`` (confluent-kafka ``TopicPartition``s) and ``group`` (the consumer's group
+        metadata): consumer offsets committed in the same transaction. The group coordinator
+        checks the consumer's generation, so a worker that lost those partitions in a rebalance
+        can no longer commit anything for them (KIP-447; docs/operations.md, "Elastic workers")."""
+        self.acknowledged = {}
         if not self.transactional:
             for m in messages:
                 self.produce(*m)
@@ -256,6 +341,8 @@ class KafkaPublisher:
         try:
             for m in messages:
                 self.produce(*m)
+            if offsets:
+                self._call("sending the consumer offsets", lambda: self.producer.send_offsets_to_transaction(offsets, group, timeout))
             self._call("committing a transaction", lambda: self.producer.commit_transaction(timeout))
         except BaseException:
             try:

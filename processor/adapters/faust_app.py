@@ -18,27 +18,35 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional
 
 import faust
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from processor.adapters.consumer_group import GroupConsumer
 from processor.adapters.metrics import PipelineMetrics
 from processor.adapters.worker import (
     WATERMARK_DELAY_MS,
     DpstreamWorker,
     FiredTrigger,
     InputWentBackError,
+    LostStateError,
     Ownership,
 )
 from processor.config import DpstreamConfig
 from topics.kafka import (
+    CHANGELOG_MAX_BYTES,
+    CHANGELOG_TOPIC_CONFIG,
     KafkaPublisher,
+    TopicSpec,
     aiokafka_security,
     client_security,
     create_topics,
+    read_changelog,
     read_epoch_marks,
     read_progress,
     repartition_topic,
@@ -51,6 +59,10 @@ log = logging.getLogger("dpstream.worker")
 
 #: --delivery choices (docs/operations.md, "Delivery")
 DELIVERIES = ("exactly-once", "at-least-once")
+#: --assignment choices (docs/operations.md, "Elastic workers")
+ASSIGNMENTS = ("static", "group")
+#: the stages whose locks a rebalance takes, in this order (never another: no deadlock)
+STAGE_ROLES = ("stage1", "stage2", "dynamic")
 #: s a stopping worker gives Faust to shut down before the process exits anyway (non-zero)
 STOP_GRACE_S = 5.0
 #: s without a broker answer before readiness says the worker is waiting for it
@@ -92,6 +104,15 @@ class WorkerSettings:
     batch_linger: float = 0.1  # s records gather after the first one before they are processed as one batch
     delivery: str = "exactly-once"  # or "at-least-once" (docs/operations.md, "Delivery")
     allow_create_time: bool = False  # run on input topics whose producers stamp the timestamps (docs/privacy.md, "Time")
+    #: "static" (--worker-index/--workers) or "group": partitions assigned by the consumer group,
+    #: state moved with them through changelogs (docs/operations.md, "Elastic workers")
+    assignment: str = "static"
+    instance_id: str = field(default_factory=socket.gethostname)  # names this worker's transactional producers (group)
+
+
+def group_id(app_id: str) -> str:
+    """The elastic workers' consumer group (Faust's own consumer uses the app id as its group)."""
+    return f"{app_id}-workers"
 
 
 def broker_address(url: str) -> str:
@@ -112,8 +133,13 @@ def build_app(s: WorkerSettings) -> faust.App:
     broker = broker_address(s.broker)
     os.makedirs(s.state_dir, exist_ok=True)
     security = client_security()
+    # Faust's own consumer joins a group named after its app id; our agents read in-memory channels,
+    # so that group has nothing to share. Elastic workers give each its own: a worker joining or
+    # leaving would otherwise rebalance every worker's Faust consumer too, and Faust suspends its
+    # channels while it rebalances
+    faust_id = f"{s.app_id}-{s.instance_id}" if s.assignment == "group" else s.app_id
     app = faust.App(
-        s.app_id, broker=f"kafka://{broker.replace(',', ';kafka://')}", store="memory://", datadir=os.path.join(s.state_dir, "faust"),
+        faust_id, broker=f"kafka://{broker.replace(',', ';kafka://')}", store="memory://", datadir=os.path.join(s.state_dir, "faust"),
         web_enabled=True, web_port=s.web_port,
         web_bind=s.web_host, web_host=s.web_host, processing_guarantee="at_least_once", topic_allow_declare=False,
         broker_session_timeout=s.session_timeout, broker_heartbeat_interval=s.heartbeat_interval, autodiscover=False,
@@ -121,6 +147,7 @@ def build_app(s: WorkerSettings) -> faust.App:
     )
     metrics = PipelineMetrics()
     exactly_once = s.delivery == "exactly-once"
+    group = s.assignment == "group"
     #: who sends: one transactional producer per role (a transaction is one role's batch; each
     #: id fences its previous incarnation), or one plain producer for every role at least once
     roles = ("stage1", "stage2", "timer", "dynamic")
@@ -138,7 +165,10 @@ def build_app(s: WorkerSettings) -> faust.App:
               # by partition: the consumer's position after the last fetch (past transaction
               # markers and aborted records, which no record's offset stands for), and the offset
               # after the last record fetched
-              "positions": {}, "fetched": {}}
+              "positions": {}, "fetched": {},
+              # elastic workers: each owned partition's (high watermark, time asked) and when the
+              # broker last answered such a question
+              "highs": {}, "answered": time.monotonic()}
 
     def set_state(state: str, reason: str = "") -> None:
         status["state"], status["reason"] = state, reason
@@ -149,22 +179,51 @@ def build_app(s: WorkerSettings) -> faust.App:
         """Blocking: exactly once, each role's producer starts its transactions, fencing the
         previous incarnation of this worker (its open transactions abort)."""
         for role in roles:
-            if exactly_once:
+            if group:  # one id per worker instance: a restarted pod fences its earlier incarnation
+                publishers[role] = KafkaPublisher(broker, {"message.max.bytes": CHANGELOG_MAX_BYTES + 1024 * 1024},
+                                                  transactional_id=f"{s.app_id}-{s.instance_id}-{role}", timeout=s.broker_timeout)
+            elif exactly_once:
                 publishers[role] = KafkaPublisher(broker, transactional_id=f"{s.app_id}-{s.ownership.index}-{role}",
                                                   timeout=s.broker_timeout)
             else:
                 publishers[role] = publishers.get("stage1") or KafkaPublisher(broker)
 
+    def lock(role: str) -> asyncio.Lock:
+        return locks.setdefault(role, asyncio.Lock())
+
     async def send(messages, role: str = "timer") -> None:
         """Send and wait until acknowledged (at least once) or committed as one transaction
         (exactly once), off the event loop; the caller commits state only after this."""
+        async with lock(role):
+            await send_now(messages, role)
+
+    async def send_now(messages, role: str, offsets=None) -> None:
+        """:func:`send`, the caller holding the role's lock; ``offsets``: consumer offsets committed
+        in the same transaction (elastic workers' fencing)."""
         batch = [(m.topic, m.value, m.key, m.partition) for m in messages]
         if not batch:
             return
-        lock = locks.setdefault(role, asyncio.Lock())
-        async with lock:
-            await asyncio.get_running_loop().run_in_executor(None, lambda: publishers[role].send(batch, s.broker_timeout))
+        consumer = status["consumer"]
+        meta = consumer.group_metadata() if offsets else None
+        await asyncio.get_running_loop().run_in_executor(
+            None, lambda: publishers[role].send(batch, s.broker_timeout, offsets=offsets, group=meta))
         status["acknowledged"] = time.monotonic()
+
+    async def transact(role: str, sources, messages, offsets: Optional[dict] = None) -> None:
+        """Elastic workers, the role's lock held: ``messages``, every change the stores of
+        ``sources`` made since their last transaction (their changelog records) and their consumer
+        offsets, in one transaction; then each store's checkpoint (docs/operations.md, "Elastic
+        workers"). A worker that lost one of these partitions in a rebalance cannot commit it."""
+        from confluent_kafka import TopicPartition
+
+        worker: DpstreamWorker = status["worker"]
+        changes, taken = worker.changelog_messages(sources)
+        if not messages and not changes:
+            return
+        at = {(src.topic, src.partition): src.last_offset + 1 for src in sources}
+        at.update(offsets or {})
+        await send_now(list(messages) + changes, role, [TopicPartition(t, p, max(0, o)) for (t, p), o in at.items()])
+        worker.checkpoint(taken, publishers[role].acknowledged, int(time.time() * 1000))
 
     async def publish(fired: list[FiredTrigger]) -> None:
         worker: DpstreamWorker = status["worker"]
@@ -197,7 +256,21 @@ def build_app(s: WorkerSettings) -> faust.App:
         transaction, with the progress record of each partition), then every state write
         committed: one broker round trip per batch, not per partition."""
         worker: DpstreamWorker = status["worker"]
-        results = [r for topic, partition, records in items if (r := step(topic, partition, records)) is not None]
+        if group:
+            # the state first, then one transaction with its changelog, the outputs and the
+            # consumer offsets, then the records count as read (watermarks); partitions lost
+            # since these records were fetched are left to their new owner
+            async with lock(role):
+                results = [r for topic, partition, records, source in items
+                           if worker.source_of((topic, partition)) is source and (r := step(topic, partition, records)) is not None]
+                for r in results:
+                    r.write()
+                await transact(role, [r.source for r in results], [m for r in results for m in r.messages],
+                               {(r.source.topic, r.source.partition): r.last_offset + 1 for r in results})
+                for r in results:
+                    r.acknowledge()
+            return
+        results = [r for topic, partition, records, _ in items if (r := step(topic, partition, records)) is not None]
         messages = [m for r in results for m in r.messages]
         if exactly_once:
             messages += [worker.progress_message(r) for r in results]
@@ -246,6 +319,9 @@ def build_app(s: WorkerSettings) -> faust.App:
             return
         try:
             now = int(time.time() * 1000)
+            if group:
+                await fire_triggers_group(worker, now)
+                return
             # announce how far each owned input partition has been read (committed progress
             # only); stage 2 fires a trigger once every input partition is past it
             await send(worker.watermark_messages(now, read_to_end(worker)))
@@ -260,11 +336,67 @@ def build_app(s: WorkerSettings) -> faust.App:
         except Exception as exc:  # noqa: BLE001
             await crash(exc)
 
+    async def fire_triggers_group(worker: DpstreamWorker, now: int) -> None:
+        """The timer, elastic workers: as for static ownership, but each trigger's state (its
+        journal, published mark and opened windows) goes out in the transaction of its
+        releases, under the stage-2 lock, so that a partition moving to another worker carries
+        either all of a trigger or none of it."""
+        ends = await read_to_end_group(worker)
+        await send(worker.watermark_messages(now, ends))
+        if worker.charges is not None:
+            worker.charges.charge_due(now)
+        for key, source in list(worker.stage2.items()):
+            while True:
+                async with lock("stage2"):
+                    if worker.stage2.get(key) is not source:
+                        break  # moved to another worker meanwhile
+                    fired = worker.fire_next(source, now)
+                    if fired is None:
+                        break
+                    worker.mark_published(fired)
+                    await transact("stage2", [source], worker.release_messages(fired))
+                await asyncio.sleep(0)  # one trigger at a time: probes and stage 2 go on
+        async with lock("dynamic"):
+            due, letters = worker.advance_dynamic(now, ends)
+            messages = list(letters)
+            for key in due:
+                messages += worker.dynamic_releases(key)
+                worker.mark_dynamic_published(key)
+            await transact("dynamic", list(worker.dynamic.values()), messages)
+
+    async def read_to_end_group(worker: DpstreamWorker) -> dict:
+        """:func:`read_to_end` for elastic workers: each owned input and update partition's high
+        watermark is asked of the broker; one the worker has read and committed up to counts as
+        read to its end at the time just before it asked."""
+        gc = status["consumer"]
+        keys = [*worker.stage1, *worker.dynamic]
+        if gc is None:
+            return {}
+        try:
+            # no input partition owned: the question still tells the broker answers (watch_broker)
+            highs = await asyncio.get_running_loop().run_in_executor(None, lambda: gc.log_ends(keys) if keys else gc.ping())
+        except Exception as exc:  # noqa: BLE001 - the broker may be away: watch_broker handles that
+            log.debug("log ends not known: %s", exc)
+            return {}
+        status["answered"] = time.monotonic()
+        status["highs"] = highs
+        ends = {}
+        for key, (high, asked) in highs.items():
+            src = worker.source_of(key)
+            if src is None:
+                continue
+            committed = src.last_offset + 1
+            position = gc.position(key)
+            if committed >= high or (position is not None and position >= high and committed >= status["fetched"].get(key, 0)):
+                ends[key] = asked
+        return ends
+
     def check_logs_of(worker: DpstreamWorker) -> dict:
         """Every source partition's log against the state (raises InputWentBackError); returns
         the log positions (start, end, topic id) by partition."""
-        positions = _log_positions(broker, worker.sources)
-        for src in worker.sources:
+        sources = worker.sources
+        positions = _log_positions(broker, sources)
+        for src in sources:
             src.check_log(*positions[(src.topic, src.partition)])
         return positions
 
@@ -283,8 +415,8 @@ def build_app(s: WorkerSettings) -> faust.App:
             if high is None:
                 continue
             committed = src.last_offset + 1
-            position = status["positions"].get(tp, committed)
-            if committed >= high or (position >= high and committed >= status["fetched"].get(tp, 0)):
+            position = status["positions"].get(key, committed)
+            if committed >= high or (position >= high and committed >= status["fetched"].get(key, 0)):
                 ends[key] = consumer.last_poll_timestamp(tp)
         return ends
 
@@ -294,138 +426,148 @@ def build_app(s: WorkerSettings) -> faust.App:
             return
         worker.refresh_metrics()
         for src in worker.sources:
-            high = consumer.highwater(_tp(src.topic, src.partition)) if consumer is not None else None
+            if group:
+                high = status["highs"].get((src.topic, src.partition), (None,))[0]
+            else:
+                high = consumer.highwater(_tp(src.topic, src.partition)) if consumer is not None else None
             if high is not None:
                 metrics.consumer_lag.labels(src.topic, str(src.partition)).set(max(0, high - src.last_offset - 1))
+        for topic, count in worker.owned_counts().items():
+            metrics.partitions_owned.labels(topic).set(count)
+
+    async def open_worker(loop) -> DpstreamWorker:
+        """Create missing topics, check the input topics, open the state (static: the owned
+        partitions'; group: none yet, each is restored as the group assigns it)."""
+        specs = topics_for(s.config.queries, s.partitions, s.config.dynamic)
+        await loop.run_in_executor(None, lambda: create_topics(broker, specs))
+        inputs = {q.input_topic for q in s.config.queries}
+        dynamic_inputs = {q.input_topic for q in s.config.dynamic}
+        counts = await loop.run_in_executor(None, lambda: _partition_counts(
+            broker, inputs | dynamic_inputs | {repartition_topic(q.name) for q in s.config.queries}))
+        stamps = await loop.run_in_executor(None, lambda: timestamp_types(broker, inputs | dynamic_inputs))
+        for topic in sorted(t for t, kind in stamps.items() if kind != "LogAppendTime"):
+            # the producers' stamps decide lateness: a record reaching the broker more than the
+            # watermark delay after its stamp is late or not depending on how far behind the
+            # worker was, which other users' records influence (docs/privacy.md, "Time")
+            if not s.allow_create_time:
+                raise CreateTimeInputError(
+                    f"input topic {topic} has message.timestamp.type={stamps[topic]}: its producers' timestamps would "
+                    f"decide which records are late, and the guarantee would rest on every producer delivering within "
+                    f"the watermark delay. Set it to LogAppendTime (kafka-configs.sh --alter --entity-type topics "
+                    f"--entity-name {topic} --add-config message.timestamp.type=LogAppendTime), or start with "
+                    f"--allow-create-time. See docs/privacy.md, \"Time\"")
+            log.warning("input topic %s has message.timestamp.type=%s (--allow-create-time): its producers' timestamps "
+                        "decide which records are late (docs/operations.md, \"Time and lateness\")", topic, stamps[topic])
+        for topic in dynamic_inputs:
+            if counts[topic] != 1:
+                raise RuntimeError(f"dynamic input topic {topic!r} has {counts[topic]} partitions; it needs exactly 1")
+        # existing topics keep their partition counts: use what the broker has
+        repartitions = {n for t, n in counts.items() if t not in inputs | dynamic_inputs}
+        if len(repartitions) > 1:
+            raise RuntimeError(f"repartition topics have different partition counts: {sorted(repartitions)}")
+        # what this worker's state belonged to when it last started, kept outside its volume:
+        # an empty state directory under the same epoch is a lost volume, refused (static); a
+        # lost changelog topic, refused (group)
+        mark_key = f"{s.app_id}/group" if group else f"{s.app_id}/{s.ownership.index}"
+        previous = (await loop.run_in_executor(None, lambda: read_epoch_marks(broker))).get(mark_key)
+        worker = await loop.run_in_executor(None, lambda: DpstreamWorker(
+            s.config, s.secret, s.state_dir, None if group else s.ownership, {t: counts[t] for t in inputs},
+            repartitions.pop() if repartitions else s.partitions, metrics, previous_mark=previous, app_id=s.app_id,
+            partitioner=s.partitioner, watermark_delay_ms=s.watermark_delay_ms))
+        status["worker"] = worker
+        mark = dict(worker.epoch_mark)
+        if group:
+            mark["changelogs"] = await loop.run_in_executor(None, lambda: open_changelogs(worker, counts, previous))
+        if previous is None or {k: previous.get(k) for k in mark} != mark:
+            mark["since_ms"] = int(time.time() * 1000)
+            await loop.run_in_executor(None, lambda: write_epoch_mark(broker, mark_key, mark))
+        return worker
+
+    def open_changelogs(worker: DpstreamWorker, counts: dict, previous: Optional[dict]) -> dict:
+        """Blocking: create the changelog topics (one per source topic, as many partitions) and
+        return their topic ids. A changelog this application epoch already had under another id
+        (deleted, recreated) is refused: its stores' state is gone, and starting afresh would
+        forget spent budget and released values (docs/privacy.md, "Failures")."""
+        from confluent_kafka import TopicCollection
+        from confluent_kafka.admin import AdminClient
+
+        names = {worker.changelog_topic(t): counts.get(t, 1) for t in worker.source_topics()}
+        create_topics(broker, [TopicSpec(n, k, CHANGELOG_TOPIC_CONFIG, "changelog") for n, k in names.items()])
+        admin = AdminClient({"bootstrap.servers": broker, **client_security()})
+        ids = {name: str(f.result(15).topic_id) for name, f in admin.describe_topics(TopicCollection(sorted(names))).items()}
+        recorded = (previous or {}).get("changelogs") or {}
+        same_epoch = previous is not None and {k: previous.get(k) for k in worker.epoch_mark} == worker.epoch_mark
+        for name, topic_id in ids.items():
+            if same_epoch and recorded.get(name) not in (None, topic_id):
+                raise LostStateError(
+                    f"changelog topic {name} was recreated (its id is {topic_id}, this application epoch wrote topic id "
+                    f"{recorded[name]}): the state it held is lost. Starting afresh would forget the budget spent; configure a "
+                    f"new epoch (a new budget.epoch, or a new noise secret) to start over")
+        return ids
+
+    class StageBatches:
+        """Fetched records gathering per stage until they go to the stage's agent as one batch
+        (docs/operations.md, "Batches"): after ``--batch-linger``, or at ``--fetch-records``; while
+        the stage is still busy with its last batch, they go on gathering, so under load batches
+        grow and the fixed cost of each (acknowledgement wait, transaction) is shared by more."""
+
+        def __init__(self):
+            self.stages = (stage1_in, stage2_in, dynamic_in)
+            self.pending: dict = {ch: {} for ch in self.stages}  # channel -> (topic, partition) -> (source, records)
+            self.counts = dict.fromkeys(self.stages, 0)
+            self.firsts: dict = dict.fromkeys(self.stages)
+
+        def wait_ms(self) -> int:
+            now = time.monotonic()
+            due = [self.firsts[ch] + s.batch_linger - now for ch in self.stages if self.counts[ch] and not in_flight[ch]]
+            wait = 200 if not due else max(0, int(min(due) * 1000))
+            if any(in_flight[ch] for ch in self.stages if self.counts[ch]):
+                wait = min(wait, 20)  # look again soon: a busy stage may have finished
+            return wait
+
+        def room(self) -> int:
+            return s.fetch_records - sum(self.counts.values())
+
+        def add(self, ch, key, source, records) -> None:
+            self.pending[ch].setdefault(key, (source, []))[1].extend(records)
+            self.counts[ch] += len(records)
+            if self.firsts[ch] is None:
+                self.firsts[ch] = time.monotonic()
+            status["fetched"][key] = records[-1].offset + 1
+
+        def drop(self, key) -> None:
+            """A partition given up: its gathered records are its new owner's to read."""
+            for ch in self.stages:
+                entry = self.pending[ch].pop(key, None)
+                if entry is not None:
+                    self.counts[ch] -= len(entry[1])
+            status["fetched"].pop(key, None)
+
+        async def dispatch(self) -> None:
+            now = time.monotonic()
+            for ch in self.stages:
+                if self.counts[ch] and not in_flight[ch] and (self.counts[ch] >= s.fetch_records or now - self.firsts[ch] >= s.batch_linger):
+                    in_flight[ch] += 1
+                    await ch.send(value=[(t, p, records, source) for (t, p), (source, records) in self.pending[ch].items()])
+                    self.pending[ch], self.counts[ch], self.firsts[ch] = {}, 0, None
+
+    def channel_of(worker: DpstreamWorker, key):
+        return stage1_in if key in worker.stage1 else stage2_in if key in worker.stage2 else dynamic_in
 
     @app.task
     async def consume():
-        """Open the state, republish the journal, then read owned partitions in batches."""
-        from aiokafka import AIOKafkaConsumer
-        from aiokafka.errors import OffsetOutOfRangeError
-
+        """Open the state, then read the owned partitions in batches."""
         loop = asyncio.get_running_loop()
-        consumer = None
+        # the poll thread waits on the event loop during a rebalance while sends, restores and
+        # broker queries also run off it: room for all of them
+        loop.set_default_executor(ThreadPoolExecutor(16, thread_name_prefix="dpstream"))
         try:
-            specs = topics_for(s.config.queries, s.partitions, s.config.dynamic)
-            await loop.run_in_executor(None, lambda: create_topics(broker, specs))
-            inputs = {q.input_topic for q in s.config.queries}
-            dynamic_inputs = {q.input_topic for q in s.config.dynamic}
-            counts = await loop.run_in_executor(None, lambda: _partition_counts(
-                broker, inputs | dynamic_inputs | {repartition_topic(q.name) for q in s.config.queries}))
-            stamps = await loop.run_in_executor(None, lambda: timestamp_types(broker, inputs | dynamic_inputs))
-            for topic in sorted(t for t, kind in stamps.items() if kind != "LogAppendTime"):
-                # the producers' stamps decide lateness: a record reaching the broker more than the
-                # watermark delay after its stamp is late or not depending on how far behind the
-                # worker was, which other users' records influence (docs/privacy.md, "Time")
-                if not s.allow_create_time:
-                    raise CreateTimeInputError(
-                        f"input topic {topic} has message.timestamp.type={stamps[topic]}: its producers' timestamps would "
-                        f"decide which records are late, and the guarantee would rest on every producer delivering within "
-                        f"the watermark delay. Set it to LogAppendTime (kafka-configs.sh --alter --entity-type topics "
-                        f"--entity-name {topic} --add-config message.timestamp.type=LogAppendTime), or start with "
-                        f"--allow-create-time. See docs/privacy.md, \"Time\"")
-                log.warning("input topic %s has message.timestamp.type=%s (--allow-create-time): its producers' timestamps "
-                            "decide which records are late (docs/operations.md, \"Time and lateness\")", topic, stamps[topic])
-            for topic in dynamic_inputs:
-                if counts[topic] != 1:
-                    raise RuntimeError(f"dynamic input topic {topic!r} has {counts[topic]} partitions; it needs exactly 1")
-            # existing topics keep their partition counts: use what the broker has
-            repartitions = {n for t, n in counts.items() if t not in inputs | dynamic_inputs}
-            if len(repartitions) > 1:
-                raise RuntimeError(f"repartition topics have different partition counts: {sorted(repartitions)}")
-            # what this worker's state belonged to when it last started, kept outside its volume:
-            # an empty state directory under the same epoch is a lost volume, refused
-            mark_key = f"{s.app_id}/{s.ownership.index}"
-            previous = (await loop.run_in_executor(None, lambda: read_epoch_marks(broker))).get(mark_key)
-            worker = await loop.run_in_executor(None, lambda: DpstreamWorker(
-                s.config, s.secret, s.state_dir, s.ownership, {t: counts[t] for t in inputs},
-                repartitions.pop() if repartitions else s.partitions, metrics, previous_mark=previous, app_id=s.app_id,
-                partitioner=s.partitioner, watermark_delay_ms=s.watermark_delay_ms))
-            status["worker"] = worker
-            if previous is None or {k: previous.get(k) for k in worker.epoch_mark} != worker.epoch_mark:
-                mark = {**worker.epoch_mark, "since_ms": int(time.time() * 1000)}
-                await loop.run_in_executor(None, lambda: write_epoch_mark(broker, mark_key, mark))
+            worker = await open_worker(loop)
             await loop.run_in_executor(None, start_publishers)
-            if exactly_once:  # what the last incarnation delivered: never sent again
-                progress = await loop.run_in_executor(None, lambda: read_progress(broker, s.app_id))
-                worker.resume(progress)
-            await publish(worker.unpublished())
-            for key in worker.dynamic:  # releases recomputed from the update log, not yet sent
-                await publish_dynamic(key)
-            # the logs must still hold what the state has read (a recreated topic, a broker that
-            # lost data: refused, never silently counted from wherever the log is now)
-            positions = await loop.run_in_executor(None, lambda: check_logs_of(worker))
-            # "none": an offset out of range later (the log went back while running) raises
-            # read_committed: our own repartition records count once their transaction committed
-            consumer = AIOKafkaConsumer(bootstrap_servers=broker, group_id=None, enable_auto_commit=False, auto_offset_reset="none",
-                                        isolation_level="read_committed",
-                                        max_partition_fetch_bytes=8 * 1024 * 1024, fetch_max_bytes=32 * 1024 * 1024,
-                                        **aiokafka_security(security))
-            await consumer.start()
-            status["consumer"] = consumer
-            stage_of = {}
-            for key, src in worker.stage1.items():
-                stage_of[_tp(*key)] = (stage1_in, src)
-            for key, src in worker.stage2.items():
-                stage_of[_tp(*key)] = (stage2_in, src)
-            for key, src in worker.dynamic.items():
-                stage_of[_tp(*key)] = (dynamic_in, src)
-            consumer.assign(list(stage_of))
-            for tp, (_, src) in stage_of.items():
-                start = positions[(src.topic, src.partition)][0]
-                if src.last_offset + 1 < start:  # deleted by retention before this worker read them
-                    log.error("%s: records at offsets %d to %d were deleted (retention) before this worker read them; "
-                              "going on from offset %d", src.name, src.last_offset + 1, start - 1, start)
-                consumer.seek(tp, max(src.last_offset + 1, start))  # the state's own offset, not a group commit
-            set_state("ready")
-            log.info("dpstream worker %d/%d ready: %d input and %d repartition partitions", s.ownership.index, s.ownership.workers,
-                     len(worker.stage1), len(worker.stage2))
-            # batches by time and size: records gather for up to --batch-linger after the first
-            # one, or until --fetch-records, then go to their stage as one message (docs/operations.md,
-            # "Batches"): a trickle of live records costs one broker round trip (one transaction)
-            # per linger, not per fetch. While a stage is still busy with its last batch, its
-            # records go on gathering: under load batches grow, and the fixed cost of each
-            # (acknowledgement wait, transaction commit) is shared by more records
-            stages = (stage1_in, stage2_in, dynamic_in)
-            pending: dict = {ch: {} for ch in stages}
-            counts = dict.fromkeys(stages, 0)
-            firsts: dict = dict.fromkeys(stages)
-            while True:
-                now = time.monotonic()
-                due = [firsts[ch] + s.batch_linger - now for ch in stages if counts[ch] and not in_flight[ch]]
-                wait_ms = 200 if not due else max(0, int(min(due) * 1000))
-                if any(in_flight[ch] for ch in stages if counts[ch]):
-                    wait_ms = min(wait_ms, 20)  # look again soon: a busy stage may have finished
-                await asyncio.sleep(0)  # a fetch that returns at once does not yield: let the agents and the web server run
-                room = s.fetch_records - sum(counts.values())
-                if room <= 0:
-                    fetched = {}
-                    await asyncio.sleep(0.02)  # full: wait for a busy stage to take its batch
-                else:
-                    try:
-                        fetched = await consumer.getmany(timeout_ms=wait_ms, max_records=room)
-                    except OffsetOutOfRangeError as exc:
-                        tp, offset = next(iter(exc.args[0].items()))
-                        raise InputWentBackError(
-                            f"{tp.topic}-{tp.partition}: offset {offset}, where this worker's state goes on, is no longer in "
-                            f"the log: the topic was recreated or the broker lost data. See docs/operations.md, \"When the "
-                            f"input goes back\"") from None
-                for tp, records in fetched.items():
-                    ch = stage_of[tp][0]
-                    pending[ch].setdefault(tp, []).extend(records)
-                    counts[ch] += len(records)
-                    if firsts[ch] is None:
-                        firsts[ch] = time.monotonic()
-                    status["fetched"][tp] = records[-1].offset + 1
-                for tp in stage_of:
-                    status["positions"][tp] = await consumer.position(tp)
-                now = time.monotonic()
-                for ch in stages:
-                    if counts[ch] and not in_flight[ch] and (counts[ch] >= s.fetch_records or now - firsts[ch] >= s.batch_linger):
-                        in_flight[ch] += 1
-                        await ch.send(value=[(tp.topic, tp.partition, records) for tp, records in pending[ch].items()])
-                        pending[ch], counts[ch], firsts[ch] = {}, 0, None
+            if group:
+                await consume_group(loop, worker)
+            else:
+                await consume_static(loop, worker)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001
@@ -433,8 +575,154 @@ def build_app(s: WorkerSettings) -> faust.App:
         finally:
             if status["state"] != "stopping":
                 set_state("stopping", "consumer stopped")
+            consumer = status["consumer"]
             if consumer is not None:
-                await consumer.stop()
+                if group:
+                    consumer.close()
+                else:
+                    await consumer.stop()
+
+    async def consume_group(loop, worker: DpstreamWorker) -> None:
+        """Elastic workers: read what the consumer group assigns (docs/operations.md, "Elastic
+        workers"). A gained partition's store is restored from its changelog before the
+        partition is assigned, at the offset the restored state has read to."""
+        batches = StageBatches()
+        owned: dict = {}  # (topic, partition) -> (channel, source)
+
+        async def gain(keys: list) -> dict:
+            set_state("restoring", f"restoring {len(keys)} gained partitions from their changelogs")
+            now = int(time.time() * 1000)
+            stores = {}
+            for topic, partition in keys:
+                changelog = worker.changelog_topic(topic)
+
+                def reader(start, changelog=changelog, partition=partition):
+                    return read_changelog(broker, changelog, partition, start)
+
+                stores[(topic, partition)] = await loop.run_in_executor(
+                    None, lambda t=topic, p=partition: worker.restore(t, p, reader, now))
+            async with _all_locks():
+                gained = [worker.add_source(t, p, stores[(t, p)]) for t, p in keys]
+            positions = await loop.run_in_executor(None, lambda: _log_positions(broker, gained))
+            offsets = {}
+            for src in gained:
+                key = (src.topic, src.partition)
+                start, end, topic_id = positions[key]
+                src.check_log(start, end, topic_id)  # a log that went back: refused (InputWentBackError)
+                if src.last_offset + 1 < start:
+                    log.error("%s: records at offsets %d to %d were deleted (retention) before they were read; going on from "
+                              "offset %d", src.name, src.last_offset + 1, start - 1, start)
+                offsets[key] = max(src.last_offset + 1, start)
+                owned[key] = (channel_of(worker, key), src)
+            log.info("gained %d partitions: %s", len(keys), ", ".join(f"{t}-{p}" for t, p in keys))
+            status["answered"] = time.monotonic()  # it did, all along the restore
+            set_state("ready")
+            return offsets
+
+        async def lose(keys: list) -> None:
+            async with _all_locks():
+                for key in keys:
+                    entry = owned.pop(key, None)
+                    batches.drop(key)
+                    if entry is None:
+                        continue
+                    source = entry[1]
+                    # what its store wrote since its last transaction goes out before it moves
+                    role = "stage1" if key in worker.stage1 else "stage2" if key in worker.stage2 else "dynamic"
+                    await transact(role, [source], [])
+                    worker.remove_source(*key)
+            log.info("gave up %d partitions: %s", len(keys), ", ".join(f"{t}-{p}" for t, p in keys))
+
+        gc = GroupConsumer(broker, group_id(s.app_id), worker.source_topics(), loop, gain, lose, s.session_timeout,
+                           s.heartbeat_interval)
+        status["consumer"] = gc
+        status["answered"] = time.monotonic()
+        set_state("ready")
+        log.info("dpstream worker %s ready: joined consumer group %s", s.instance_id, group_id(s.app_id))
+        while True:
+            await asyncio.sleep(0)  # let the agents and the web server run
+            room = batches.room()
+            if room <= 0:
+                await asyncio.sleep(0.02)  # full: wait for a busy stage to take its batch
+                fetched = {}
+            else:
+                fetched = await gc.fetch(room, batches.wait_ms() / 1000)
+            for key, records in fetched.items():
+                entry = owned.get(key)
+                if entry is not None:  # not a partition given up meanwhile
+                    batches.add(entry[0], key, entry[1], records)
+            await batches.dispatch()
+
+    def _all_locks():
+        class _Locks:
+            async def __aenter__(self):
+                for role in STAGE_ROLES:
+                    await lock(role).acquire()
+
+            async def __aexit__(self, *exc):
+                for role in reversed(STAGE_ROLES):
+                    lock(role).release()
+
+        return _Locks()
+
+    async def consume_static(loop, worker: DpstreamWorker) -> None:
+        """Static ownership: republish the journal, then read the owned partitions from the
+        offsets their state has read to."""
+        from aiokafka import AIOKafkaConsumer
+        from aiokafka.errors import OffsetOutOfRangeError
+
+        if exactly_once:  # what the last incarnation delivered: never sent again
+            progress = await loop.run_in_executor(None, lambda: read_progress(broker, s.app_id))
+            worker.resume(progress)
+        await publish(worker.unpublished())
+        for key in worker.dynamic:  # releases recomputed from the update log, not yet sent
+            await publish_dynamic(key)
+        # the logs must still hold what the state has read (a recreated topic, a broker that
+        # lost data: refused, never silently counted from wherever the log is now)
+        positions = await loop.run_in_executor(None, lambda: check_logs_of(worker))
+        # "none": an offset out of range later (the log went back while running) raises
+        # read_committed: our own repartition records count once their transaction committed
+        consumer = AIOKafkaConsumer(bootstrap_servers=broker, group_id=None, enable_auto_commit=False, auto_offset_reset="none",
+                                    isolation_level="read_committed",
+                                    max_partition_fetch_bytes=8 * 1024 * 1024, fetch_max_bytes=32 * 1024 * 1024,
+                                    **aiokafka_security(client_security()))
+        await consumer.start()
+        status["consumer"] = consumer
+        stage_of = {}
+        for key, src in [*worker.stage1.items(), *worker.stage2.items(), *worker.dynamic.items()]:
+            stage_of[_tp(*key)] = (channel_of(worker, key), src)
+        consumer.assign(list(stage_of))
+        for tp, (_, src) in stage_of.items():
+            start = positions[(src.topic, src.partition)][0]
+            if src.last_offset + 1 < start:  # deleted by retention before this worker read them
+                log.error("%s: records at offsets %d to %d were deleted (retention) before this worker read them; "
+                          "going on from offset %d", src.name, src.last_offset + 1, start - 1, start)
+            consumer.seek(tp, max(src.last_offset + 1, start))  # the state's own offset, not a group commit
+        set_state("ready")
+        log.info("dpstream worker %d/%d ready: %d input and %d repartition partitions", s.ownership.index, s.ownership.workers,
+                 len(worker.stage1), len(worker.stage2))
+        batches = StageBatches()
+        while True:
+            await asyncio.sleep(0)  # a fetch that returns at once does not yield: let the agents and the web server run
+            room = batches.room()
+            if room <= 0:
+                fetched = {}
+                await asyncio.sleep(0.02)  # full: wait for a busy stage to take its batch
+            else:
+                try:
+                    fetched = await consumer.getmany(timeout_ms=batches.wait_ms(), max_records=room)
+                except OffsetOutOfRangeError as exc:
+                    tp, offset = next(iter(exc.args[0].items()))
+                    raise InputWentBackError(
+                        f"{tp.topic}-{tp.partition}: offset {offset}, where this worker's state goes on, is no longer in "
+                        f"the log: the topic was recreated or the broker lost data. See docs/operations.md, \"When the "
+                        f"input goes back\"") from None
+            for tp, records in fetched.items():
+                ch, src = stage_of[tp]
+                batches.add(ch, (tp.topic, tp.partition), src, records)
+            for tp in stage_of:
+                status["positions"][(tp.topic, tp.partition)] = await consumer.position(tp)
+            await batches.dispatch()
 
     @app.timer(1.0, name="dpstream.watch_broker")
     async def watch_broker():
@@ -444,7 +732,10 @@ def build_app(s: WorkerSettings) -> faust.App:
         consumer = status["consumer"]
         if consumer is None or status["state"] not in ("ready", "waiting-for-broker"):
             return
-        fetched = [consumer.last_poll_timestamp(tp) for tp in consumer.assignment()]
+        if group:  # the timer asks the broker for the log ends at every tick
+            fetched = [time.time() * 1000 - (time.monotonic() - status["answered"]) * 1000]
+        else:
+            fetched = [consumer.last_poll_timestamp(tp) for tp in consumer.assignment()]
         now_ms = time.time() * 1000
         silent = min([(now_ms - t) / 1000 for t in fetched if t] + [time.monotonic() - status["acknowledged"]])
         if silent > s.broker_timeout:

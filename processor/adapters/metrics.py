@@ -43,6 +43,15 @@ class PipelineMetrics:
                                      "stage-2 partitions of the query): triggers fire once it passes their fire time", ["query"],
                                      registry=r)
         self.consumer_lag = Gauge("dpstream_consumer_lag_records", "Records behind the end of the input", ["topic", "partition"], registry=r)
+        # elastic workers (docs/operations.md, "Elastic workers"): a gained partition's store is
+        # restored from its changelog before the partition is processed
+        self.restore_remaining = Gauge("dpstream_restore_remaining_records",
+                                       "Changelog records a store still has to restore (0: restored)", ["partition"], registry=r)
+        self.restored_records = Counter("dpstream_restored_records_total", "Changelog records restored into a store",
+                                        ["partition"], registry=r)
+        self.restore_seconds = Histogram("dpstream_restore_duration_seconds", "Time to restore a gained partition's store",
+                                         ["partition"], registry=r)
+        self.partitions_owned = Gauge("dpstream_partitions_owned", "Source partitions this worker owns", ["topic"], registry=r)
         self.ready = Gauge("dpstream_ready", "1 when the worker has opened its state, republished its journal and is consuming", registry=r)
         self.ledger_spent = Gauge("dpstream_ledger_epsilon_spent", "Epsilon a principal has spent in the current refresh period",
                                   ["principal"], registry=r)

@@ -73,10 +73,23 @@ from processor.engine.pipeline import (
 )
 from processor.engine.runner import Fired, QueryRunner
 from processor.mechanisms.noise import NodeNoise, Pseudonymizer
+from state.changelog import (
+    ChangelogStore,
+    Checkpoint,
+    restore_start,
+    sequence_of,
+    write_checkpoint,
+)
 from state.store import PartitionStores, Store, WriteBatch
 from state.tables import InputWatermarks, IntegerMark, TextMark
 from topics.decoding import decoder_for
-from topics.kafka import DEAD_LETTER_TOPIC, PROGRESS_TOPIC, repartition_topic
+from topics.kafka import (
+    CHANGELOG_MAX_BYTES,
+    DEAD_LETTER_TOPIC,
+    PROGRESS_TOPIC,
+    changelog_topic,
+    repartition_topic,
+)
 from topics.records import (
     WATERMARK_KEY,
     EventParser,
@@ -262,8 +275,17 @@ class SourcePartition:
 
     def commit(self, batch: WriteBatch, last_offset: int, read_ms: Optional[int] = None) -> None:
         """The state changes of records up to ``last_offset`` and that offset: one atomic write."""
+        self.write(batch, last_offset)
+        self.acknowledge(last_offset, read_ms)
+
+    def write(self, batch: WriteBatch, last_offset: int) -> None:
         self._offset.put(batch, last_offset)
         self.store.write(batch)
+
+    def acknowledge(self, last_offset: int, read_ms: Optional[int] = None) -> None:
+        """Records up to ``last_offset`` are written and their outputs delivered: they count for
+        the watermark (elastic workers write the state first, then commit the transaction that
+        carries its changelog: only then)."""
         self.last_offset = last_offset
         if read_ms is not None:
             self.read_ms = read_ms if self.read_ms is None else max(self.read_ms, read_ms)
@@ -310,6 +332,12 @@ class StageOneResult:
     def commit(self) -> None:
         self.source.commit(self.batch, self.last_offset, self.read_ms)
 
+    def write(self) -> None:
+        self.source.write(self.batch, self.last_offset)
+
+    def acknowledge(self) -> None:
+        self.source.acknowledge(self.last_offset, self.read_ms)
+
 
 @dataclass
 class StageTwoResult:
@@ -323,6 +351,12 @@ class StageTwoResult:
 
     def commit(self) -> None:
         self.source.commit(self.batch, self.last_offset)
+
+    def write(self) -> None:
+        self.source.write(self.batch, self.last_offset)
+
+    def acknowledge(self) -> None:
+        self.source.acknowledge(self.last_offset)
 
 
 @dataclass
@@ -350,7 +384,7 @@ class FiredTrigger:
 
 
 class DpstreamWorker:
-    def __init__(self, config: DpstreamConfig, secret: bytes, state_dir: str | Path, ownership: Ownership,
+    def __init__(self, config: DpstreamConfig, secret: bytes, state_dir: str | Path, ownership: Optional[Ownership],
                  input_partitions: dict[str, int], repartitions: int, metrics: Optional[PipelineMetrics] = None,
                  block_cache_mb: int = 64, write_buffer_mb: int = 32, previous_mark: Optional[dict] = None,
                  app_id: str = "dpstream", partitioner: str = "murmur2", now_ms: Optional[int] = None,
@@ -377,24 +411,22 @@ class DpstreamWorker:
         self.decoder = decoder_for(config.input_format)
         self.parsers = {q.name: EventParser.for_query(q) for q in config.queries}
         self._plans = {q.name: plan_for(q) for q in config.queries}
-        by_topic = defaultdict(list)
+        self._by_input: dict[str, list] = defaultdict(list)
         for q in config.queries:
-            by_topic[q.input_topic].append(q)
-        for topic, queries in by_topic.items():
-            for p in ownership.partitions(input_partitions[topic]):
-                store = self._open(f"{topic}-{p}")
-                self.stage1[(topic, p)] = SourcePartition(topic, p, store, [QueryPipeline(q, self.noise, store, self.pseudonyms) for q in queries])
-        for q in config.queries:
-            topic = repartition_topic(q.name)
-            for p in ownership.partitions(repartitions):
-                store = self._open(f"{topic}-{p}")
-                self.stage2[(topic, p)] = SourcePartition(topic, p, store, [QueryPipeline(q, self.noise, store, self.pseudonyms)])
+            self._by_input[q.input_topic].append(q)
+        self._by_repartition = {repartition_topic(q.name): q for q in config.queries}
+        self._dynamic_queries: dict[str, list] = defaultdict(list)
+        for q in config.dynamic:
+            self._dynamic_queries[q.input_topic].append(q)
         # the budget ledger: each window is charged as the wall clock reaches it, from the
-        # schedule's public start (budget.start, else this worker's first start, kept in state)
-        ledger_store = self._open(LEDGER_STORE)
+        # schedule's public start (budget.start, else this worker's first start, kept in state).
+        # Never changelogged: every worker computes the same ledger from the public schedule
+        ledger_store = self.stores.store(LEDGER_STORE)
+        check_noise_epoch(ledger_store, self.noise)
         self.ledger = open_ledger(config, ledger_store)
         self.gate = BudgetGate(config, self.ledger) if self.ledger is not None else None
         self.charges: Optional[ChargeSchedule] = None
+        self.schedule_start: Optional[int] = None
         if self.gate is not None:
             start = config.budget.start_ms
             if start is None:
@@ -405,24 +437,136 @@ class DpstreamWorker:
                     batch = WriteBatch()
                     mark.put(batch, start)
                     ledger_store.write(batch)
-            for source in self.stage2.values():
-                for pipe in source.pipelines:
-                    pipe.set_schedule(self.gate.window_gate(pipe.query), start)
+            self.schedule_start = start
             # every query's windows, owned or not, in the schedule's one order: the same ledger on
             # every worker (processor/engine/budget.py)
             self.charges = ChargeSchedule(self.gate, config.queries, start, ledger_store)
         # dynamic queries: one-partition topics, owned by the worker that owns partition 0
         self.dynamic: dict[tuple[str, int], SourcePartition] = {}
         self.dynamic_states: dict[tuple[str, int], list[DynamicQueryState]] = defaultdict(list)
-        if 0 in ownership.partitions(1):
-            for q in config.dynamic:
-                key = (q.input_topic, 0)
-                if key not in self.dynamic:
-                    self.dynamic[key] = SourcePartition(q.input_topic, 0, self._open(f"{q.input_topic}-0"), [])
-                state = DynamicQueryState(q, self.noise, self.pseudonyms, self.dynamic[key].store)
+        if ownership is not None:  # static: every owned partition now (group: as the group assigns them)
+            for topic in self._by_input:
+                for p in ownership.partitions(input_partitions[topic]):
+                    self.add_source(topic, p, self._open(f"{topic}-{p}"))
+            for topic in self._by_repartition:
+                for p in ownership.partitions(repartitions):
+                    self.add_source(topic, p, self._open(f"{topic}-{p}"))
+            if 0 in ownership.partitions(1):
+                for topic in self._dynamic_queries:
+                    self.add_source(topic, 0, self._open(f"{topic}-0"))
+
+    # ------------------------------------------------------------------ sources
+    def source_topics(self) -> list[str]:
+        """Every topic whose partitions this application's workers read (and own by partition)."""
+        return [*self._by_input, *self._by_repartition, *self._dynamic_queries]
+
+    def add_source(self, topic: str, partition: int, store: Store) -> SourcePartition:
+        """Own ``topic``'s ``partition``, its state in ``store`` (restored first when it moved)."""
+        key = (topic, partition)
+        if topic in self._by_repartition:
+            q = self._by_repartition[topic]
+            source = SourcePartition(topic, partition, store, [QueryPipeline(q, self.noise, store, self.pseudonyms)])
+            if self.gate is not None:
+                for pipe in source.pipelines:
+                    pipe.set_schedule(self.gate.window_gate(pipe.query), self.schedule_start)
+            self.stage2[key] = source
+        elif topic in self._by_input:
+            source = SourcePartition(topic, partition, store, [QueryPipeline(q, self.noise, store, self.pseudonyms)
+                                                               for q in self._by_input[topic]])
+            self.stage1[key] = source
+        elif topic in self._dynamic_queries:
+            source = SourcePartition(topic, partition, store, [])
+            self.dynamic[key] = source
+            for q in self._dynamic_queries[topic]:
+                state = DynamicQueryState(q, self.noise, self.pseudonyms, store)
                 if self.gate is not None:
                     state.refused = not self.gate.start_dynamic(q)
                 self.dynamic_states[key].append(state)
+        else:
+            raise KeyError(f"{topic} is not a topic this application reads")
+        return source
+
+    def remove_source(self, topic: str, partition: int) -> None:
+        """Give up a partition (it moved to another worker): its store is closed, its data kept
+        on this volume for an incremental restore should it come back (state/changelog.py)."""
+        key = (topic, partition)
+        for table in (self.stage1, self.stage2, self.dynamic):
+            table.pop(key, None)
+        self.dynamic_states.pop(key, None)
+        self.stores.release(f"{topic}-{partition}")
+
+    def restore(self, topic: str, partition: int, read_changelog, now_ms: int) -> ChangelogStore:
+        """Elastic workers: the store of a gained partition, made equal to its committed
+        changelog before anything is processed (docs/operations.md, "Elastic workers").
+        ``read_changelog(start)`` gives the changelog's end offset and batches of ``(offset,
+        key, value)`` from ``start`` to there. Blocking: run off the event loop, then :meth:`add_source`."""
+        name = f"{topic}-{partition}"
+        store = self.stores.store(name)
+        start = restore_start(store, now_ms)
+        kind = "incremental" if start else "full"
+        if start is None:
+            log.info("%s: the local state is not a committed one (written after its last transaction, or too old): rebuilding it "
+                     "from the changelog", name)
+            store = self.stores.wipe(name)
+            start = 0
+        gauge, counter = self.metrics.restore_remaining.labels(name), self.metrics.restored_records.labels(name)
+        started, restored, last = time.perf_counter(), 0, None
+        end, batches = read_changelog(start)
+        gauge.set(max(0, end - start))
+        for records in batches:
+            batch = WriteBatch()
+            for offset, key, value in records:
+                if value is None:
+                    batch.delete(key)
+                else:
+                    batch.put(key, value)
+            store.write(batch)
+            restored += len(records)
+            last = records[-1][0]
+            counter.inc(len(records))
+            gauge.set(max(0, end - last - 1))
+            if restored % 200_000 < len(records):
+                log.info("%s: restoring, %d changelog records so far (offset %d)", name, restored, last)
+        gauge.set(0)
+        if last is not None:
+            write_checkpoint(store, Checkpoint(last, sequence_of(store), now_ms))
+        seconds = time.perf_counter() - started
+        self.metrics.restore_seconds.labels(name).observe(seconds)
+        log.info("%s: restored (%s, from changelog offset %d): %d records in %.2f s", name, kind, start, restored, seconds)
+        changelogged = ChangelogStore(store)
+        check_noise_epoch(changelogged, self.noise)
+        return changelogged
+
+    def changelog_messages(self, sources: Iterable[SourcePartition]) -> tuple[list[Message], list[tuple[SourcePartition, int]]]:
+        """Elastic workers: every change the stores of ``sources`` made since their last
+        transaction, as changelog records for the next one, and the sequence numbers they reach
+        (for :meth:`checkpoint` once it committed)."""
+        messages, taken = [], []
+        for source in sources:
+            if not isinstance(source.store, ChangelogStore):
+                continue
+            changes, seq = source.store.take_changes()
+            if not changes:
+                continue
+            topic = self.changelog_topic(source.topic)
+            for key, value in changes:
+                if value is not None and len(value) > CHANGELOG_MAX_BYTES:
+                    raise StateLayoutError(f"{source.name}: a state value of {len(value)} bytes is over the changelog's "
+                                           f"{CHANGELOG_MAX_BYTES} bytes: lower --fetch-records")
+                messages.append(Message(topic, value, key, source.partition))
+            taken.append((source, seq))
+        return messages, taken
+
+    def checkpoint(self, taken: list[tuple[SourcePartition, int]], acknowledged: dict[tuple[str, int], int], now_ms: int) -> None:
+        """The transaction carrying ``taken``'s changes committed (``acknowledged``: the
+        publisher's offsets of them): each store now equals its changelog up to there."""
+        for source, seq in taken:
+            offset = acknowledged.get((self.changelog_topic(source.topic), source.partition))
+            if offset is not None:
+                source.store.checkpoint(offset, seq, now_ms)
+
+    def changelog_topic(self, source_topic: str) -> str:
+        return changelog_topic(self.app_id, self.config.budget.epoch if self.config.budget is not None else "1", source_topic)
 
     # ------------------------------------------------------------------ setup
     def _check_layout(self, input_partitions: dict[str, int], previous_mark: Optional[dict] = None) -> None:
@@ -435,15 +579,21 @@ class DpstreamWorker:
         (window, key, trigger) already released with the same noise. Refused before anything is
         written, so the refusal stands on every restart until a new epoch is configured."""
         layout_path = self.state_dir / LAYOUT_FILE
-        if not layout_path.exists() and previous_mark is not None and \
+        if self.ownership is None:
+            # elastic workers: the volume is a cache of the changelogs, a lost one is restored
+            # from them (the changelogs themselves are checked: faust_app, changelog marks)
+            mine = {"assignment": "group", "input_partitions": dict(sorted(input_partitions.items())),
+                    "repartitions": self.repartitions}
+        elif not layout_path.exists() and previous_mark is not None and \
                 {k: previous_mark.get(k) for k in self.epoch_mark} == self.epoch_mark:
             epoch = self.epoch_mark["budget_epoch"]
             raise LostStateError(
                 f"state directory {self.state_dir} is empty, but worker {self.ownership.index} already ran under budget epoch "
                 f"{epoch!r} and this noise secret (since {previous_mark.get('since_ms')} ms): its state was lost. Starting afresh "
                 f"would forget the budget it spent; configure a new epoch (a new budget.epoch, or a new noise secret) to start over")
-        mine = {"worker_index": self.ownership.index, "workers": self.ownership.workers,
-                "input_partitions": dict(sorted(input_partitions.items())), "repartitions": self.repartitions}
+        if self.ownership is not None:
+            mine = {"worker_index": self.ownership.index, "workers": self.ownership.workers,
+                    "input_partitions": dict(sorted(input_partitions.items())), "repartitions": self.repartitions}
         self.state_dir.mkdir(parents=True, exist_ok=True)
         path = self.state_dir / LAYOUT_FILE
         if path.exists():
@@ -462,6 +612,15 @@ class DpstreamWorker:
 
     def close(self) -> None:
         self.stores.close()
+
+    def owned_counts(self) -> dict[str, int]:
+        """How many partitions of each source topic this worker owns."""
+        counts = Counter(topic for topic, _ in [*self.stage1, *self.stage2, *self.dynamic])
+        return {topic: counts.get(topic, 0) for topic in self.source_topics()}
+
+    def source_of(self, key: tuple[str, int]) -> Optional[SourcePartition]:
+        """The owned source partition ``(topic, partition)``, None if not owned (now)."""
+        return self.stage1.get(key) or self.stage2.get(key) or self.dynamic.get(key)
 
     @property
     def sources(self) -> list[SourcePartition]:
@@ -736,6 +895,21 @@ class DpstreamWorker:
                     break
                 self.metrics.trigger_seconds.labels(runner.query.name).observe(time.perf_counter() - started)
                 yield FiredTrigger(source, f)
+
+    def fire_next(self, source: SourcePartition, now_ms: int) -> Optional[FiredTrigger]:
+        """Elastic workers: open the windows the wall clock has reached on one owned stage-2
+        partition and fire its next due trigger (as :meth:`iter_fire_due`), or None. The caller
+        holds the partition's transaction: the state written here goes out in the same one as
+        the releases (docs/operations.md, "Elastic workers")."""
+        runner = source.runners[0]
+        runner.pipeline.open_due(now_ms)
+        nxt = runner.next_due(self.stage_two_clock(source, now_ms))
+        if nxt is None:
+            return None
+        started = time.perf_counter()
+        fired = runner.fire(nxt[1], nxt[2])
+        self.metrics.trigger_seconds.labels(runner.query.name).observe(time.perf_counter() - started)
+        return FiredTrigger(source, fired)
 
     def unpublished(self) -> list[FiredTrigger]:
         """Journaled releases not yet marked published (after a crash): send them again."""

@@ -1,0 +1,158 @@
+"""Elastic workers' reading side: a Kafka consumer group with cooperative-sticky assignment.
+
+``dpstream worker --assignment group`` (docs/operations.md, "Elastic workers"). Every worker of an
+application joins one consumer group (the app id) on every topic it reads: the input topics
+(stage 1), the repartition topics (stage 2) and the dynamic update topics. The group's
+cooperative-sticky assignor spreads their partitions over the workers; a worker joining or
+leaving moves only the partitions that must move, and the others go on being processed during
+the rebalance.
+
+aiokafka has no cooperative protocol, so this reads with confluent-kafka (librdkafka), whose
+``poll`` runs off the event loop. Its rebalance callbacks run in that thread; they hand the
+change to the event loop (``on_gain``/``on_lose`` coroutines) and wait: a gained partition is
+assigned at the offset its restored state has read up to, only once its store was restored from
+its changelog; a lost one is given up only after the transaction that may be carrying its
+outputs has finished.
+
+Fencing: every transaction of an elastic worker carries its partitions' consumer offsets
+(``send_offsets_to_transaction`` with :meth:`GroupConsumer.group_metadata`), which the group
+coordinator accepts only from the partition's owner in the current generation (KIP-447): a
+worker that lost a partition and did not notice can commit nothing more for it.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Awaitable, Callable, Optional
+
+from processor.adapters.worker import CREATE_TIME, LOG_APPEND_TIME, InputWentBackError
+from topics.kafka import client_security
+
+log = logging.getLogger("dpstream.worker")
+
+Key = tuple[str, int]
+
+
+class ConsumedRecord:
+    """A confluent-kafka message as the worker reads records (:class:`processor.adapters.worker.RecordLike`)."""
+
+    __slots__ = ("offset", "key", "value", "timestamp", "timestamp_type")
+
+    def __init__(self, msg):
+        kind, ts = msg.timestamp()
+        self.offset = msg.offset()
+        self.key = msg.key()
+        self.value = msg.value()
+        self.timestamp = ts
+        # librdkafka: 1 CreateTime, 2 LogAppendTime (0: none)
+        self.timestamp_type = LOG_APPEND_TIME if kind == 2 else CREATE_TIME
+
+
+class GroupConsumer:
+    """One worker's membership of the application's consumer group."""
+
+    def __init__(self, broker: str, group_id: str, topics: list[str], loop: asyncio.AbstractEventLoop,
+                 on_gain: Callable[[list[Key]], Awaitable[dict[Key, int]]], on_lose: Callable[[list[Key]], Awaitable[None]],
+                 session_timeout: float = 10.0, heartbeat_interval: float = 1.0, fetch_bytes: int = 32 * 1024 * 1024):
+        from confluent_kafka import Consumer
+
+        self.loop = loop
+        self.on_gain, self.on_lose = on_gain, on_lose
+        self.stopping = False
+        self.failure: Optional[BaseException] = None  # raised by the next fetch
+        self.consumer = Consumer({
+            "bootstrap.servers": broker, "group.id": group_id,
+            "partition.assignment.strategy": "cooperative-sticky",
+            "enable.auto.commit": False, "enable.auto.offset.store": False,
+            # our own transactions' records count once committed (docs/operations.md, "Delivery")
+            "isolation.level": "read_committed",
+            # partitions are assigned at the offset their state has read to; one out of range
+            # (the log went back) is an error, never a silent reset
+            "auto.offset.reset": "error",
+            "session.timeout.ms": int(session_timeout * 1000), "heartbeat.interval.ms": int(heartbeat_interval * 1000),
+            # a restore runs inside the rebalance callback, off the poll loop's clock
+            "max.poll.interval.ms": 30 * 60 * 1000,
+            "fetch.max.bytes": fetch_bytes, "max.partition.fetch.bytes": 8 * 1024 * 1024,
+            "receive.message.max.bytes": fetch_bytes + 1024 * 1024,
+            **client_security(),
+        })
+        self.consumer.subscribe(topics, on_assign=self._assigned, on_revoke=self._revoked, on_lost=self._revoked)
+
+    # -- rebalance callbacks: in the poll thread, handed to the event loop
+    def _assigned(self, consumer, partitions) -> None:
+        from confluent_kafka import TopicPartition
+
+        if self.stopping or not partitions:
+            return
+        keys = [(tp.topic, tp.partition) for tp in partitions]
+        try:
+            offsets = asyncio.run_coroutine_threadsafe(self.on_gain(keys), self.loop).result()
+        except BaseException as exc:  # noqa: BLE001 - the worker stops (restore failed, input went back, ...)
+            self.failure = exc
+            return
+        consumer.incremental_assign([TopicPartition(t, p, offsets[(t, p)]) for t, p in keys])
+
+    def _revoked(self, consumer, partitions) -> None:
+        if self.stopping or not partitions:
+            return
+        keys = [(tp.topic, tp.partition) for tp in partitions]
+        try:
+            asyncio.run_coroutine_threadsafe(self.on_lose(keys), self.loop).result()
+        except BaseException as exc:  # noqa: BLE001
+            self.failure = exc
+
+    # -- reading
+    def _consume(self, max_records: int, timeout: float) -> dict[Key, list[ConsumedRecord]]:
+        from confluent_kafka import KafkaError
+
+        out: dict[Key, list[ConsumedRecord]] = {}
+        for msg in self.consumer.consume(max_records, timeout):
+            err = msg.error()
+            if err is not None:
+                if err.code() in (KafkaError._AUTO_OFFSET_RESET, KafkaError.OFFSET_OUT_OF_RANGE):
+                    raise InputWentBackError(
+                        f"{msg.topic()}-{msg.partition()}: the offset this worker's state goes on from is no longer in the log: "
+                        f"the topic was recreated or the broker lost data. See docs/operations.md, \"When the input goes back\"")
+                if err.code() != KafkaError._PARTITION_EOF:
+                    log.debug("consumer: %s", err)
+                continue
+            out.setdefault((msg.topic(), msg.partition()), []).append(ConsumedRecord(msg))
+        return out
+
+    async def fetch(self, max_records: int, timeout: float) -> dict[Key, list[ConsumedRecord]]:
+        fetched = await self.loop.run_in_executor(None, self._consume, max_records, timeout)
+        if self.failure is not None:
+            raise self.failure
+        return fetched
+
+    def position(self, key: Key) -> Optional[int]:
+        """The consumer's position (past transaction markers), None if unknown."""
+        from confluent_kafka import TopicPartition
+
+        offset = self.consumer.position([TopicPartition(*key)])[0].offset
+        return offset if offset >= 0 else None
+
+    def log_ends(self, keys: list[Key], timeout: float = 5.0) -> dict[Key, tuple[int, int]]:
+        """Blocking: each partition's high watermark, with the wall-clock time (ms) taken just
+        before the broker was asked: every record appended before that time is below it."""
+        from confluent_kafka import TopicPartition
+
+        out = {}
+        for key in keys:
+            asked = int(time.time() * 1000)
+            out[key] = (self.consumer.get_watermark_offsets(TopicPartition(*key), timeout=timeout, cached=False)[1], asked)
+        return out
+
+    def ping(self, timeout: float = 5.0) -> dict:
+        """Blocking: ask the broker for the cluster's metadata (raises if it does not answer)."""
+        self.consumer.list_topics(timeout=timeout)
+        return {}
+
+    def group_metadata(self):
+        return self.consumer.consumer_group_metadata()
+
+    def close(self) -> None:
+        """Leave the group (the partitions move at once, without waiting for the session timeout)."""
+        self.stopping = True
+        self.consumer.close()

@@ -1,0 +1,141 @@
+"""Elastic workers against the Apache Kafka broker (docs/operations.md, "Elastic workers").
+
+Workers in one consumer group (``--assignment group``) share the partitions; a partition's state
+moves with it through its changelog topic. Whatever the group does in the middle of a window,
+the releases must be replay's: the same counts (no user counted past C, none lost, none twice)
+with the same noise, each release once (exactly-once delivery), and a lost volume is restored
+from the changelogs, never reset.
+"""
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.test_kafka_worker import LATENESS_S, Scenario
+
+
+def group_args(name: str) -> tuple:
+    return ("--assignment", "group", "--instance-id", name, "--log-level", "info")
+
+
+@pytest.fixture
+def sc(tmp_path, broker):
+    scenario = Scenario(tmp_path, broker)
+    yield scenario
+    for w in scenario.workers:
+        w.stop()
+
+
+def start(sc: Scenario, name: str, state: str | None = None):
+    w = sc.worker(state or name, extra=group_args(name)).start()
+    sc.workers.append(w)
+    return w
+
+
+def owned(w) -> float:
+    return w.metric("dpstream_partitions_owned")
+
+
+def wait_owned(workers, total: int, timeout: float = 60) -> None:
+    """Until every worker owns some partitions and together all ``total`` (the group settled)."""
+    deadline = time.time() + timeout
+    counts = []
+    while time.time() < deadline:
+        try:
+            counts = [owned(w) for w in workers]
+        except OSError:
+            counts = []
+        if counts and min(counts) > 0 and sum(counts) == total:
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"the group did not settle on {total} partitions over {len(workers)} workers: {counts}")
+
+
+def produce_lines(sc: Scenario, lines: list[bytes]) -> None:
+    from processor.adapters.kafka_tools import produce
+
+    produce(sc.broker, sc.input, iter(lines))
+
+
+def sleep_until(t: float) -> None:
+    time.sleep(max(0.0, t - time.time()))
+
+
+def test_scaling_one_three_two_in_the_middle_of_a_window_releases_what_replay_does(sc):
+    """1 worker takes in half the stream, 2 more join (its partitions and their state move to
+    them), the other half arrives, and one of the three leaves after the window's first trigger
+    fired (its partitions move again, pending micro-batches and journals with them)."""
+    a = start(sc, "a").wait_ready()
+    sc.write_events(30_000, users=3_000, keys=80, lead_s=45)
+    lines = sc.events.read_bytes().splitlines()
+    produce_lines(sc, lines[:15_000])
+    assert sc.take_in(a, 15_000) == 15_000
+    b, c = start(sc, "b"), start(sc, "c")
+    b.wait_ready()
+    c.wait_ready()
+    wait_owned([a, b, c], 8)  # 4 input and 4 repartition partitions over three workers
+    produce_lines(sc, lines[15_000:])
+    assert time.time() < sc.window_start / 1000, "the whole stream must be produced before the window starts"
+    # after the first trigger (its fire time, the lateness, the watermark delay): c leaves
+    sleep_until(sc.window_start / 1000 + sc.window_s / sc.triggers + LATENESS_S + 3)
+    c.stop()
+    assert c.proc.returncode == 0
+    wait_owned([a, b], 8)
+    sleep_until(sc.window_start / 1000 + sc.window_s + LATENESS_S + 3)
+    sc.assert_published_equal(sc.replay())
+    restored = sum(w.metric("dpstream_restored_records_total") for w in (a, b))
+    assert restored > 0, "the moved partitions' state came from their changelogs"
+
+
+def test_a_lost_volume_is_restored_from_the_changelogs_not_reset(sc):
+    """A worker's state directory deleted while it is down: the restarted worker rebuilds every
+    store from its changelog and goes on as if nothing happened."""
+    import shutil
+
+    a = start(sc, "a").wait_ready()
+    sc.write_events(20_000, users=2_000, keys=60, lead_s=12)
+    sc.produce_events()
+    assert sc.take_in(a, 20_000) == 20_000
+    time.sleep(1)  # its last transaction committed
+    a.proc.send_signal(signal.SIGKILL)
+    a.proc.wait()
+    shutil.rmtree(a.state_dir)
+    a2 = start(sc, "a").wait_ready()
+    sleep_until(sc.window_start / 1000 + sc.window_s + LATENESS_S + 3)
+    sc.assert_published_equal(sc.replay())
+    assert a2.metric("dpstream_restored_records_total") > 0
+
+
+def test_a_deleted_changelog_is_refused_naming_it(sc):
+    """The changelogs are the state: one recreated under the same epoch is a lost state, refused
+    at start, never a fresh start that would forget the budget spent."""
+    from confluent_kafka.admin import AdminClient
+
+    a = start(sc, "a").wait_ready()
+    a.stop()
+    changelog = f"{sc.app_id}-1-{sc.input}-changelog"
+    admin = AdminClient({"bootstrap.servers": sc.broker})
+    admin.delete_topics([changelog])[changelog].result(30)
+    time.sleep(2)
+    cmd_log = sc.tmp / "refused.log"
+    w = sc.worker("a", extra=group_args("a"))
+    w.log = cmd_log
+    w.start()
+    assert w.proc.wait(90) != 0
+    text = cmd_log.read_text()
+    assert "changelog topic" in text and changelog in text and "new epoch" in text
+
+
+def test_group_assignment_refuses_at_least_once_and_static_workers(tmp_path):
+    config = tmp_path / "q.yaml"
+    config.write_text("queries:\n  - name: q\n    input_topic: i\n    output_topic: o\n    window: 10s\n    triggers: 2\n"
+                      "    contribution_bound: 1\n    epsilon: 1\n    delta: 1.0e-9\n")
+    base = [sys.executable, "-m", "processor.cli", "worker", "--config", str(config), "--assignment", "group"]
+    env = {"DPSTREAM_NOISE_KEY": "00" * 32, "PATH": "/usr/bin:/bin"}
+    out = subprocess.run(base + ["--delivery", "at-least-once"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert out.returncode != 0 and "--delivery" in out.stderr
+    out = subprocess.run(base + ["--workers", "3"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert out.returncode != 0 and "--workers" in out.stderr
