@@ -23,7 +23,7 @@ import struct
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Optional, Sequence
 
-from state.store import Store, WriteBatch
+from state.store import PartitionStores, Store, WriteBatch
 
 #: the key holding the store's changelog sequence number (written in every change, changelogged
 #: like any key, so a restored store knows how far its changelog went)
@@ -133,6 +133,53 @@ def restore_start(store: Store, now_ms: int, max_age_ms: int = CHECKPOINT_MAX_AG
     if checkpoint is None or checkpoint.sequence != sequence_of(store) or now_ms - checkpoint.written_ms > max_age_ms:
         return None
     return checkpoint.offset + 1
+
+
+@dataclass
+class Restored:
+    """What :func:`restore` did."""
+
+    store: "ChangelogStore"
+    start: int  # the changelog offset it read from
+    full: bool  # the local store was rebuilt from the start (wiped first if it held anything)
+    records: int  # changelog records applied
+
+
+def restore_from_changelog(stores: PartitionStores, name: str, read_changelog, now_ms: int, on_batch=None,
+            max_age_ms: int = CHECKPOINT_MAX_AGE_MS) -> Restored:
+    """Make the store ``name`` of ``stores`` equal to its committed changelog (docs/operations.md,
+    "Elastic workers"). ``read_changelog(start)`` gives the changelog's end offset and batches of
+    ``(offset, key, value)`` from ``start`` to there (committed records only).
+
+    From the local checkpoint when :func:`restore_start` allows it (a volume that kept the store:
+    only what other owners wrote since is read), else from the start into an emptied store. The
+    checkpoint is then written at the last offset read. ``on_batch(applied, last_offset, end)``
+    reports progress."""
+    store = stores.store(name)
+    start = restore_start(store, now_ms, max_age_ms)
+    full = not start
+    if start is None:
+        store = stores.wipe(name)
+        start = 0
+    end, batches = read_changelog(start)
+    applied, last = 0, None
+    for records in batches:
+        if not records:
+            continue
+        batch = WriteBatch()
+        for _offset, key, value in records:
+            if value is None:
+                batch.delete(key)
+            else:
+                batch.put(key, value)
+        store.write(batch)
+        applied += len(records)
+        last = records[-1][0]
+        if on_batch is not None:
+            on_batch(applied, last, end)
+    if last is not None:
+        write_checkpoint(store, Checkpoint(last, sequence_of(store), now_ms))
+    return Restored(ChangelogStore(store), start, full, applied)
 
 
 def restore_store(target: Store, records: Iterable[Change], batch_size: int = 10_000) -> int:

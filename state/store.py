@@ -257,12 +257,13 @@ class PartitionStores:
         self.block_cache_mb = block_cache_mb
         self.write_buffer_mb = write_buffer_mb
         self._open: dict[int | str, Store] = {}
+        self._released: dict[int | str, Store] = {}  # in memory: a released store's data stays, as on disk
 
     def store(self, partition: int | str = 0) -> Store:
         """The store of a partition: an int, or a name such as ``"events-3"`` (topic-partition)."""
         if partition not in self._open:
             if self.directory is None:
-                self._open[partition] = MemoryStore()
+                self._open[partition] = self._released.pop(partition, None) or MemoryStore()
             else:
                 self._open[partition] = RocksDBStore(self.directory / f"partition-{partition}", self.block_cache_mb, self.write_buffer_mb)
         return self._open[partition]
@@ -272,11 +273,14 @@ class PartitionStores:
         store = self._open.pop(partition, None)
         if store is not None:
             store.close()
+            if self.directory is None:
+                self._released[partition] = store
 
     def wipe(self, partition: int | str) -> Store:
         """A partition's store emptied (closed, its data deleted, opened again): before it is
         rebuilt from its changelog (state/changelog.py)."""
         self.release(partition)
+        self._released.pop(partition, None)
         if self.directory is not None:
             shutil.rmtree(self.directory / f"partition-{partition}", ignore_errors=True)
         return self.store(partition)

@@ -13,12 +13,12 @@ import time
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, TEST_SECRET_HEX
 from tests.test_kafka_worker import LATENESS_S, Scenario
 
 
 def group_args(name: str) -> tuple:
-    return ("--assignment", "group", "--instance-id", name, "--log-level", "info")
+    return ("--assignment", "group", "--instance-id", name, "--log-level", "info")  # restores and moves in the log
 
 
 @pytest.fixture
@@ -134,7 +134,7 @@ def test_group_assignment_refuses_at_least_once_and_static_workers(tmp_path):
     config.write_text("queries:\n  - name: q\n    input_topic: i\n    output_topic: o\n    window: 10s\n    triggers: 2\n"
                       "    contribution_bound: 1\n    epsilon: 1\n    delta: 1.0e-9\n")
     base = [sys.executable, "-m", "processor.cli", "worker", "--config", str(config), "--assignment", "group"]
-    env = {"DPSTREAM_NOISE_KEY": "00" * 32, "PATH": "/usr/bin:/bin"}
+    env = {"DPSTREAM_NOISE_KEY": TEST_SECRET_HEX, "PATH": "/usr/bin:/bin"}
     out = subprocess.run(base + ["--delivery", "at-least-once"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert out.returncode != 0 and "--delivery" in out.stderr
     out = subprocess.run(base + ["--workers", "3"], cwd=ROOT, env=env, capture_output=True, text=True)

@@ -73,13 +73,7 @@ from processor.engine.pipeline import (
 )
 from processor.engine.runner import Fired, QueryRunner
 from processor.mechanisms.noise import NodeNoise, Pseudonymizer
-from state.changelog import (
-    ChangelogStore,
-    Checkpoint,
-    restore_start,
-    sequence_of,
-    write_checkpoint,
-)
+from state.changelog import ChangelogStore, restore_from_changelog
 from state.store import PartitionStores, Store, WriteBatch
 from state.tables import InputWatermarks, IntegerMark, TextMark
 from topics.decoding import decoder_for
@@ -501,41 +495,25 @@ class DpstreamWorker:
         ``read_changelog(start)`` gives the changelog's end offset and batches of ``(offset,
         key, value)`` from ``start`` to there. Blocking: run off the event loop, then :meth:`add_source`."""
         name = f"{topic}-{partition}"
-        store = self.stores.store(name)
-        start = restore_start(store, now_ms)
-        kind = "incremental" if start else "full"
-        if start is None:
-            log.info("%s: the local state is not a committed one (written after its last transaction, or too old): rebuilding it "
-                     "from the changelog", name)
-            store = self.stores.wipe(name)
-            start = 0
         gauge, counter = self.metrics.restore_remaining.labels(name), self.metrics.restored_records.labels(name)
-        started, restored, last = time.perf_counter(), 0, None
-        end, batches = read_changelog(start)
-        gauge.set(max(0, end - start))
-        for records in batches:
-            batch = WriteBatch()
-            for offset, key, value in records:
-                if value is None:
-                    batch.delete(key)
-                else:
-                    batch.put(key, value)
-            store.write(batch)
-            restored += len(records)
-            last = records[-1][0]
-            counter.inc(len(records))
+        started = time.perf_counter()
+
+        def progress(applied: int, last: int, end: int) -> None:
             gauge.set(max(0, end - last - 1))
-            if restored % 200_000 < len(records):
-                log.info("%s: restoring, %d changelog records so far (offset %d)", name, restored, last)
+            counter.inc(applied - progress.applied)
+            if applied // 200_000 > progress.applied // 200_000:
+                log.info("%s: restoring, %d changelog records so far (offset %d of %d)", name, applied, last, end)
+            progress.applied = applied
+
+        progress.applied = 0
+        done = restore_from_changelog(self.stores, name, read_changelog, now_ms, progress)
         gauge.set(0)
-        if last is not None:
-            write_checkpoint(store, Checkpoint(last, sequence_of(store), now_ms))
         seconds = time.perf_counter() - started
         self.metrics.restore_seconds.labels(name).observe(seconds)
-        log.info("%s: restored (%s, from changelog offset %d): %d records in %.2f s", name, kind, start, restored, seconds)
-        changelogged = ChangelogStore(store)
-        check_noise_epoch(changelogged, self.noise)
-        return changelogged
+        log.info("%s: restored (%s, from changelog offset %d): %d records in %.2f s", name,
+                 "full" if done.full else "incremental", done.start, done.records, seconds)
+        check_noise_epoch(done.store, self.noise)
+        return done.store
 
     def changelog_messages(self, sources: Iterable[SourcePartition]) -> tuple[list[Message], list[tuple[SourcePartition, int]]]:
         """Elastic workers: every change the stores of ``sources`` made since their last
