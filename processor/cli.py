@@ -438,6 +438,18 @@ def cmd_bench_kafka(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_restore(args: argparse.Namespace) -> int:
+    from processor.adapters.faust_app import broker_address
+    from processor.bench.restore import run_restore_bench
+
+    if args.mb < 1:
+        raise ConfigError(f"--mb: must be at least 1, got {args.mb}")
+    if not 1 <= args.blob_kb <= 4096:
+        raise ConfigError(f"--blob-kb: must be in [1, 4096], got {args.blob_kb}")
+    run_restore_bench(broker_address(args.broker), mb=args.mb, blob_kb=args.blob_kb, repeats=args.repeats, json_path=args.json)
+    return 0
+
+
 def cmd_bench_dynamic(args: argparse.Namespace) -> int:
     from processor.bench.dynamic import run_dynamic_bench
 
@@ -637,6 +649,14 @@ def build_parser() -> argparse.ArgumentParser:
     kafka.add_argument("--live-seconds", type=float, default=20.0, help="seconds of live production per rate tried (default 20)")
     kafka.add_argument("--json", help="also write the results to this JSON file")
     kafka.set_defaults(func=cmd_bench_kafka)
+    restore = bench_sub.add_parser("restore", help="seconds per GB for an elastic worker to restore a gained partition's "
+                                   "store from its changelog, against only reading the changelog")
+    _broker_arg(restore)
+    restore.add_argument("--mb", type=int, default=512, help="MB of state in the changelog (default 512)")
+    restore.add_argument("--blob-kb", type=int, default=64, help="size of the commit blobs among the records (default 64)")
+    restore.add_argument("--repeats", type=int, default=3, help="runs of each; medians are reported")
+    restore.add_argument("--json", help="also write the results to this JSON file")
+    restore.set_defaults(func=cmd_bench_restore)
     dyn = bench_sub.add_parser("dynamic", help="dynamic counts: online interval tree vs baseline, heavy and little churn")
     dyn.add_argument("--items", type=int, default=8, help="item domain size (default 8)")
     dyn.add_argument("--updates", type=int, default=150_000, help="updates per stream (default 150,000)")

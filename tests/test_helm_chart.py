@@ -48,6 +48,7 @@ except ImportError as exc:
 from processor.config import load_config  # noqa: E402
 
 CUSTOM = {
+    "assignment": "static",
     "replicas": 3,
     "partitions": 12,
     "appId": "dpstream-prod",
@@ -174,12 +175,22 @@ def test_statefulset_workers_and_their_layout(value_set, replicas):
     assert pod["automountServiceAccountToken"] is False
 
     env = env_of(container)
-    # worker i of N: N = replicas, i = the pod ordinal from the downward API
-    assert env["DPSTREAM_WORKERS"]["value"] == str(replicas)
-    assert env["DPSTREAM_WORKER_INDEX"] == {
-        "name": "DPSTREAM_WORKER_INDEX",
-        "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}},
-    }
+    if value_set == "custom":
+        # static: worker i of N: N = replicas, i = the pod ordinal from the downward API
+        assert env["DPSTREAM_ASSIGNMENT"]["value"] == "static"
+        assert env["DPSTREAM_WORKERS"]["value"] == str(replicas)
+        assert env["DPSTREAM_WORKER_INDEX"] == {
+            "name": "DPSTREAM_WORKER_INDEX",
+            "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}},
+        }
+        assert "DPSTREAM_INSTANCE_ID" not in env
+    else:
+        # the default: a consumer group; each pod's name names its transactional producers, and
+        # no layout is passed (scaling is not a new epoch)
+        assert env["DPSTREAM_ASSIGNMENT"]["value"] == "group"
+        assert env["DPSTREAM_INSTANCE_ID"] == {"name": "DPSTREAM_INSTANCE_ID",
+                                               "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
+        assert "DPSTREAM_WORKERS" not in env and "DPSTREAM_WORKER_INDEX" not in env
     assert env["DPSTREAM_PARTITIONS"]["value"] == ("12" if value_set == "custom" else "8")
     assert env["DPSTREAM_APP_ID"]["value"] == ("dpstream-prod" if value_set == "custom" else "dpstream")
     assert env["DPSTREAM_FETCH_RECORDS"]["value"] == ("25000" if value_set == "custom" else "100000")
@@ -272,8 +283,11 @@ def test_creating_the_noise_secret_from_values_is_opt_in_and_consistent():
     ({"kafka": {"security": {"protocol": "SASL_PLAINTEXT"}, "sasl": {"existingSecret": "c"}}}, "kafka.sasl.mechanism is required"),
     ({"kafka": {"tls": {"existingSecret": "ca"}}}, "needs kafka.security.protocol SSL or SASL_SSL"),
     ({"queries": {"queries": None}}, "queries must be a mapping with a 'queries' list"),  # null removes the default list
-    ({"replicas": 2, "queries": {"budget": {"principal": "query", "default": {"max_epsilon": 60}}}},
+    ({"assignment": "static", "replicas": 2, "queries": {"budget": {"principal": "query", "default": {"max_epsilon": 60}}}},
      "queries.budget.start is required with replicas 2"),
+    ({"queries": {"budget": {"principal": "query", "default": {"max_epsilon": 60}}}},
+     "queries.budget.start is required with assignment group"),
+    ({"delivery": "at-least-once"}, "assignment group needs delivery exactly-once"),
 ])
 def test_inconsistent_values_fail_to_render(values, message):
     with pytest.raises(helm_python.HelmRenderError, match=re.escape(message)):
@@ -283,6 +297,7 @@ def test_inconsistent_values_fail_to_render(values, message):
 @pytest.mark.parametrize("values", [
     {"replica": 3},  # a typo must not be ignored
     {"replicas": 0},
+    {"assignment": "dynamic"},
     {"fetchRecords": 0},
     {"kafka": {"security": {"protocol": "SSL_PLAINTEXT"}}},
     {"persistence": {"size": "lots"}},

@@ -334,10 +334,13 @@ def test_sigkill_mid_stream_and_restart_changes_nothing(scenario, delivery):
     sc.assert_published_equal(sc.replay(), exactly_once=delivery == "exactly-once")
 
 
-def test_dynamic_agent_publishes_what_replay_publishes_and_dead_letters_absent_deletes(tmp_path, broker):
+@pytest.mark.parametrize("assignment", ["static", "group"])
+def test_dynamic_agent_publishes_what_replay_publishes_and_dead_letters_absent_deletes(tmp_path, broker, assignment):
     """The worker decides dynamic ticks on its wall clock (docs/privacy.md, "Time"): the releases it
     has published for ticks up to H equal replay's with the public end --until at tick H, and a
-    delete of an absent item (in tick order) is dead-lettered when its tick is decided."""
+    delete of an absent item (in tick order) is dead-lettered when its tick is decided. With
+    --assignment group the update topic's partition is the group's to assign, and its store is
+    changelogged."""
     tag = uuid.uuid4().hex[:8]
     sc = Scenario(tmp_path, broker)
     name, topic, out = f"dyn{tag}", f"it-updates-{tag}", f"it-counts-{tag}"
@@ -358,7 +361,7 @@ def test_dynamic_agent_publishes_what_replay_publishes_and_dead_letters_absent_d
             lines.append(f'{{"item":"{item}","op":"insert","ts":{start + i + 1}}}'.encode())
     sc.events.write_bytes(b"\n".join(lines) + b"\n")
     horizon = 200  # compare ticks 1..H (the worker keeps deciding empty ticks as time passes)
-    w = sc.worker("dyn").start()
+    w = sc.worker("dyn", extra=("--assignment", "group", "--instance-id", "dyn") if assignment == "group" else ()).start()
     try:
         w.wait_ready()
         from confluent_kafka import Producer

@@ -9,6 +9,7 @@ Creation goes through confluent-kafka's AdminClient; existing topics are left as
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -286,6 +287,7 @@ class KafkaPublisher:
         from confluent_kafka import Producer
 
         self._errors: list[str] = []
+        self._busy = threading.Lock()  # held through each send (a transaction)
         #: the offset of the last message acknowledged per (topic, partition), since :meth:`send` began
         self.acknowledged: dict[tuple[str, int], int] = {}
         self.transactional = transactional_id is not None
@@ -331,6 +333,15 @@ class KafkaPublisher:
         metadata): consumer offsets committed in the same transaction. The group coordinator
         checks the consumer's generation, so a worker that lost those partitions in a rebalance
         can no longer commit anything for them (KIP-447; docs/operations.md, "Elastic workers")."""
+        with self._busy:
+            self._send(messages, timeout, offsets, group)
+
+    def wait_idle(self) -> None:
+        """Blocking: until no :meth:`send` is running (one its caller stopped waiting for goes on)."""
+        with self._busy:
+            pass
+
+    def _send(self, messages, timeout: float, offsets, group) -> None:
         self.acknowledged = {}
         if not self.transactional:
             for m in messages:

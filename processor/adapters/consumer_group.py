@@ -31,6 +31,9 @@ from topics.kafka import client_security
 
 log = logging.getLogger("dpstream.worker")
 
+#: s a rebalance waits for the worker to hand over the partitions it gives up
+LOSE_TIMEOUT_S = 60.0
+
 Key = tuple[str, int]
 
 
@@ -98,7 +101,8 @@ class GroupConsumer:
             return
         keys = [(tp.topic, tp.partition) for tp in partitions]
         try:
-            asyncio.run_coroutine_threadsafe(self.on_lose(keys), self.loop).result()
+            # bounded: while the worker stops, its event loop may no longer run the hand-over
+            asyncio.run_coroutine_threadsafe(self.on_lose(keys), self.loop).result(LOSE_TIMEOUT_S)
         except BaseException as exc:  # noqa: BLE001
             self.failure = exc
 
@@ -144,6 +148,17 @@ class GroupConsumer:
             out[key] = (self.consumer.get_watermark_offsets(TopicPartition(*key), timeout=timeout, cached=False)[1], asked)
         return out
 
+    def committed(self, keys: list[Key], timeout: float = 60.0) -> dict[Key, int]:
+        """Blocking: the group's committed offsets of ``keys`` (-1: none). With
+        ``read_committed`` librdkafka asks for *stable* offsets (KIP-447): the answer waits
+        until every transaction that sent offsets for these partitions has committed or aborted,
+        so once it returns, a previous owner's last transaction is settled, its changelog records
+        appended and marked, before the new owner reads the changelog to its end."""
+        from confluent_kafka import TopicPartition
+
+        got = self.consumer.committed([TopicPartition(*k) for k in keys], timeout=timeout)
+        return {(tp.topic, tp.partition): tp.offset for tp in got}
+
     def ping(self, timeout: float = 5.0) -> dict:
         """Blocking: ask the broker for the cluster's metadata (raises if it does not answer)."""
         self.consumer.list_topics(timeout=timeout)
@@ -153,6 +168,8 @@ class GroupConsumer:
         return self.consumer.consumer_group_metadata()
 
     def close(self) -> None:
-        """Leave the group (the partitions move at once, without waiting for the session timeout)."""
-        self.stopping = True
+        """Blocking (off the event loop: the hand-over of the partitions runs on it). Leave the
+        group: the partitions are handed over (their last changes sent) and move at once,
+        without waiting for the session timeout."""
         self.consumer.close()
+        self.stopping = True

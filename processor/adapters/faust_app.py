@@ -577,8 +577,8 @@ def build_app(s: WorkerSettings) -> faust.App:
                 set_state("stopping", "consumer stopped")
             consumer = status["consumer"]
             if consumer is not None:
-                if group:
-                    consumer.close()
+                if group:  # hands over its partitions (on this loop) before it leaves
+                    await asyncio.get_running_loop().run_in_executor(None, consumer.close)
                 else:
                     await consumer.stop()
 
@@ -591,6 +591,9 @@ def build_app(s: WorkerSettings) -> faust.App:
 
         async def gain(keys: list) -> dict:
             set_state("restoring", f"restoring {len(keys)} gained partitions from their changelogs")
+            # a previous owner's last transaction settled first (stable offsets, KIP-447): its
+            # changelog records are then below the end the restore reads to
+            committed = await loop.run_in_executor(None, lambda: gc.committed(keys))
             now = int(time.time() * 1000)
             stores = {}
             for topic, partition in keys:
@@ -613,6 +616,9 @@ def build_app(s: WorkerSettings) -> faust.App:
                     log.error("%s: records at offsets %d to %d were deleted (retention) before they were read; going on from "
                               "offset %d", src.name, src.last_offset + 1, start - 1, start)
                 offsets[key] = max(src.last_offset + 1, start)
+                if committed.get(key, -1) > src.last_offset + 1:
+                    log.error("%s: the group committed offset %d, but the restored state has read only to %d: its changelog "
+                              "lost records", src.name, committed[key], src.last_offset)
                 owned[key] = (channel_of(worker, key), src)
             log.info("gained %d partitions: %s", len(keys), ", ".join(f"{t}-{p}" for t, p in keys))
             status["answered"] = time.monotonic()  # it did, all along the restore
@@ -629,6 +635,8 @@ def build_app(s: WorkerSettings) -> faust.App:
                     source = entry[1]
                     # what its store wrote since its last transaction goes out before it moves
                     role = "stage1" if key in worker.stage1 else "stage2" if key in worker.stage2 else "dynamic"
+                    # a send its (cancelled) agent left running finishes first
+                    await loop.run_in_executor(None, publishers[role].wait_idle)
                     await transact(role, [source], [])
                     worker.remove_source(*key)
             log.info("gave up %d partitions: %s", len(keys), ", ".join(f"{t}-{p}" for t, p in keys))

@@ -93,11 +93,17 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- else if .Values.noiseKey.value }}
 {{- fail "noiseKey.value is set but noiseKey.create is false: remove the secret from your values (use noiseKey.existingSecret)" }}
 {{- end }}
+{{- if and (eq .Values.assignment "group") (ne .Values.delivery "exactly-once") }}
+{{- fail "assignment group needs delivery exactly-once: a partition's state moves through its changelog, written in the transactions of its outputs (docs/operations.md, Elastic workers)" }}
+{{- end }}
 {{- if not .Values.queriesYaml }}
 {{- if not (or (hasKey .Values.queries "queries") (hasKey .Values.queries "dynamic")) }}
 {{- fail "queries must be a mapping with a 'queries' list (and optionally 'dynamic'), as in examples/queries.yaml" }}
 {{- end }}
 {{- $budget := .Values.queries.budget }}
+{{- if and $budget (eq .Values.assignment "group") (not $budget.start) }}
+{{- fail "queries.budget.start is required with assignment group: every worker charges the same windows from the same public start (docs/privacy.md, Windows and budget)" }}
+{{- end }}
 {{- if and $budget (gt (int .Values.replicas) 1) (not $budget.start) }}
 {{- fail (printf "queries.budget.start is required with replicas %d: every worker charges the same windows from the same public start (docs/privacy.md, Windows and budget)" (int .Values.replicas)) }}
 {{- end }}
