@@ -99,14 +99,22 @@ def test_a_lost_volume_is_restored_from_the_changelogs_not_reset(sc):
     sc.write_events(20_000, users=2_000, keys=60, lead_s=12)
     sc.produce_events()
     assert sc.take_in(a, 20_000) == 20_000
-    time.sleep(1)  # its last transaction committed
+    deadline, accumulated = time.time() + 30, -1.0
+    while time.time() < deadline:  # stage 2 has taken in what stage 1 sent: both have state to lose
+        now = a.metric("dpstream_records_accumulated_total", query=sc.query)
+        if now == accumulated > 0:
+            break
+        accumulated = now
+        time.sleep(1)
     a.proc.send_signal(signal.SIGKILL)
     a.proc.wait()
     shutil.rmtree(a.state_dir)
     a2 = start(sc, "a").wait_ready()
     sleep_until(sc.window_start / 1000 + sc.window_s + LATENESS_S + 3)
     sc.assert_published_equal(sc.replay())
-    assert a2.metric("dpstream_restored_records_total") > 0
+    restored = {labels: v for (name, labels), v in a2.metrics().items() if name == "dpstream_restored_records_total"}
+    assert sum(v for labels, v in restored.items() if "by-key" in dict(labels)["partition"]) > 0, restored
+    assert sum(v for labels, v in restored.items() if sc.input in dict(labels)["partition"]) > 0, restored
 
 
 def test_a_deleted_changelog_is_refused_naming_it(sc):

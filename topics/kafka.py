@@ -184,7 +184,7 @@ def _read_changelog(common: dict, topic: str, partition: int, start: int, high: 
         consumer.assign([tp])
         deadline = time.monotonic() + timeout
         while True:
-            msgs = consumer.consume(batch, 0.5)
+            msgs = consumer.consume(batch, 0.1)
             out = []
             for m in msgs:
                 if m.error():

@@ -61,6 +61,8 @@ class GroupConsumer:
         from confluent_kafka import Consumer
 
         self.loop = loop
+        self.broker, self.group_id = broker, group_id
+        self._offsets = None  # the client committed() asks with
         self.on_gain, self.on_lose = on_gain, on_lose
         self.stopping = False
         self.failure: Optional[BaseException] = None  # raised by the next fetch
@@ -154,9 +156,14 @@ class GroupConsumer:
         until every transaction that sent offsets for these partitions has committed or aborted,
         so once it returns, a previous owner's last transaction is settled, its changelog records
         appended and marked, before the new owner reads the changelog to its end."""
-        from confluent_kafka import TopicPartition
+        from confluent_kafka import Consumer, TopicPartition
 
-        got = self.consumer.committed([TopicPartition(*k) for k in keys], timeout=timeout)
+        # asked by a client of its own, which never joins the group: the member's own client is
+        # inside its rebalance callback, and its offset requests wait for that to end
+        if self._offsets is None:
+            self._offsets = Consumer({"bootstrap.servers": self.broker, "group.id": self.group_id,
+                                      "isolation.level": "read_committed", "enable.auto.commit": False, **client_security()})
+        got = self._offsets.committed([TopicPartition(*k) for k in keys], timeout=timeout)
         return {(tp.topic, tp.partition): tp.offset for tp in got}
 
     def ping(self, timeout: float = 5.0) -> dict:
@@ -173,3 +180,5 @@ class GroupConsumer:
         without waiting for the session timeout."""
         self.consumer.close()
         self.stopping = True
+        if self._offsets is not None:
+            self._offsets.close()
