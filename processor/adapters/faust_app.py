@@ -159,7 +159,8 @@ def build_app(s: WorkerSettings) -> faust.App:
     #: batches sent to each stage's agent and not yet processed (the consume loop gathers more
     #: records for a stage while it is busy)
     in_flight = {stage1_in: 0, stage2_in: 0, dynamic_in: 0}
-    #: state: starting -> ready <-> waiting-for-broker; any -> stopping (docs/operations.md, "Health")
+    #: state: starting -> ready <-> waiting-for-broker, ready <-> restoring (group); any -> stopping
+    #: (docs/operations.md, "Health")
     status = {"ready": False, "state": "starting", "reason": "opening state", "worker": None, "consumer": None,
               "acknowledged": time.monotonic(),
               # by partition: the consumer's position after the last fetch (past transaction
