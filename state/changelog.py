@@ -166,13 +166,7 @@ def restore_from_changelog(stores: PartitionStores, name: str, read_changelog, n
     for records in batches:
         if not records:
             continue
-        batch = WriteBatch()
-        for _offset, key, value in records:
-            if value is None:
-                batch.delete(key)
-            else:
-                batch.put(key, value)
-        store.write(batch)
+        store.write(WriteBatch().apply((key, value) for _offset, key, value in records))
         applied += len(records)
         last = records[-1][0]
         if on_batch is not None:
@@ -185,15 +179,7 @@ def restore_from_changelog(stores: PartitionStores, name: str, read_changelog, n
 def restore_store(target: Store, records: Iterable[Change], batch_size: int = 10_000) -> int:
     """Rebuild ``target`` (empty, or at a checkpoint when ``records`` follow it) from changelog
     records read in offset order; returns the sequence number the changelog reached."""
-    batch = WriteBatch()
-    for key, value in records:
-        if value is None:
-            batch.delete(key)
-        else:
-            batch.put(key, value)
-        if len(batch) >= batch_size:
-            target.write(batch)
-            batch = WriteBatch()
-    if len(batch):
-        target.write(batch)
+    records = list(records)
+    for i in range(0, len(records), batch_size):
+        target.write(WriteBatch().apply(records[i:i + batch_size]))
     return sequence_of(target)

@@ -52,6 +52,15 @@ class WriteBatch:
         self.ops[key] = None
         self.has_deletes = True
 
+    def apply(self, changes: Iterable[tuple[bytes, Optional[bytes]]]) -> "WriteBatch":
+        """Add ``(key, value)`` changes in order, value None: a delete (a changelog's records)."""
+        for key, value in changes:
+            if value is None:
+                self.delete(key)
+            else:
+                self.put(key, value)
+        return self
+
     def __len__(self) -> int:
         return len(self.ops)
 

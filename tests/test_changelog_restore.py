@@ -52,13 +52,7 @@ class Changelog:
 
     def state(self) -> dict:
         store = MemoryStore()
-        for _, key, value in self.records:
-            batch = WriteBatch()
-            if value is None:
-                batch.delete(key)
-            else:
-                batch.put(key, value)
-            store.write(batch)
+        store.write(WriteBatch().apply((key, value) for _, key, value in self.records))
         return dict(store.scan(b"", b"\xff" * 8))
 
 
@@ -78,13 +72,7 @@ def test_a_restored_store_is_exactly_its_committed_changelog(steps):
         kind = step[0]
         if kind in ("write", "delete_prefix"):
             if kind == "write":
-                batch = WriteBatch()
-                for key, value in step[1]:
-                    if value is None:
-                        batch.delete(key)
-                    else:
-                        batch.put(key, value)
-                store.write(batch)
+                store.write(WriteBatch().apply(step[1]))
             else:
                 store.delete_prefix(step[1])
             changes, seq = store.take_changes()

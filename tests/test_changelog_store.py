@@ -21,13 +21,7 @@ def run(ops) -> tuple[ChangelogStore, list]:
     log = []
     for i, (kind, arg) in enumerate(ops):
         if kind == "batch":
-            batch = WriteBatch()
-            for key, value in arg:
-                if value is None:
-                    batch.delete(key)
-                else:
-                    batch.put(key, value)
-            store.write(batch)
+            store.write(WriteBatch().apply(arg))
         else:
             store.delete_prefix(arg)
         if i % 3 == 0:  # sent in several transactions

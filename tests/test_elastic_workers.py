@@ -14,7 +14,11 @@ import time
 import pytest
 
 from tests.conftest import ROOT, TEST_SECRET_HEX
-from tests.test_kafka_worker import LATENESS_S, Scenario
+from tests.test_kafka_worker import (  # noqa: F401 - the fixture
+    LATENESS_S,
+    Scenario,
+    scenario,
+)
 
 
 def group_args(name: str) -> tuple:
@@ -22,11 +26,8 @@ def group_args(name: str) -> tuple:
 
 
 @pytest.fixture
-def sc(tmp_path, broker):
-    scenario = Scenario(tmp_path, broker)
-    yield scenario
-    for w in scenario.workers:
-        w.stop()
+def sc(scenario):
+    return scenario
 
 
 def start(sc: Scenario, name: str, state: str | None = None):
