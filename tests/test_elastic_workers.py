@@ -26,8 +26,9 @@ def group_args(name: str) -> tuple:
 
 
 @pytest.fixture
-def sc(scenario):
-    return scenario
+def sc(tmp_path, broker):
+    with running(tmp_path, broker) as scenario:
+        yield scenario
 
 
 def start(sc: Scenario, name: str, state: str | None = None):

@@ -7,6 +7,7 @@ fires on the wall clock; replay (watermark clock over the same time-ordered file
 as late either. Both then assign every event to trigger floor((t - window_start) / (window / T))
 + 1 and, with the same config and secret, must publish the same releases.
 """
+import contextlib
 import io
 import json
 import os
@@ -224,12 +225,21 @@ def assert_no_conflicting_releases(records: list[dict], exactly_once: bool = Tru
         assert len(seen) == len(records), f"{len(records) - len(seen)} releases delivered twice"
 
 
+@contextlib.contextmanager
+def running(tmp_path, broker):
+    """A scenario whose workers are stopped at the end."""
+    sc = Scenario(tmp_path, broker)
+    try:
+        yield sc
+    finally:
+        for w in sc.workers:
+            w.stop()
+
+
 @pytest.fixture
 def scenario(tmp_path, broker):
-    sc = Scenario(tmp_path, broker)
-    yield sc
-    for w in sc.workers:
-        w.stop()
+    with running(tmp_path, broker) as sc:
+        yield sc
 
 
 def test_worker_releases_equal_replay_dead_letters_and_metrics(scenario):
