@@ -14,7 +14,7 @@ import time
 import pytest
 
 from tests.conftest import ROOT, TEST_SECRET_HEX
-from tests.test_kafka_worker import (  # noqa: F401 - the fixture
+from tests.test_kafka_worker import LATENESS_S, Scenario, running
     LATENESS_S,
     Scenario,
     scenario,
