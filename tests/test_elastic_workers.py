@@ -15,10 +15,6 @@ import pytest
 
 from tests.conftest import ROOT, TEST_SECRET_HEX
 from tests.test_kafka_worker import LATENESS_S, Scenario, running
-    LATENESS_S,
-    Scenario,
-    scenario,
-)
 
 
 def group_args(name: str) -> tuple:
