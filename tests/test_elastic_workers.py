@@ -145,3 +145,32 @@ def test_group_assignment_refuses_at_least_once_and_static_workers(tmp_path):
     assert out.returncode != 0 and "--delivery" in out.stderr
     out = subprocess.run(base + ["--workers", "3"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert out.returncode != 0 and "--workers" in out.stderr
+
+
+def test_a_worker_killed_mid_stream_hands_over_through_its_changelogs(sc):
+    """Two workers share the stream; one is SIGKILLed while it is being produced (its last
+    transaction left open), the other takes its partitions over once the broker aborted that
+    transaction, and the killed one comes back on its volume and gains some partitions again.
+    Releases: replay's, each once (no user counted past C on two owners, no release twice)."""
+    import threading
+
+    a, b = start(sc, "a"), start(sc, "b")
+    a.wait_ready()
+    b.wait_ready()
+    wait_owned([a, b], 8)
+    sc.write_events(200_000, users=20_000, keys=200, lead_s=50)
+    producing = threading.Thread(target=sc.produce_events)
+    producing.start()
+    deadline = time.time() + 60
+    while time.time() < deadline and not 0 < b.metric("dpstream_events_in_total", query=sc.query):
+        time.sleep(0.02)
+    b.proc.send_signal(signal.SIGKILL)
+    b.proc.wait()
+    producing.join()
+    time.sleep(3)
+    b2 = start(sc, "b", state="b")  # its volume, its instance id: fences its earlier incarnation
+    b2.wait_ready()
+    wait_owned([a, b2], 8, timeout=90)
+    assert time.time() < sc.window_start / 1000, "the hand-overs must be done before the window starts"
+    sleep_until(sc.window_start / 1000 + sc.window_s + LATENESS_S + 3)
+    sc.assert_published_equal(sc.replay())

@@ -61,6 +61,10 @@ log = logging.getLogger("dpstream.worker")
 DELIVERIES = ("exactly-once", "at-least-once")
 #: --assignment choices (docs/operations.md, "Elastic workers")
 ASSIGNMENTS = ("static", "group")
+#: elastic workers: a transaction left open by a killed worker holds its partitions' new owner
+#: (stable offsets, the changelog's end) until the broker aborts it after this long (Kafka
+#: Streams uses 10 s under exactly-once); every transaction must finish within it
+GROUP_TRANSACTION_TIMEOUT_MS = 15_000
 #: the stages whose locks a rebalance takes, in this order (never another: no deadlock)
 STAGE_ROLES = ("stage1", "stage2", "dynamic")
 #: s a stopping worker gives Faust to shut down before the process exits anyway (non-zero)
@@ -181,7 +185,8 @@ def build_app(s: WorkerSettings) -> faust.App:
         previous incarnation of this worker (its open transactions abort)."""
         for role in roles:
             if group:  # one id per worker instance: a restarted pod fences its earlier incarnation
-                publishers[role] = KafkaPublisher(broker, {"message.max.bytes": CHANGELOG_MAX_BYTES + 1024 * 1024},
+                publishers[role] = KafkaPublisher(broker, {"message.max.bytes": CHANGELOG_MAX_BYTES + 1024 * 1024,
+                                                           "transaction.timeout.ms": GROUP_TRANSACTION_TIMEOUT_MS},
                                                   transactional_id=f"{s.app_id}-{s.instance_id}-{role}", timeout=s.broker_timeout)
             elif exactly_once:
                 publishers[role] = KafkaPublisher(broker, transactional_id=f"{s.app_id}-{s.ownership.index}-{role}",
