@@ -16,6 +16,8 @@ alternation, ``--repeats`` times each:
   away: every event is on time (none late, none ``future`` against its Kafka timestamp) and no
   trigger fires during the measurement (trigger cost is ``bench scaling``'s subject). The run
   fails if the worker dropped anything but contributions over the bound;
+* worker, ``--assignment group``: the same with elastic workers' changelogs (every state write
+  also goes to a changelog topic in the batch's transaction);
 * workers (``--workers N``, default 2): N worker processes with one app id, worker i owning
   partitions p % N == i (what N replicas of the Helm chart run), started together and timed
   from when all are ready until their summed metrics show every admitted record accumulated.
@@ -121,7 +123,8 @@ def _metrics(port: int) -> dict:
     out = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            out[s.name] = out.get(s.name, 0.0) + s.value if s.name.endswith("_total") else s.value
+            summed = s.name.endswith("_total") or s.name == "dpstream_partitions_owned"  # over their labels
+            out[s.name] = out.get(s.name, 0.0) + s.value if summed else s.value
             if s.name == "dpstream_events_dropped_total":
                 out[f"dropped:{s.labels['reason']}"] = out.get(f"dropped:{s.labels['reason']}", 0.0) + s.value
     return out
@@ -173,7 +176,8 @@ def run_kafka_bench(broker: str, users: int, keys: int, repeats: int, partitions
                                f"    window: {window_days}d\n    triggers: 1\n    contribution_bound: 32\n    epsilon: 6\n    delta: 1.0e-9\n")
         key_file = Path(tmp) / "noise.key"
         key_file.write_bytes(os.urandom(32))  # a throwaway secret: nothing here is published
-        runs = ({"confluent_default": [], "confluent_tuned": [], "aiokafka_getmany": [], "worker": [], "worker_at_least_once": []}
+        runs = ({"confluent_default": [], "confluent_tuned": [], "aiokafka_getmany": [], "worker": [], "worker_at_least_once": [],
+                 "worker_group": []}
                 if baselines else {"worker": []})
         scaled = f"workers_{workers}"
         if workers > 1:
@@ -184,8 +188,9 @@ def run_kafka_bench(broker: str, users: int, keys: int, repeats: int, partitions
                 runs["confluent_tuned"].append(baseline_rate(broker, topic, n, tuned=True))
                 runs["aiokafka_getmany"].append(aiokafka_rate(broker, topic, n))
             trials = [("worker", 1, ())]  # exactly-once delivery, the default
-            if baselines:  # what the transactions cost, in the same run
+            if baselines:  # what the transactions cost, and the changelogs of elastic workers, in the same run
                 trials.append(("worker_at_least_once", 1, ("--delivery", "at-least-once")))
+                trials.append(("worker_group", 1, ("--assignment", "group")))
             if workers > 1:
                 trials.append((scaled, workers, ()))
             for name, count, extra in trials:
@@ -205,6 +210,7 @@ def run_kafka_bench(broker: str, users: int, keys: int, repeats: int, partitions
         "ratio_to_confluent_tuned": medians["worker"] / medians["confluent_tuned"],
         "ratio_to_aiokafka_getmany": medians["worker"] / medians["aiokafka_getmany"],
         "ratio_exactly_once_to_at_least_once": medians["worker"] / medians["worker_at_least_once"],
+        "ratio_group_to_static": medians["worker_group"] / medians["worker"],
     }
     if workers > 1:
         result["workers"] = workers
@@ -214,7 +220,8 @@ def run_kafka_bench(broker: str, users: int, keys: int, repeats: int, partitions
           f"{medians['aiokafka_getmany']:,.0f}. Worker / confluent: {result['ratio_to_confluent_default']:.2f} / "
           f"{result['ratio_to_confluent_tuned']:.2f}; worker / aiokafka: {result['ratio_to_aiokafka_getmany']:.2f}; "
           f"exactly-once / at-least-once: {result['ratio_exactly_once_to_at_least_once']:.2f} "
-          f"({medians['worker_at_least_once']:,.0f} events/s at least once)"
+          f"({medians['worker_at_least_once']:,.0f} events/s at least once); --assignment group (changelogs) / static: "
+          f"{result['ratio_group_to_static']:.2f} ({medians['worker_group']:,.0f} events/s)"
           + (f"; {workers} worker processes together {medians[scaled]:,.0f} events/s, "
              f"{result[f'ratio_{scaled}_to_aiokafka_getmany']:.2f} of aiokafka" if workers > 1 else ""), file=sys.stderr)
     if json_path:
@@ -233,11 +240,12 @@ def _start_workers(broker: str, config_path: str, key_file: str, partitions: int
     app_id = f"dpstream-bench-{uuid.uuid4().hex[:8]}"
     env = {**os.environ, "DPSTREAM_NOISE_KEY_FILE": key_file}
     procs = []
+    group = "group" in extra  # elastic workers: the consumer group assigns, each has an instance id
     for i, port in enumerate(ports):
+        layout = ["--instance-id", f"w{i}"] if group else ["--worker-index", str(i), "--workers", str(workers)]
         cmd = [sys.executable, "-m", "processor.cli", "worker", "--config", config_path, "--broker", broker,
                "--state-dir", str(state / f"w{i}"), "--partitions", str(partitions), "--web-port", str(port),
-               "--web-host", "127.0.0.1", "--app-id", app_id, "--worker-index", str(i), "--workers", str(workers),
-               "--log-level", "warn", *extra]
+               "--web-host", "127.0.0.1", "--app-id", app_id, *layout, "--log-level", "warn", *extra]
         log = open(state / f"worker{i}.log", "wb")
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
     pending = set(range(workers))
@@ -251,6 +259,11 @@ def _start_workers(broker: str, config_path: str, key_file: str, partitions: int
                         pending.discard(i)
             except OSError:
                 pass
+        time.sleep(0.05)
+    while group:  # timed from when the group has assigned (and restored) every input and repartition partition
+        owned = sum(_metrics(port).get("dpstream_partitions_owned", 0) for port in ports)
+        if owned >= 2 * partitions:
+            break
         time.sleep(0.05)
     return procs, ports
 
