@@ -159,11 +159,20 @@ def test_a_worker_killed_mid_stream_hands_over_through_its_changelogs(sc):
     b.wait_ready()
     wait_owned([a, b], 8)
     sc.write_events(200_000, users=20_000, keys=200, lead_s=50)
-    producing = threading.Thread(target=sc.produce_events)
+    lines = sc.events.read_bytes().splitlines()
+
+    def produce_slowly():  # over about 5 s, so that the kill lands while it goes on
+        for i in range(0, len(lines), 10_000):
+            produce_lines(sc, lines[i:i + 10_000])
+            time.sleep(0.25)
+
+    producing = threading.Thread(target=produce_slowly)
     producing.start()
-    deadline = time.time() + 60
-    while time.time() < deadline and not 0 < b.metric("dpstream_events_in_total", query=sc.query):
+    deadline = time.time() + 60  # b is at work (stage 1 or stage 2, whichever it owns) when it is killed
+    while time.time() < deadline and not 0 < b.metric("dpstream_events_in_total", query=sc.query) + b.metric(
+            "dpstream_records_accumulated_total", query=sc.query):
         time.sleep(0.02)
+    assert producing.is_alive(), "the kill must land while the stream is produced"
     b.proc.send_signal(signal.SIGKILL)
     b.proc.wait()
     producing.join()

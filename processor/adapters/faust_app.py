@@ -215,11 +215,13 @@ def build_app(s: WorkerSettings) -> faust.App:
             None, lambda: publishers[role].send(batch, s.broker_timeout, offsets=offsets, group=meta))
         status["acknowledged"] = time.monotonic()
 
-    async def transact(role: str, sources, messages, offsets: Optional[dict] = None) -> None:
+    async def transact(role: str, sources, messages, offsets: Optional[dict] = None, fence: bool = True) -> None:
         """Elastic workers, the role's lock held: ``messages``, every change the stores of
         ``sources`` made since their last transaction (their changelog records) and their consumer
         offsets, in one transaction; then each store's checkpoint (docs/operations.md, "Elastic
-        workers"). A worker that lost one of these partitions in a rebalance cannot commit it."""
+        workers"). A worker that lost one of these partitions in a rebalance cannot commit it.
+        ``fence=False``: no consumer offsets, for the changes a worker makes while the group waits
+        on it (gaining or giving up a partition), which no other worker can own meanwhile."""
         from confluent_kafka import TopicPartition
 
         worker: DpstreamWorker = status["worker"]
@@ -228,7 +230,8 @@ def build_app(s: WorkerSettings) -> faust.App:
             return
         at = {(src.topic, src.partition): src.last_offset + 1 for src in sources}
         at.update(offsets or {})
-        await send_now(list(messages) + changes, role, [TopicPartition(t, p, max(0, o)) for (t, p), o in at.items()])
+        tps = [TopicPartition(t, p, max(0, o)) for (t, p), o in at.items()] if fence else None
+        await send_now(list(messages) + changes, role, tps)
         worker.checkpoint(taken, publishers[role].acknowledged, int(time.time() * 1000))
 
     async def publish(fired: list[FiredTrigger]) -> None:
@@ -557,6 +560,9 @@ def build_app(s: WorkerSettings) -> faust.App:
                     await ch.send(value=[(t, p, records, source) for (t, p), (source, records) in self.pending[ch].items()])
                     self.pending[ch], self.counts[ch], self.firsts[ch] = {}, 0, None
 
+    def role_of(worker: DpstreamWorker, key) -> str:
+        return "stage1" if key in worker.stage1 else "stage2" if key in worker.stage2 else "dynamic"
+
     def channel_of(worker: DpstreamWorker, key):
         return stage1_in if key in worker.stage1 else stage2_in if key in worker.stage2 else dynamic_in
 
@@ -626,6 +632,12 @@ def build_app(s: WorkerSettings) -> faust.App:
                     log.error("%s: the group committed offset %d, but the restored state has read only to %d: its changelog "
                               "lost records", src.name, committed[key], src.last_offset)
                 owned[key] = (channel_of(worker, key), src)
+            # what opening them wrote (noise and topic-id marks) goes to their changelogs now, so
+            # that their stores stay at a checkpoint (an incremental restore when they come back)
+            for role in STAGE_ROLES:
+                mine = [src for src in gained if role_of(worker, (src.topic, src.partition)) == role]
+                async with lock(role):
+                    await transact(role, mine, [], fence=False)
             log.info("gained %d partitions: %s", len(keys), ", ".join(f"{t}-{p}" for t, p in keys))
             status["answered"] = time.monotonic()  # it did, all along the restore
             set_state("ready")
@@ -640,10 +652,16 @@ def build_app(s: WorkerSettings) -> faust.App:
                         continue
                     source = entry[1]
                     # what its store wrote since its last transaction goes out before it moves
-                    role = "stage1" if key in worker.stage1 else "stage2" if key in worker.stage2 else "dynamic"
+                    role = role_of(worker, key)
                     # a send its (cancelled) agent left running finishes first
                     await loop.run_in_executor(None, publishers[role].wait_idle)
-                    await transact(role, [source], [])
+                    try:
+                        # only what the worker wrote on gaining it is not on the changelog yet
+                        # (every batch and trigger goes out with its changes): while the group
+                        # waits on this hand-over, no offsets (the coordinator may not take them now)
+                        await transact(role, [source], [], fence=False)
+                    except Exception as exc:  # noqa: BLE001 - its next owner rebuilds the store in full
+                        log.warning("%s: its last changes were not sent (%s); its next owner restores it in full", source.name, exc)
                     worker.remove_source(*key)
             log.info("gave up %d partitions: %s", len(keys), ", ".join(f"{t}-{p}" for t, p in keys))
 
