@@ -62,10 +62,15 @@ def sleep_until(t: float) -> None:
     time.sleep(max(0.0, t - time.time()))
 
 
-def test_scaling_one_three_two_in_the_middle_of_a_window_releases_what_replay_does(sc):
+def test_scaling_one_three_two_in_the_middle_of_a_window_releases_what_replay_does(tmp_path, broker):
     """1 worker takes in half the stream, 2 more join (its partitions and their state move to
     them), the other half arrives, and one of the three leaves after the window's first trigger
     fired (its partitions move again, pending micro-batches and journals with them)."""
+    with running(tmp_path, broker, window_s=24) as sc:  # a trigger every 6 s: time to move between them
+        scale_one_three_two(sc)
+
+
+def scale_one_three_two(sc: Scenario) -> None:
     a = start(sc, "a").wait_ready()
     sc.write_events(30_000, users=3_000, keys=80, lead_s=45)
     lines = sc.events.read_bytes().splitlines()
@@ -77,8 +82,12 @@ def test_scaling_one_three_two_in_the_middle_of_a_window_releases_what_replay_do
     wait_owned([a, b, c], 8)  # 4 input and 4 repartition partitions over three workers
     produce_lines(sc, lines[15_000:])
     assert time.time() < sc.window_start / 1000, "the whole stream must be produced before the window starts"
-    # after the first trigger (its fire time, the lateness, the watermark delay): c leaves
-    sleep_until(sc.window_start / 1000 + sc.window_s / sc.triggers + LATENESS_S + 3)
+    # once the window's first trigger has fired on every repartition partition: c leaves, its
+    # stage-2 partitions (journals, published marks, pending micro-batches) move again
+    deadline = sc.window_start / 1000 + sc.window_s - 2
+    while time.time() < deadline and sum(w.metric("dpstream_triggers_fired_total", query=sc.query) for w in (a, b, c)) < 4:
+        time.sleep(0.2)
+    assert time.time() < deadline, "the first trigger did not fire in time"
     c.stop()
     assert c.proc.returncode == 0
     wait_owned([a, b], 8)

@@ -226,9 +226,9 @@ def assert_no_conflicting_releases(records: list[dict], exactly_once: bool = Tru
 
 
 @contextlib.contextmanager
-def running(tmp_path, broker):
+def running(tmp_path, broker, **options):
     """A scenario whose workers are stopped at the end."""
-    sc = Scenario(tmp_path, broker)
+    sc = Scenario(tmp_path, broker, **options)
     try:
         yield sc
     finally:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from typing import Awaitable, Callable, Optional
 
@@ -62,7 +63,8 @@ class GroupConsumer:
 
         self.loop = loop
         self.broker, self.group_id = broker, group_id
-        self._offsets = None  # the client committed() asks with
+        self._side = None  # see _side_client
+        self._side_lock = threading.Lock()
         self.on_gain, self.on_lose = on_gain, on_lose
         self.stopping = False
         self.failure: Optional[BaseException] = None  # raised by the next fetch
@@ -144,10 +146,13 @@ class GroupConsumer:
         before the broker was asked: every record appended before that time is below it."""
         from confluent_kafka import TopicPartition
 
+        # asked by a client that does not fetch: the member's own client would queue each
+        # question behind its fetch long-poll (about 0.5 s per partition)
+        side = self._side_client()
         out = {}
         for key in keys:
             asked = int(time.time() * 1000)
-            out[key] = (self.consumer.get_watermark_offsets(TopicPartition(*key), timeout=timeout, cached=False)[1], asked)
+            out[key] = (side.get_watermark_offsets(TopicPartition(*key), timeout=timeout, cached=False)[1], asked)
         return out
 
     def committed(self, keys: list[Key], timeout: float = 60.0) -> dict[Key, int]:
@@ -156,15 +161,22 @@ class GroupConsumer:
         until every transaction that sent offsets for these partitions has committed or aborted,
         so once it returns, a previous owner's last transaction is settled, its changelog records
         appended and marked, before the new owner reads the changelog to its end."""
-        from confluent_kafka import Consumer, TopicPartition
+        from confluent_kafka import TopicPartition
 
         # asked by a client of its own, which never joins the group: the member's own client is
         # inside its rebalance callback, and its offset requests wait for that to end
-        if self._offsets is None:
-            self._offsets = Consumer({"bootstrap.servers": self.broker, "group.id": self.group_id,
-                                      "isolation.level": "read_committed", "enable.auto.commit": False, **client_security()})
-        got = self._offsets.committed([TopicPartition(*k) for k in keys], timeout=timeout)
+        got = self._side_client().committed([TopicPartition(*k) for k in keys], timeout=timeout)
         return {(tp.topic, tp.partition): tp.offset for tp in got}
+
+    def _side_client(self):
+        """A client of the group's id that never joins it nor fetches: for questions to the broker."""
+        from confluent_kafka import Consumer
+
+        with self._side_lock:
+            if self._side is None:
+                self._side = Consumer({"bootstrap.servers": self.broker, "group.id": self.group_id,
+                                       "isolation.level": "read_committed", "enable.auto.commit": False, **client_security()})
+            return self._side
 
     def ping(self, timeout: float = 5.0) -> dict:
         """Blocking: ask the broker for the cluster's metadata (raises if it does not answer)."""
@@ -180,5 +192,5 @@ class GroupConsumer:
         without waiting for the session timeout."""
         self.consumer.close()
         self.stopping = True
-        if self._offsets is not None:
-            self._offsets.close()
+        if self._side is not None:
+            self._side.close()
