@@ -85,11 +85,14 @@ class GroupConsumer:
             **client_security(),
         })
         self.consumer.subscribe(topics, on_assign=self._assigned, on_revoke=self._revoked, on_lost=self._revoked)
+        self._metadata = self.consumer.consumer_group_metadata()  # before any poll: no callback runs yet
+        self._positions: dict[Key, int] = {}
 
     # -- rebalance callbacks: in the poll thread, handed to the event loop
     def _assigned(self, consumer, partitions) -> None:
         from confluent_kafka import TopicPartition
 
+        self._refresh_metadata()
         if self.stopping or not partitions:
             return
         keys = [(tp.topic, tp.partition) for tp in partitions]
@@ -101,6 +104,7 @@ class GroupConsumer:
         consumer.incremental_assign([TopicPartition(t, p, offsets[(t, p)]) for t, p in keys])
 
     def _revoked(self, consumer, partitions) -> None:
+        self._refresh_metadata()
         if self.stopping or not partitions:
             return
         keys = [(tp.topic, tp.partition) for tp in partitions]
@@ -115,7 +119,10 @@ class GroupConsumer:
         from confluent_kafka import KafkaError
 
         out: dict[Key, list[ConsumedRecord]] = {}
-        for msg in self.consumer.consume(max_records, timeout):
+        msgs = self.consumer.consume(max_records, timeout)
+        self._refresh_metadata()
+        self._positions = {(tp.topic, tp.partition): tp.offset for tp in self.consumer.position(self.consumer.assignment())}
+        for msg in msgs:
             err = msg.error()
             if err is not None:
                 if err.code() in (KafkaError._AUTO_OFFSET_RESET, KafkaError.OFFSET_OUT_OF_RANGE):
@@ -135,10 +142,9 @@ class GroupConsumer:
         return fetched
 
     def position(self, key: Key) -> Optional[int]:
-        """The consumer's position (past transaction markers), None if unknown."""
-        from confluent_kafka import TopicPartition
-
-        offset = self.consumer.position([TopicPartition(*key)])[0].offset
+        """The consumer's position (past transaction markers) after the last poll, None if
+        unknown (kept by the poll thread: see :meth:`_refresh_metadata`)."""
+        offset = self._positions.get(key, -1)
         return offset if offset >= 0 else None
 
     def log_ends(self, keys: list[Key], timeout: float = 5.0) -> dict[Key, tuple[int, int]]:
@@ -183,8 +189,16 @@ class GroupConsumer:
         self.consumer.list_topics(timeout=timeout)
         return {}
 
+    def _refresh_metadata(self) -> None:
+        """In the poll thread only: librdkafka answers there at once, also inside a rebalance
+        callback, while a call from another thread waits until the callback has returned (and
+        ours waits on the event loop: a deadlock)."""
+        self._metadata = self.consumer.consumer_group_metadata()
+
     def group_metadata(self):
-        return self.consumer.consumer_group_metadata()
+        """The group metadata (member id, generation) as of the last poll or rebalance callback,
+        for the transactions' consumer offsets."""
+        return self._metadata
 
     def close(self) -> None:
         """Blocking (off the event loop: the hand-over of the partitions runs on it). Leave the
