@@ -6,7 +6,9 @@ the timer that fires triggers on the fixed schedule, and the web server for ``/h
 
 Records reach the agents in batches, from an aiokafka consumer (Faust's own Kafka client) that
 the app runs with static partition assignment (worker i of N owns partitions p % N == i; see
-:mod:`processor.adapters.worker`). Faust's per-event stream path was measured at 13k events/s on this
+:mod:`processor.adapters.worker`), or, with ``--assignment group``, from a consumer group member
+(:mod:`processor.adapters.consumer_group`) whose gained partitions are restored from their
+changelogs before they are read (docs/operations.md, "Elastic workers"). Faust's per-event stream path was measured at 13k events/s on this
 machine against 587k/s for aiokafka's ``getmany``, so one channel message carries a batch: the
 records of every owned partition of a stage fetched within ``--batch-linger`` (or up to
 ``--fetch-records``), sent on with one acknowledgement wait (docs/operations.md, "Batches").

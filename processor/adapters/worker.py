@@ -5,7 +5,13 @@ the messages this returns, waits for the broker to acknowledge them, and only th
 state write this prepared. Everything DP happens in :class:`processor.engine.pipeline.QueryPipeline`,
 the same code ``dpstream replay`` and the benchmarks run.
 
-Partitions and state (docs/operations.md, "Partitions and state"; docs/privacy.md, "Failures"). Worker ``i`` of ``N`` owns partition ``p``
+Partitions and state (docs/operations.md, "Partitions and state"; docs/privacy.md, "Failures").
+Elastic workers (``--assignment group``; docs/operations.md, "Elastic workers") own what the
+consumer group assigns instead: :meth:`DpstreamWorker.restore` rebuilds a gained partition's store
+from its changelog, :meth:`DpstreamWorker.add_source` and :meth:`DpstreamWorker.remove_source`
+take partitions on and off, and every store's changes go out as changelog records
+(:meth:`DpstreamWorker.changelog_messages`) in the transaction of the outputs they belong to.
+The rest of this paragraph is static ownership. Worker ``i`` of ``N`` owns partition ``p``
 of every topic it reads when ``p % N == i``: the input topic's partitions for stage 1 (by user)
 and the repartition topics' partitions for stage 2 (by key). Ownership is static, like the pods
 of the StatefulSet whose volumes hold the RocksDB state, so a partition's state never has to
