@@ -195,6 +195,12 @@ class GroupConsumer:
         ours waits on the event loop: a deadlock)."""
         self._metadata = self.consumer.consumer_group_metadata()
 
+    async def metadata_after(self, old, timeout: float = 10.0) -> None:
+        """Until the poll thread has read the group metadata again (after a rebalance)."""
+        deadline = time.monotonic() + timeout
+        while self._metadata is old and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
     def group_metadata(self):
         """The group metadata (member id, generation) as of the last poll or rebalance callback,
         for the transactions' consumer offsets."""

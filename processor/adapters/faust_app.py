@@ -43,6 +43,7 @@ from processor.config import DpstreamConfig
 from topics.kafka import (
     CHANGELOG_MAX_BYTES,
     CHANGELOG_TOPIC_CONFIG,
+    DeliveryError,
     KafkaPublisher,
     TopicSpec,
     aiokafka_security,
@@ -67,6 +68,8 @@ ASSIGNMENTS = ("static", "group")
 #: (stable offsets, the changelog's end) until the broker aborts it after this long (Kafka
 #: Streams uses 10 s under exactly-once); every transaction must finish within it
 GROUP_TRANSACTION_TIMEOUT_MS = 15_000
+#: times a transaction refused for an old group generation is sent again (elastic workers)
+GENERATION_RETRIES = 5
 #: the stages whose locks a rebalance takes, in this order (never another: no deadlock)
 STAGE_ROLES = ("stage1", "stage2", "dynamic")
 #: s a stopping worker gives Faust to shut down before the process exits anyway (non-zero)
@@ -212,9 +215,22 @@ def build_app(s: WorkerSettings) -> faust.App:
         if not batch:
             return
         consumer = status["consumer"]
-        meta = consumer.group_metadata() if offsets else None
-        await asyncio.get_running_loop().run_in_executor(
-            None, lambda: publishers[role].send(batch, s.broker_timeout, offsets=offsets, group=meta))
+        for attempt in range(GENERATION_RETRIES + 1):
+            meta = consumer.group_metadata() if offsets else None
+            try:
+                await asyncio.get_running_loop().run_in_executor(
+                    None, lambda: publishers[role].send(batch, s.broker_timeout, offsets=offsets, group=meta))
+                break
+            except DeliveryError as exc:
+                # the group metadata is read by the poll thread (consumer_group.py): a rebalance
+                # may have moved the generation since. The member is still in the group, and no
+                # partition of ours can have moved: its hand-over waits for the lock we hold. So
+                # the transaction (aborted) goes again with the new generation. An unknown member
+                # (dropped from the group: its partitions may be another's now) is never retried
+                if not offsets or "ILLEGAL_GENERATION" not in str(exc) or attempt == GENERATION_RETRIES:
+                    raise
+                log.info("a rebalance moved the group's generation during a transaction: sending it again")
+                await consumer.metadata_after(meta)
         status["acknowledged"] = time.monotonic()
 
     async def transact(role: str, sources, messages, offsets: Optional[dict] = None, fence: bool = True) -> None:
