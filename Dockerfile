@@ -19,6 +19,7 @@ COPY accountant ./accountant
 COPY processor ./processor
 COPY state ./state
 COPY topics ./topics
+COPY dpstream ./dpstream
 RUN /opt/dpstream/bin/pip install --no-cache-dir -c constraints.txt . \
  && /opt/dpstream/bin/dpstream --help > /dev/null
 

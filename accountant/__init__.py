@@ -3,7 +3,7 @@
 Nothing else in dpstream re-derives a formula; the pipeline asks :func:`plan_levels`
 (one plan per level of a hierarchical query; :func:`plan_query` for a flat one).
 """
-from accountant.calibration import (
+from dpstream.accountant.calibration import (
     cks_delta,
     cks_epsilon,
     cks_rho,
@@ -11,7 +11,7 @@ from accountant.calibration import (
     prefix_variance_factor,
     read_levels,
 )
-from accountant.plan import (
+from dpstream.accountant.plan import (
     BudgetError,
     PrivacyPlan,
     QueryBudget,

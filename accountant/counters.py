@@ -1,7 +1,7 @@
 """Calibration of continual counters: what the accountant needs to know about a counter.
 
 A continual counter releases noisy prefix sums of one stream over steps 1..T from discrete
-Gaussian noise of scale sigma (processor.mechanisms.counters). For the privacy argument and the
+Gaussian noise of scale sigma (dpstream.processor.mechanisms.counters). For the privacy argument and the
 thresholds the accountant needs these functions of the counter, and no more (docs/privacy.md,
 "Accounting" and "Counters"):
 
@@ -30,10 +30,10 @@ from typing import Callable
 
 import numpy as np
 
-from accountant.calibration import prefix_variance_factor, read_levels, tree_levels
+from dpstream.accountant.calibration import prefix_variance_factor, read_levels, tree_levels
 
 #: Lattice counters put their noise on the grid ``unit / K`` with K the largest power of two
-#: keeping the sampler's scale ``sigma_units * K`` at most this (processor.mechanisms.noise).
+#: keeping the sampler's scale ``sigma_units * K`` at most this (dpstream.processor.mechanisms.noise).
 LATTICE_TARGET_SIGMA = 65536.0
 
 
@@ -65,7 +65,7 @@ def lattice_scale(sigma_units: float) -> int:
     """K: the largest power of two with ``sigma_units * K <= LATTICE_TARGET_SIGMA`` (at least 1).
 
     The lattice step ``1 / K`` (in grid units) is then below ``2 sigma_units / LATTICE_TARGET_SIGMA``,
-    the bound the accountant uses for the slack, whatever the grid (accountant.plan)."""
+    the bound the accountant uses for the slack, whatever the grid (dpstream.accountant.plan)."""
     k = 1
     while sigma_units * (2 * k) <= LATTICE_TARGET_SIGMA:
         k *= 2
@@ -91,7 +91,7 @@ BLT_NOISE_BITS = 23
 @dataclass(frozen=True)
 class BLTParameters:
     """The shipped BLT encoder for a horizon: ``c_0 = 1``, ``c_m = sum_k omega_k theta_k^(m-1)``,
-    theta and omega exact dyadic fractions ``x / 2^bits`` (accountant.blt_parameters)."""
+    theta and omega exact dyadic fractions ``x / 2^bits`` (dpstream.accountant.blt_parameters)."""
 
     horizon: int
     bits: int
@@ -120,7 +120,7 @@ class BLTParameters:
 
 def blt_parameters(T: int) -> BLTParameters:
     """The fit for the smallest fitted horizon >= T (the largest one beyond it)."""
-    from accountant.blt_parameters import BITS, FITS
+    from dpstream.accountant.blt_parameters import BITS, FITS
 
     horizons = sorted(FITS)
     horizon = next((h for h in horizons if h >= T), horizons[-1])
@@ -152,7 +152,7 @@ def _blt_tables(T: int):
         r[t] = (1.0 if t == 0 else 0.0) - float(omega @ buf)
     R = np.cumsum(r)
     variances = np.cumsum(R * R) * _SAFE
-    # |rounding part of w_t| <= 1/2 + e per step (processor.mechanisms.counters.BLTCounter):
+    # |rounding part of w_t| <= 1/2 + e per step (dpstream.processor.mechanisms.counters.BLTCounter):
     # its effect on the prefix at t is at most (1/2 + e) * sum_{j<t} |R_j|
     bias = (0.5 + _blt_feedback_error(p)) * np.cumsum(np.abs(R)) * _SAFE
     return float(np.sum(c * c)) * _SAFE, float(np.sum(np.abs(c))) * _SAFE, variances, bias
@@ -172,7 +172,7 @@ def _blt_slack(T: int) -> float:
     return 1.0 + 2.0 * _blt_feedback_error(blt_parameters(T))
 
 
-#: The BLT counter with 3 buffers (processor.mechanisms.counters.BLTCounter): its state is the 3
+#: The BLT counter with 3 buffers (dpstream.processor.mechanisms.counters.BLTCounter): its state is the 3
 #: buffers and the running prefix of the noise, 4 numbers per stream at any T.
 BLT = CounterCalibration(
     "blt",

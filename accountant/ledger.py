@@ -30,7 +30,7 @@ import threading
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from state.store import Store, WriteBatch
+from dpstream.state.store import Store, WriteBatch
 
 ENTRY = b"L"
 CHARGE = b"C"

@@ -40,7 +40,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from accountant.calibration import (
+from dpstream.accountant.calibration import (
     cks_delta,
     cks_epsilon,
     cks_rho,
@@ -49,7 +49,7 @@ from accountant.calibration import (
     gdp_mu,
     tail_multiplier,
 )
-from accountant.counters import (
+from dpstream.accountant.counters import (
     BINARY_TREE,
     LATTICE_TARGET_SIGMA,
     counter_calibration,
@@ -58,7 +58,7 @@ from accountant.counters import (
 )
 
 #: Upper bound on the total-variation distance between one node's sampled integer noise and the
-#: exact discrete Gaussian. The sampler (processor.mechanisms.noise) asserts its tables meet it.
+#: exact discrete Gaussian. The sampler (dpstream.processor.mechanisms.noise) asserts its tables meet it.
 SAMPLER_TV_BOUND = 2.0 ** -100
 #: Largest noise scale, in grid units, the table sampler accepts (table of ~24 sigma entries).
 MAX_SAMPLER_SIGMA = 131072.0
@@ -76,7 +76,7 @@ DEFAULT_BETA_DELTA_SHARE = 1.0 / 3.0
 GDP_DISCRETE_MARGIN = 1e-3
 GDP_CONVERSION = "mu-GDP -> (eps, delta): Dong-Roth-Su 2022 Cor. 2.13 (exact for Gaussian parts)"
 
-#: what one record adds to a perturbed column (processor.mechanisms.aggregates): 1, or its value
+#: what one record adds to a perturbed column (dpstream.processor.mechanisms.aggregates): 1, or its value
 ONE, VALUE = "one", "value"
 
 
@@ -108,7 +108,7 @@ class QueryBudget:
     #: what one record adds to each perturbed column, one tree per column: ONE (1: a count) or
     #: VALUE (the clamped value: bound L); None: from ``aggregate`` (count: ONE, sum: VALUE)
     columns: Optional[tuple] = None
-    #: the continual counter behind key selection and perturbation (accountant.counters:
+    #: the continual counter behind key selection and perturbation (dpstream.accountant.counters:
     #: "tree" or "binary_tree", "blt")
     counter: str = "binary_tree"
     #: c_k: records a user may add to one key (None: up to C). Stage 1 enforces 1 (the user's
@@ -159,11 +159,11 @@ class PrivacyPlan:
     level: int = 1  # which level of a hierarchical query this plan calibrates (1 = coarsest)
     levels: int = 1  # the query's hierarchy depth (named ``levels`` in plans and their fingerprints)
     level_share: float = 1.0  # this level's share of the query's budget
-    #: an aggregate of several columns (processor.mechanisms.aggregates): per column (kind,
+    #: an aggregate of several columns (dpstream.processor.mechanisms.aggregates): per column (kind,
     #: sigma, sigma in grid units, grid step); the fields above describe the first column.
     #: None for one column (then left out of the fingerprint: plans of one column keep theirs)
     columns: Optional[tuple] = None
-    #: the continual counter (accountant.counters); None: the binary tree (then left out of the
+    #: the continual counter (dpstream.accountant.counters); None: the binary tree (then left out of the
     #: fingerprint, as plans before counters were named)
     counter: Optional[str] = None
     #: ||C e_1||^2 of a counter other than the tree (the tree's is ``tree_height``); None: the tree
@@ -422,7 +422,7 @@ def plan_levels(budget: QueryBudget) -> tuple[PrivacyPlan, ...]:
                        else math.sqrt(squares * h / (2.0 * rho_k)))
         if counter.lattice:
             # one stream per (key, round) fed with unit increments, C of them per user; the
-            # rounding slack widens each (accountant.counters.slack_sigma)
+            # rounding slack widens each (dpstream.accountant.counters.slack_sigma)
             if weights is None:
                 sigma_k = slack_sigma(2.0 * rho_k / C, 1, 1.0, T, counter)
             column_sigmas = [slack_sigma(2.0 * rho_m / ncols, C, C * (budget.clamp if kind == VALUE else 1.0), T, counter,
@@ -459,7 +459,7 @@ def plan_levels(budget: QueryBudget) -> tuple[PrivacyPlan, ...]:
         _, sigma_m, sigma_m_units, _ = columns[0]
         z = tail_multiplier(budget.triggers, beta)
         # a lattice counter's prefix also carries a bounded rounding part: bias_units lattice
-        # steps, each at most 2 sigma / LATTICE_TARGET_SIGMA (accountant.counters.lattice_scale)
+        # steps, each at most 2 sigma / LATTICE_TARGET_SIGMA (dpstream.accountant.counters.lattice_scale)
         bias_step = 2.0 * sigma_k / LATTICE_TARGET_SIGMA if counter.lattice else 0.0
         plans.append(PrivacyPlan(
             epsilon=eps,

@@ -9,8 +9,8 @@ import sys
 import time
 from typing import Sequence
 
-from accountant import PrivacyPlan
-from processor.config import (
+from dpstream.accountant import PrivacyPlan
+from dpstream.processor.config import (
     ConfigError,
     QueryConfig,
     level_plans_for,
@@ -82,7 +82,7 @@ def _human_levels(query: QueryConfig, plan: PrivacyPlan) -> list[str]:
 
 
 def _column_names(query: QueryConfig) -> list[str]:
-    from processor.mechanisms.aggregates import aggregate_named
+    from dpstream.processor.mechanisms.aggregates import aggregate_named
 
     return [c.name for c in aggregate_named(query.aggregate).columns]
 
@@ -160,7 +160,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _time_arg(option: str, value):
-    from processor.config import parse_time_ms
+    from dpstream.processor.config import parse_time_ms
 
     if value is None:
         return None
@@ -171,8 +171,8 @@ def _time_arg(option: str, value):
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from processor.adapters.replay import ReplayRunner
-    from processor.mechanisms.noise import load_noise_secret
+    from dpstream.processor.adapters.replay import ReplayRunner
+    from dpstream.processor.mechanisms.noise import load_noise_secret
 
     config = load_config(args.config)
     secret = load_noise_secret(args.noise_key_file)
@@ -245,9 +245,9 @@ def _env_int(name: str, default: int) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     import logging
 
-    from processor.adapters.faust_app import WorkerSettings, run_worker
-    from processor.adapters.worker import Ownership
-    from processor.mechanisms.noise import load_noise_secret
+    from dpstream.processor.adapters.faust_app import WorkerSettings, run_worker
+    from dpstream.processor.adapters.worker import Ownership
+    from dpstream.processor.mechanisms.noise import load_noise_secret
 
     config = load_config(args.config)
     secret = load_noise_secret(args.noise_key_file)
@@ -255,7 +255,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         ownership = Ownership(args.worker_index, args.workers)
     except ValueError as exc:
         raise ConfigError(f"--worker-index: {exc}") from None
-    from processor.adapters.faust_app import ASSIGNMENTS
+    from dpstream.processor.adapters.faust_app import ASSIGNMENTS
 
     if args.assignment not in ASSIGNMENTS:
         raise ConfigError(f"--assignment: must be one of {', '.join(ASSIGNMENTS)}, got {args.assignment!r}")
@@ -277,8 +277,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
                           f"charges the same windows from the same public start, so each holds the same ledger "
                           f"(docs/privacy.md, \"Windows and budget\")")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from processor.adapters.faust_app import DELIVERIES
-    from topics.partitioner import PARTITIONERS
+    from dpstream.processor.adapters.faust_app import DELIVERIES
+    from dpstream.topics.partitioner import PARTITIONERS
 
     if args.partitioner not in PARTITIONERS:
         raise ConfigError(f"--partitioner: must be one of {', '.join(PARTITIONERS)}, got {args.partitioner!r}")
@@ -286,7 +286,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         raise ConfigError(f"--fetch-records: must be at least 1, got {args.fetch_records}")
     if args.delivery not in DELIVERIES:
         raise ConfigError(f"--delivery: must be one of {', '.join(DELIVERIES)}, got {args.delivery!r}")
-    from processor.config import parse_duration_ms
+    from dpstream.processor.config import parse_duration_ms
 
     try:
         watermark_delay = parse_duration_ms(args.watermark_delay, allow_zero=True)
@@ -315,7 +315,7 @@ so it works while the worker or a replay runs."""
 
 
 def cmd_budget(args: argparse.Namespace) -> int:
-    from processor.engine.budget import open_ledger_readonly
+    from dpstream.processor.engine.budget import open_ledger_readonly
 
     config = load_config(args.config)
     if config.budget is None:
@@ -347,8 +347,8 @@ def cmd_budget(args: argparse.Namespace) -> int:
 
 
 def cmd_produce(args: argparse.Namespace) -> int:
-    from processor.adapters.faust_app import broker_address
-    from processor.adapters.kafka_tools import file_lines, produce, synthetic_lines
+    from dpstream.processor.adapters.faust_app import broker_address
+    from dpstream.processor.adapters.kafka_tools import file_lines, produce, synthetic_lines
 
     if (args.input is None) == (args.synthetic_users is None):
         raise ConfigError("produce: give exactly one of --input or --synthetic-users")
@@ -357,7 +357,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
     else:
         start = args.start_ms if args.start_ms is not None else int(time.time() * 1000)
         lines = synthetic_lines(args.synthetic_users, args.synthetic_keys, args.seed, start, args.span_ms)
-    from topics.kafka import INPUT_TOPIC_CONFIG, TopicSpec, create_topics
+    from dpstream.topics.kafka import INPUT_TOPIC_CONFIG, TopicSpec, create_topics
 
     if args.partitions < 1:
         raise ConfigError(f"--partitions: must be at least 1, got {args.partitions}")
@@ -370,8 +370,8 @@ def cmd_produce(args: argparse.Namespace) -> int:
 
 
 def cmd_tail(args: argparse.Namespace) -> int:
-    from processor.adapters.faust_app import broker_address
-    from processor.adapters.kafka_tools import tail
+    from dpstream.processor.adapters.faust_app import broker_address
+    from dpstream.processor.adapters.kafka_tools import tail
 
     tail(broker_address(args.broker), args.topic, idle_seconds=args.idle_seconds, max_records=args.max_records,
          from_beginning=not args.latest)
@@ -379,14 +379,14 @@ def cmd_tail(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from processor.demo import run_demo
+    from dpstream.processor.demo import run_demo
 
     run_demo(users=args.users, keys=args.keys, triggers=args.triggers, seed=args.seed, epsilon=args.epsilon, output_dir=args.output_dir)
     return 0
 
 
 def cmd_bench_dpsqlp(args: argparse.Namespace) -> int:
-    from processor.bench.dpsqlp import run_dpsqlp_bench, run_dpsqlp_compare
+    from dpstream.processor.bench.dpsqlp import run_dpsqlp_bench, run_dpsqlp_compare
 
     counters = [c.strip() for c in args.counter.split(",") if c.strip()]
     bad = [c for c in counters if c not in ("tree", "blt")]
@@ -403,7 +403,7 @@ def cmd_bench_dpsqlp(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_scaling(args: argparse.Namespace) -> int:
-    from processor.bench.engine import run_scaling_bench
+    from dpstream.processor.bench.engine import run_scaling_bench
 
     run_scaling_bench(seen_small=args.small, seen_large=args.large, repeats=args.repeats, users_small=args.users_small,
                       users_large=args.users_large, json_path=args.json)
@@ -411,8 +411,8 @@ def cmd_bench_scaling(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_kafka(args: argparse.Namespace) -> int:
-    from processor.adapters.faust_app import broker_address
-    from processor.bench.kafka import (
+    from dpstream.processor.adapters.faust_app import broker_address
+    from dpstream.processor.bench.kafka import (
         run_kafka_bench,
         run_live_bench,
         run_partition_sweep,
@@ -439,8 +439,8 @@ def cmd_bench_kafka(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_restore(args: argparse.Namespace) -> int:
-    from processor.adapters.faust_app import broker_address
-    from processor.bench.restore import run_restore_bench
+    from dpstream.processor.adapters.faust_app import broker_address
+    from dpstream.processor.bench.restore import run_restore_bench
 
     if args.mb < 1:
         raise ConfigError(f"--mb: must be at least 1, got {args.mb}")
@@ -451,7 +451,7 @@ def cmd_bench_restore(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_dynamic(args: argparse.Namespace) -> int:
-    from processor.bench.dynamic import run_dynamic_bench
+    from dpstream.processor.bench.dynamic import run_dynamic_bench
 
     run_dynamic_bench(items=args.items, updates=args.updates, epsilon=args.epsilon, beta=args.beta, partition_share=args.partition_share,
                       seeds=args.seeds, json_path=args.json, plot_path=args.plot)
@@ -459,7 +459,7 @@ def cmd_bench_dynamic(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_hierarchy(args: argparse.Namespace) -> int:
-    from processor.bench.hierarchy import run_hierarchy_bench
+    from dpstream.processor.bench.hierarchy import run_hierarchy_bench
 
     run_hierarchy_bench(countries=args.countries, users=args.users, triggers=args.triggers, epsilons=args.epsilon, seed=args.seed,
                         repeats=args.repeats, json_path=args.json)
@@ -467,7 +467,7 @@ def cmd_bench_hierarchy(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from processor.bench.engine import run_engine_bench
+    from dpstream.processor.bench.engine import run_engine_bench
 
     run_engine_bench(repeats=args.repeats, nodes=args.nodes, keys=args.keys, triggers=args.triggers, json_path=args.json)
     return 0
@@ -708,9 +708,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from accountant.ledger import ChargePlanError
-    from processor.engine.pipeline import StateMismatchError
-    from processor.mechanisms.noise import NoiseSecretError
+    from dpstream.accountant.ledger import ChargePlanError
+    from dpstream.processor.engine.pipeline import StateMismatchError
+    from dpstream.processor.mechanisms.noise import NoiseSecretError
 
     try:
         args = build_parser().parse_args(argv)  # defaults from the environment are checked here

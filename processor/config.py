@@ -25,11 +25,11 @@ from pydantic import (
     model_validator,
 )
 
-from accountant import BudgetError, PrivacyPlan, QueryBudget, plan_levels, plan_query
-from accountant.dynamic import DynamicPlan
-from accountant.ledger import BudgetPolicy
-from accountant.plan import plan_fingerprint
-from processor.mechanisms.aggregates import AGGREGATES, aggregate_named
+from dpstream.accountant import BudgetError, PrivacyPlan, QueryBudget, plan_levels, plan_query
+from dpstream.accountant.dynamic import DynamicPlan
+from dpstream.accountant.ledger import BudgetPolicy
+from dpstream.accountant.plan import plan_fingerprint
+from dpstream.processor.mechanisms.aggregates import AGGREGATES, aggregate_named
 
 _DURATION = re.compile(r"^\s*(\d+)\s*(ms|s|m|h|d)\s*$")
 _UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
@@ -98,7 +98,7 @@ class QueryConfig(BaseModel):
     key_fields: list[str] = Field(default_factory=lambda: ["key"], min_length=1)
     value_field: Optional[str] = None
     time_field: str = "ts"
-    #: an entry of processor.mechanisms.aggregates.AGGREGATES: count, sum or mean
+    #: an entry of dpstream.processor.mechanisms.aggregates.AGGREGATES: count, sum or mean
     aggregate: str = "count"
     clamp: float = 1.0
     contribution_bound: int = Field(32, ge=1)
@@ -382,13 +382,13 @@ class DpstreamConfig(BaseModel):
     queries: list[QueryConfig] = Field(default_factory=list)
     dynamic: list[DynamicQueryConfig] = Field(default_factory=list)
     budget: Optional[BudgetConfig] = None
-    #: how input records are encoded (topics.decoding.DECODERS): json
+    #: how input records are encoded (dpstream.topics.decoding.DECODERS): json
     input_format: str = "json"
 
     @field_validator("input_format")
     @classmethod
     def _input_format(cls, value: str) -> str:
-        from topics.decoding import DECODERS
+        from dpstream.topics.decoding import DECODERS
 
         if value not in DECODERS:
             raise ValueError(f"must be one of {', '.join(DECODERS)}, got {value!r}")

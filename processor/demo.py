@@ -10,10 +10,10 @@ from typing import Optional
 
 import numpy as np
 
-from processor.adapters.replay import ReplayRunner
-from processor.config import DpstreamConfig, QueryConfig, plan_for
-from processor.mechanisms.noise import NoiseSecretError, load_noise_secret
-from processor.synthetic import KEYS_Q, generate
+from dpstream.processor.adapters.replay import ReplayRunner
+from dpstream.processor.config import DpstreamConfig, QueryConfig, plan_for
+from dpstream.processor.mechanisms.noise import NoiseSecretError, load_noise_secret
+from dpstream.processor.synthetic import KEYS_Q, generate
 
 DEMO_START_MS = 1_795_132_800_000  # 2026-11-20T00:00:00Z
 PAPER_KEYS = 1_000_000

@@ -12,7 +12,7 @@ use BLTs", 2024) is the lower-triangular Toeplitz matrix C with ``c_0 = 1`` and
 (the worst step's noise variance at a fixed privacy cost; the tree's figure is the same product).
 Parameters are rounded to 16-bit dyadic fractions before they are evaluated and shipped: the
 shipped, rounded numbers *are* the mechanism, and the accountant computes its sensitivity and
-variances from them (accountant.counters), so the fit only affects accuracy, never privacy.
+variances from them (dpstream.accountant.counters), so the fit only affects accuracy, never privacy.
 
 Run: ``python scripts/fit_blt.py`` (about a minute); the result is deterministic.
 """

@@ -3,7 +3,7 @@
 Kafka Streams keeps each store's state in a compacted changelog topic: every write is also a
 record ``key -> value`` (a delete: a tombstone), so replaying the topic from its start, last
 write per key winning, rebuilds the store anywhere. :class:`ChangelogStore` wraps any
-:class:`state.store.Store` and collects those records, in write order, for the caller to send
+:class:`dpstream.state.store.Store` and collects those records, in write order, for the caller to send
 with the outputs the writes belong to (in one Kafka transaction). Restoring is
 :func:`restore_store`.
 
@@ -23,7 +23,7 @@ import struct
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Optional, Sequence
 
-from state.store import PartitionStores, Store, WriteBatch
+from dpstream.state.store import PartitionStores, Store, WriteBatch
 
 #: the key holding the store's changelog sequence number (written in every change, changelogged
 #: like any key, so a restored store knows how far its changelog went)

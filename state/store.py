@@ -2,7 +2,7 @@
 
 Modelled on Quix Streams' ``quixstreams/state`` split (a store per partition, a transaction-like
 write batch applied atomically). Keys and values are raw bytes; tables are key prefixes (see
-:mod:`state.keys`). Nothing outside ``state/`` opens RocksDB.
+:mod:`dpstream.state.keys`). Nothing outside ``state/`` opens RocksDB.
 
 Every write goes through :class:`WriteBatch` and :meth:`Store.write`, which is atomic: a crash
 leaves either all of a micro-batch's state changes (with its progress marker) or none.
@@ -22,7 +22,7 @@ class WriteBatch:
     """Puts and deletes applied together by :meth:`Store.write` (last write to a key wins).
 
     ``on_commit`` callbacks run after the batch has been written, never if it was not: the
-    tables' caches of committed values (:mod:`state.tables`) learn a batch's values this way, so
+    tables' caches of committed values (:mod:`dpstream.state.tables`) learn a batch's values this way, so
     they never hold a value the store does not (a batch abandoned by a crash or an error leaves
     them as they were)."""
 

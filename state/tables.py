@@ -1,11 +1,11 @@
 """The tables of one query's state: every key layout, value layout and cache in one place.
 
-One store holds all tables; a table is a key prefix (:mod:`state.keys`). The pipeline
-(:mod:`processor.engine.pipeline`) decides *what* to keep; this module decides *how it is laid out* and
+One store holds all tables; a table is a key prefix (:mod:`dpstream.state.keys`). The pipeline
+(:mod:`dpstream.processor.engine.pipeline`) decides *what* to keep; this module decides *how it is laid out* and
 is the only code that builds or parses a state key or value. Nothing here knows about privacy:
 the tables hold bytes, integers and arrays, and import nothing of ours outside ``state/``.
 
-Every write goes into a :class:`state.store.WriteBatch`; nothing reaches the store until the
+Every write goes into a :class:`dpstream.state.store.WriteBatch`; nothing reaches the store until the
 caller writes the batch together with its input position (a commit point: docs/architecture.md,
 "State"). The user, key-row and key-name tables keep a bounded cache of *committed* values in
 memory (:class:`CommittedCache`, columnar arrays per window): a batch's reads of cached ids cost
@@ -28,8 +28,8 @@ from typing import Iterator, Optional
 
 import numpy as np
 
-from state import keys as sk
-from state.store import Store, WriteBatch
+from dpstream.state import keys as sk
+from dpstream.state.store import Store, WriteBatch
 
 #: Version of the state layout. 3: 16-byte tree ids, exact integer frontier caches, user states
 #: per (key, trigger), predecessor amendments, the key-text registry, window status and plan
@@ -44,13 +44,13 @@ WINDOW_OPEN, WINDOW_REFUSED = 1, 2
 
 #: a user-state entry: one distinct (key, trigger) of the user's admitted records in the window
 USER_ENTRY = np.dtype([("key", "<u8"), ("trigger", "<u4")])
-#: a predecessor amendment (processor.mechanisms.bounding.key_histories): raise the predecessor trigger of
+#: a predecessor amendment (dpstream.processor.mechanisms.bounding.key_histories): raise the predecessor trigger of
 #: ``user``'s records for ``key`` in the target micro-batch to ``trigger``
 AMEND_ENTRY = np.dtype([("key", "<u8"), ("user", "<u8"), ("trigger", "<u4")])
 #: a hierarchy's published view, per released key: what the consistency step starts from
 VIEW_ENTRY = np.dtype([("level", "<u4"), ("released_at", "<u4"), ("count", "<i8"), ("stddev", "<f8"), ("consistent", "<i8"),
                        ("other", "<i8")])
-#: tree ids as stored in key rows (the 16 bytes of processor.mechanisms.noise's tree ids; empty: not derived yet)
+#: tree ids as stored in key rows (the 16 bytes of dpstream.processor.mechanisms.noise's tree ids; empty: not derived yet)
 STORED_TREE_ID = np.dtype("S16")
 
 #: default bounds of the caches of committed values (entries per query; about 200 bytes each)
@@ -498,7 +498,7 @@ USER_COUNT = np.dtype("<u2")
 class UserStates:
     """Stage 1's per-(window, user) states: the number of admitted records (:data:`USER_COUNT`,
     the cache's row) and one :data:`USER_ENTRY` per distinct (key, trigger) of them (the user's
-    key history: processor.mechanisms.bounding.key_histories; the cache's variable part). A
+    key history: dpstream.processor.mechanisms.bounding.key_histories; the cache's variable part). A
     changelog (:class:`_WindowLog`): table ``v``, spilled states (count, then entries) in table ``u``."""
 
     def __init__(self, store: Store, qid: bytes, cache_entries: int = USER_CACHE_ENTRIES):

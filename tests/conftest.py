@@ -4,20 +4,20 @@ from typing import Optional
 import numpy as np
 import pytest
 
-from processor.mechanisms.noise import NodeNoise
+from dpstream.processor.mechanisms.noise import NodeNoise
 
 #: a fixed 256-bit test key (tests only), and the hex text a secret file holds
 TEST_SECRET_HEX = "6f1d9c3a5e27b48c0a9f13d6e2b75c48d19a0e6f3b2c7d85a41e96f0c3d28b57"
 TEST_SECRET = bytes.fromhex(TEST_SECRET_HEX)
 #: the noise label of replays a test compares with each other or with a worker (a fresh state
 #: directory would otherwise draw a random one: docs/privacy.md, "Noise"): the label of a worker
-#: with the default app id and no budget section (processor.adapters.worker.worker_noise_label)
+#: with the default app id and no budget section (dpstream.processor.adapters.worker.worker_noise_label)
 TEST_LABEL = "worker:dpstream:1"
 
 
 @dataclass
 class Record:
-    """A consumed Kafka record as the worker core sees it (processor.adapters.worker)."""
+    """A consumed Kafka record as the worker core sees it (dpstream.processor.adapters.worker)."""
 
     offset: int
     key: Optional[bytes]

@@ -9,7 +9,7 @@ from dp_accounting.rdp.rdp_privacy_accountant import DEFAULT_RDP_ORDERS
 from scipy import optimize
 from scipy.stats import norm
 
-from accountant.calibration import (
+from dpstream.accountant.calibration import (
     cks_delta,
     cks_epsilon,
     cks_rho,
@@ -17,7 +17,7 @@ from accountant.calibration import (
     prefix_variance_factor,
     tail_multiplier,
 )
-from accountant.plan import SAMPLER_TV_BOUND, BudgetError, QueryBudget, plan_query
+from dpstream.accountant.plan import SAMPLER_TV_BOUND, BudgetError, QueryBudget, plan_query
 
 RHOS = [1e-3, 0.01, 0.1, 0.5, 1.0, 3.0, 10.0]
 DELTAS = [1e-3, 1e-6, 1e-9, 1e-12]

@@ -1,4 +1,4 @@
-"""Aggregates (processor.mechanisms.aggregates): MEAN releases a noisy sum and a noisy count, each
+"""Aggregates (dpstream.processor.mechanisms.aggregates): MEAN releases a noisy sum and a noisy count, each
 from its own perturbation tree, calibrated so that the query meets its (epsilon, delta) by an
 independent accountant; COUNT and SUM plans are unchanged by the column split."""
 import io
@@ -12,8 +12,8 @@ from dp_accounting.pld import PLDAccountant
 from dp_accounting.rdp import RdpAccountant
 from pydantic import ValidationError
 
-from accountant.calibration import cks_epsilon, prefix_variance_factor
-from accountant.plan import (
+from dpstream.accountant.calibration import cks_epsilon, prefix_variance_factor
+from dpstream.accountant.plan import (
     SAMPLER_TV_BOUND,
     BudgetError,
     QueryBudget,
@@ -21,10 +21,10 @@ from accountant.plan import (
     plan_levels,
     plan_query,
 )
-from processor.adapters.replay import ReplayRunner
-from processor.config import DpstreamConfig, QueryConfig
-from processor.mechanisms.noise import NodeNoise
-from processor.mechanisms.perturbation import HierarchicalPerturber, PerturbationBatch
+from dpstream.processor.adapters.replay import ReplayRunner
+from dpstream.processor.config import DpstreamConfig, QueryConfig
+from dpstream.processor.mechanisms.noise import NodeNoise
+from dpstream.processor.mechanisms.perturbation import HierarchicalPerturber, PerturbationBatch
 from tests.conftest import TEST_LABEL, TEST_SECRET
 
 MEAN = dict(epsilon=2.0, delta=1e-7, triggers=64, contribution_bound=8, clamp=10.0, aggregate="mean", columns=("value", "one"))

@@ -1,7 +1,7 @@
 """`dpstream bench dpsqlp`: the counter comparison and repeated runs (small workloads)."""
 import json
 
-from processor.cli import main
+from dpstream.processor.cli import main
 
 
 def test_counter_comparison_runs_both_counters_on_the_same_data(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""The Buffered Linear Toeplitz counter (processor.mechanisms.counters.BLTCounter).
+"""The Buffered Linear Toeplitz counter (dpstream.processor.mechanisms.counters.BLTCounter).
 
 What a user relies on: its noise has the variance the accountant declares (statistical), its
 releases are exact functions of privatized integers (exact), the same stream gets the same noise
@@ -13,9 +13,9 @@ from conftest import TEST_SECRET
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from accountant.counters import BLT, LATTICE_TARGET_SIGMA, blt_parameters, lattice_scale
-from processor.mechanisms.counters import BLTCounter, LatticePrefix, counter_for
-from processor.mechanisms.noise import TREE_ID_DTYPE, NodeNoise
+from dpstream.accountant.counters import BLT, LATTICE_TARGET_SIGMA, blt_parameters, lattice_scale
+from dpstream.processor.mechanisms.counters import BLTCounter, LatticePrefix, counter_for
+from dpstream.processor.mechanisms.noise import TREE_ID_DTYPE, NodeNoise
 
 
 def _ids(n, salt=0):
@@ -51,7 +51,7 @@ def test_calibration_matches_an_independent_matrix_computation():
 def test_blt_has_a_quarter_of_the_trees_worst_step_variance():
     """The reason the counter exists: sensitivity^2 times the worst step's variance, the tree's
     h * max_t Var_t, is 4.15x smaller at T = 100 and 4.96x at T = 1000."""
-    from accountant.counters import BINARY_TREE
+    from dpstream.accountant.counters import BINARY_TREE
 
     for T, lo, hi in ((100, 4.1, 4.2), (1000, 4.9, 5.0)):
         def worst(c):

@@ -10,8 +10,8 @@ it would count records again or recompute a release.
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from state.changelog import CHECKPOINT_KEY, restore_from_changelog
-from state.store import MemoryStore, PartitionStores, WriteBatch
+from dpstream.state.changelog import CHECKPOINT_KEY, restore_from_changelog
+from dpstream.state.store import MemoryStore, PartitionStores, WriteBatch
 
 NAME = "events-0"
 KEYS = st.sampled_from([b"a", b"b", b"c", b"d1", b"d2"])

@@ -2,8 +2,8 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from state.changelog import SEQUENCE_KEY, ChangelogStore, restore_store, sequence_of
-from state.store import MemoryStore, WriteBatch
+from dpstream.state.changelog import SEQUENCE_KEY, ChangelogStore, restore_store, sequence_of
+from dpstream.state.store import MemoryStore, WriteBatch
 
 KEYS = st.binary(min_size=1, max_size=3)
 OPS = st.lists(st.one_of(

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from accountant.counters import BLT
-from processor.cli import main
-from processor.config import ConfigError, load_config
+from dpstream.accountant.counters import BLT
+from dpstream.processor.cli import main
+from dpstream.processor.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "queries.yaml"
@@ -133,7 +133,7 @@ def test_plan_text_and_bad_config_exit_code(tmp_path, capsys):
 def test_console_script_runs_without_a_secret(tmp_path):
     env = {"PATH": "/usr/bin:/bin"}
     result = subprocess.run(
-        [sys.executable, "-m", "processor.cli", "plan", "--config", str(EXAMPLE), "--json"],
+        [sys.executable, "-m", "dpstream.processor.cli", "plan", "--config", str(EXAMPLE), "--json"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 0, result.stderr

@@ -1,10 +1,10 @@
-"""Tests of processor.mechanisms.consistency: the exact DP of Fioretto, Van Hentenryck and Zhu (sections 6-7)
+"""Tests of dpstream.processor.mechanisms.consistency: the exact DP of Fioretto, Van Hentenryck and Zhu (sections 6-7)
 against brute force, the M-natural local optimality criterion, and the structural guarantees."""
 
 import numpy as np
 import pytest
 
-from processor.mechanisms.consistency import (
+from dpstream.processor.mechanisms.consistency import (
     CostTable,
     Solution,
     clamp_and_round,
@@ -399,7 +399,7 @@ def test_public_total_far_outside_the_children_spread(total):
 
 
 def test_pass_cap_raises(monkeypatch):
-    from processor.mechanisms import consistency
+    from dpstream.processor.mechanisms import consistency
 
     monkeypatch.setattr(consistency, "MAX_PASSES", 2)
     with pytest.raises(RuntimeError):

@@ -1,5 +1,5 @@
-"""The ContinualCounter seam (processor.mechanisms.counters) and the accountant's calibration of
-the binary tree behind it (accountant.counters): the declared sensitivity is the number of read
+"""The ContinualCounter seam (dpstream.processor.mechanisms.counters) and the accountant's calibration of
+the binary tree behind it (dpstream.accountant.counters): the declared sensitivity is the number of read
 values one increment can reach, the declared per-step variance is what the noise has, and the
 same secret and stream ids give the same noise."""
 import math
@@ -7,15 +7,15 @@ import math
 import numpy as np
 import pytest
 
-from accountant.counters import BINARY_TREE, COUNTERS, counter_calibration
-from accountant.plan import BudgetError, QueryBudget, plan_query
-from processor.mechanisms.counters import (
+from dpstream.accountant.counters import BINARY_TREE, COUNTERS, counter_calibration
+from dpstream.accountant.plan import BudgetError, QueryBudget, plan_query
+from dpstream.processor.mechanisms.counters import (
     COUNTER_TYPES,
     BinaryTreeCounter,
     ContinualCounter,
     counter_for,
 )
-from processor.mechanisms.noise import NodeNoise
+from dpstream.processor.mechanisms.noise import NodeNoise
 from tests.conftest import TEST_SECRET
 
 

@@ -1,4 +1,4 @@
-"""Record decoding (topics.decoding) and field extraction (topics.records): a batch decodes to one
+"""Record decoding (dpstream.topics.decoding) and field extraction (dpstream.topics.records): a batch decodes to one
 mapping or invalid record per value, in order, exactly as each value alone would; reasons name the
 field and never quote the content; the config refuses an unknown input format by name."""
 import json
@@ -8,9 +8,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from processor.config import DpstreamConfig, DynamicQueryConfig
-from topics.decoding import DECODERS, JsonRecordDecoder, decoder_for
-from topics.records import Event, EventParser, InvalidRecord, Update, UpdateParser
+from dpstream.processor.config import DpstreamConfig, DynamicQueryConfig
+from dpstream.topics.decoding import DECODERS, JsonRecordDecoder, decoder_for
+from dpstream.topics.records import Event, EventParser, InvalidRecord, Update, UpdateParser
 
 SECRET_LOOKING = "user-4711-private"
 

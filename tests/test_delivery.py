@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from processor.adapters.worker import DpstreamWorker
+from dpstream.processor.adapters.worker import DpstreamWorker
 from tests.test_worker_service import (
     START,
     WINDOW_MS,
@@ -17,11 +17,11 @@ from tests.test_worker_service import (
     reference_releases,
     stage_two,
 )
-from topics.kafka import PROGRESS_TOPIC
+from dpstream.topics.kafka import PROGRESS_TOPIC
 
 
 def progress_of(worker: DpstreamWorker, messages) -> dict:
-    """The progress records among ``messages`` as :func:`topics.kafka.read_progress` returns them."""
+    """The progress records among ``messages`` as :func:`dpstream.topics.kafka.read_progress` returns them."""
     prefix = f"{worker.app_id}/"
     return {m.key.decode()[len(prefix):]: json.loads(m.value) for m in messages if m.topic == PROGRESS_TOPIC}
 
@@ -101,7 +101,7 @@ def test_a_published_trigger_is_marked_not_sent_again(tmp_path):
 def test_an_aborted_or_fenced_transaction_is_never_read(broker):
     import uuid
 
-    from topics.kafka import (
+    from dpstream.topics.kafka import (
         DeliveryError,
         KafkaPublisher,
         TopicSpec,
@@ -132,7 +132,7 @@ def test_a_read_waits_for_a_transaction_open_below_the_end_and_counts_it_once_co
     import threading
     import uuid
 
-    from topics.kafka import KafkaPublisher, TopicSpec, create_topics, read_compacted
+    from dpstream.topics.kafka import KafkaPublisher, TopicSpec, create_topics, read_compacted
 
     topic = f"it-progress-{uuid.uuid4().hex[:8]}"
     create_topics(broker, [TopicSpec(topic, 1, {"cleanup.policy": "compact"})])
@@ -149,7 +149,7 @@ def test_a_read_waits_for_a_transaction_open_below_the_end_and_counts_it_once_co
 def test_dynamic_releases_published_before_a_crash_are_not_sent_again(tmp_path):
     """The dynamic agent's part: releases of segments up to the one its progress record names
     went out in a committed transaction; after the crash only the later ones are pending."""
-    from state.store import RocksDBStore, WriteBatch
+    from dpstream.state.store import RocksDBStore, WriteBatch
     from tests.test_dynamic_stream import make, run, stream
 
     records = stream(20_000)

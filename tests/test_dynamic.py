@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from accountant.dynamic import (
+from dpstream.accountant.dynamic import (
     DynamicPlan,
     counter_scales,
     discrete_laplace_tail,
@@ -28,7 +28,7 @@ from accountant.dynamic import (
     svt_scales,
     svt_threshold,
 )
-from processor.mechanisms.dynamic import (
+from dpstream.processor.mechanisms.dynamic import (
     DynamicCounter,
     DynamicNoise,
     InsertionOnlyCounter,
@@ -38,7 +38,7 @@ from processor.mechanisms.dynamic import (
     interval_tree_level,
     query_nodes,
 )
-from processor.mechanisms.noise import NodeNoise
+from dpstream.processor.mechanisms.noise import NodeNoise
 from tests.conftest import TEST_SECRET
 
 OTHER_SECRET = b"another-dpstream-test-secret-0123456789"

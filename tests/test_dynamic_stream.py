@@ -5,12 +5,12 @@ import json
 
 import numpy as np
 
-from processor.config import DynamicQueryConfig
-from processor.engine.dynamic_stream import DynamicQueryState
-from processor.mechanisms.noise import NodeNoise, Pseudonymizer
-from state.store import MemoryStore, RocksDBStore, WriteBatch
+from dpstream.processor.config import DynamicQueryConfig
+from dpstream.processor.engine.dynamic_stream import DynamicQueryState
+from dpstream.processor.mechanisms.noise import NodeNoise, Pseudonymizer
+from dpstream.state.store import MemoryStore, RocksDBStore, WriteBatch
 from tests.conftest import TEST_SECRET
-from topics.records import InvalidRecord
+from dpstream.topics.records import InvalidRecord
 
 ITEMS = ["a", "b", "c", "d"]
 

@@ -53,7 +53,7 @@ def wait_owned(workers, total: int, timeout: float = 60) -> None:
 
 
 def produce_lines(sc: Scenario, lines: list[bytes]) -> None:
-    from processor.adapters.kafka_tools import produce
+    from dpstream.processor.adapters.kafka_tools import produce
 
     produce(sc.broker, sc.input, iter(lines))
 
@@ -148,7 +148,7 @@ def test_group_assignment_refuses_at_least_once_and_static_workers(tmp_path):
     config = tmp_path / "q.yaml"
     config.write_text("queries:\n  - name: q\n    input_topic: i\n    output_topic: o\n    window: 10s\n    triggers: 2\n"
                       "    contribution_bound: 1\n    epsilon: 1\n    delta: 1.0e-9\n")
-    base = [sys.executable, "-m", "processor.cli", "worker", "--config", str(config), "--assignment", "group"]
+    base = [sys.executable, "-m", "dpstream.processor.cli", "worker", "--config", str(config), "--assignment", "group"]
     env = {"DPSTREAM_NOISE_KEY": TEST_SECRET_HEX, "PATH": "/usr/bin:/bin"}
     out = subprocess.run(base + ["--delivery", "at-least-once"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert out.returncode != 0 and "--delivery" in out.stderr

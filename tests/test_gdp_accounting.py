@@ -11,9 +11,9 @@ import math
 import pytest
 from dp_accounting.pld import privacy_loss_distribution as pld
 
-from accountant.calibration import cks_rho, gdp_delta, gdp_epsilon, gdp_mu
-from accountant.counters import BLT, LATTICE_TARGET_SIGMA
-from accountant.plan import GDP_DISCRETE_MARGIN, QueryBudget, plan_query
+from dpstream.accountant.calibration import cks_rho, gdp_delta, gdp_epsilon, gdp_mu
+from dpstream.accountant.counters import BLT, LATTICE_TARGET_SIGMA
+from dpstream.accountant.plan import GDP_DISCRETE_MARGIN, QueryBudget, plan_query
 
 PAPER = dict(epsilon=6.0, delta=1e-9, contribution_bound=32)
 

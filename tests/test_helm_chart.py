@@ -45,7 +45,7 @@ except ImportError as exc:
     pytest.skip(f"HELM CHART NOT CHECKED: {exc}. Install the test extras: pip install -c constraints.txt -e '.[test]'",
                 allow_module_level=True)
 
-from processor.config import load_config  # noqa: E402
+from dpstream.processor.config import load_config  # noqa: E402
 
 CUSTOM = {
     "assignment": "static",

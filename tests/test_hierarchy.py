@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 from dp_accounting.rdp import RdpAccountant
 
-from accountant import QueryBudget, plan_levels, plan_query
-from accountant.plan import BudgetError
-from processor.adapters.replay import ReplayRunner
-from processor.adapters.worker import DpstreamWorker, Ownership
-from processor.config import ConfigError, DpstreamConfig, load_config
-from processor.engine.pipeline import BoundedRecords, level_key_texts
-from processor.mechanisms.consistency import solve
+from dpstream.accountant import QueryBudget, plan_levels, plan_query
+from dpstream.accountant.plan import BudgetError
+from dpstream.processor.adapters.replay import ReplayRunner
+from dpstream.processor.adapters.worker import DpstreamWorker, Ownership
+from dpstream.processor.config import ConfigError, DpstreamConfig, load_config
+from dpstream.processor.engine.pipeline import BoundedRecords, level_key_texts
+from dpstream.processor.mechanisms.consistency import solve
 from tests.conftest import TEST_LABEL, TEST_SECRET
-from topics.kafka import DEAD_LETTER_TOPIC
+from dpstream.topics.kafka import DEAD_LETTER_TOPIC
 
 HOUR = 3_600_000
 START = 1_800_000_000_000 - 1_800_000_000_000 % HOUR
@@ -147,7 +147,7 @@ def test_level_shares_must_match_the_levels():
 
 
 def test_plan_shows_the_split_and_the_free_consistency_step(tmp_path, capsys):
-    from processor.cli import main
+    from dpstream.processor.cli import main
 
     cfg = tmp_path / "q.yaml"
     cfg.write_text(QUERY.format(epsilon=6))
@@ -291,7 +291,7 @@ def load_config_text(tmp_path, text) -> DpstreamConfig:
 
 
 def test_bench_hierarchy_runs_and_its_consistent_views_never_violate():
-    from processor.bench.hierarchy import run_hierarchy_bench
+    from dpstream.processor.bench.hierarchy import run_hierarchy_bench
 
     result = run_hierarchy_bench(countries=3, users=3000, triggers=4, epsilons=(6.0,), repeats=1, out=io.StringIO())
     run = result["epsilons"][0]["runs"][0]
@@ -304,10 +304,10 @@ def test_bench_hierarchy_runs_and_its_consistent_views_never_violate():
 def test_state_of_another_layout_version_is_refused(tmp_path):
     """Key rows gained a hierarchy's level and root: state written by the previous layout must
     not be read as this one."""
-    from processor.engine.pipeline import check_noise_epoch
-    from processor.mechanisms.noise import NodeNoise
-    from state import keys as sk
-    from state.store import MemoryStore, WriteBatch
+    from dpstream.processor.engine.pipeline import check_noise_epoch
+    from dpstream.processor.mechanisms.noise import NodeNoise
+    from dpstream.state import keys as sk
+    from dpstream.state.store import MemoryStore, WriteBatch
 
     noise = NodeNoise(TEST_SECRET)
     fresh = MemoryStore()

@@ -14,9 +14,9 @@ import math
 import numpy as np
 import pytest
 
-from accountant.calibration import honaker_variance_factor, prefix_variance_factor
-from processor.mechanisms.noise import TreeIdentity, discrete_gaussian
-from processor.mechanisms.tree import HonakerForest
+from dpstream.accountant.calibration import honaker_variance_factor, prefix_variance_factor
+from dpstream.processor.mechanisms.noise import TreeIdentity, discrete_gaussian
+from dpstream.processor.mechanisms.tree import HonakerForest
 
 Z = 5.5
 SIGMA = 3.0

@@ -26,13 +26,13 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from processor.adapters.kafka_tools import produce, tail
-from processor.adapters.replay import ReplayRunner
-from processor.adapters.worker import worker_noise_label
-from processor.config import load_config
+from dpstream.processor.adapters.kafka_tools import produce, tail
+from dpstream.processor.adapters.replay import ReplayRunner
+from dpstream.processor.adapters.worker import worker_noise_label
+from dpstream.processor.config import load_config
 from tests.conftest import ROOT, TEST_SECRET, TEST_SECRET_HEX
-from topics.kafka import DEAD_LETTER_TOPIC
-from topics.partitioner import partition_for_key
+from dpstream.topics.kafka import DEAD_LETTER_TOPIC
+from dpstream.topics.partitioner import partition_for_key
 
 WINDOW_S, TRIGGERS, LATENESS_S = 12, 4, 1
 
@@ -163,7 +163,7 @@ class Worker:
 
     def start(self) -> "Worker":
         env = {**os.environ, "DPSTREAM_NOISE_KEY_FILE": str(self.sc.key_file)}
-        cmd = [sys.executable, "-m", "processor.cli", "worker", "--config", str(self.sc.config), "--broker", self.sc.broker,
+        cmd = [sys.executable, "-m", "dpstream.processor.cli", "worker", "--config", str(self.sc.config), "--broker", self.sc.broker,
                "--state-dir", str(self.state_dir), "--worker-index", str(self.index), "--workers", str(self.workers),
                "--partitions", "4", "--web-port", str(self.port), "--web-host", "127.0.0.1", "--app-id", self.sc.app_id,
                "--log-level", "warn", *self.extra]
@@ -246,7 +246,7 @@ def test_worker_releases_equal_replay_dead_letters_and_metrics(scenario):
     sc = scenario
     from confluent_kafka import Producer
 
-    from topics.kafka import INPUT_TOPIC_CONFIG, TopicSpec, create_topics
+    from dpstream.topics.kafka import INPUT_TOPIC_CONFIG, TopicSpec, create_topics
 
     # an input topic that takes 8 MB records, beside a dead-letter topic at Kafka's 1 MB default
     create_topics(sc.broker, [TopicSpec(sc.input, 4, {**INPUT_TOPIC_CONFIG, "max.message.bytes": str(8 * 1024 * 1024)})])
@@ -478,7 +478,7 @@ def test_a_recreated_input_topic_is_refused_with_its_name_not_silently_miscounte
     old offsets), with no metric, no log line and /readyz answering. Now it is refused."""
     from confluent_kafka.admin import AdminClient
 
-    from topics.kafka import INPUT_TOPIC_CONFIG, TopicSpec, create_topics
+    from dpstream.topics.kafka import INPUT_TOPIC_CONFIG, TopicSpec, create_topics
 
     sc = scenario
     w = sc.ready_worker("re")
@@ -509,7 +509,7 @@ def test_live_production_through_a_window_releases_what_replay_does(scenario):
     20,000 events/s across a whole window: the worker keeps up (nothing late) and releases what
     replay releases from the same events. (The highest steady live rate measured by ``bench kafka
     --live`` on the 2-core machine was 90,510/s; the test stays well below it, beside pytest.)"""
-    from processor.bench.kafka import produce_live_lines
+    from dpstream.processor.bench.kafka import produce_live_lines
 
     sc = scenario
     w = sc.worker("live").start()
@@ -536,7 +536,7 @@ def test_input_from_a_transactional_producer_is_read_to_its_end_and_fired(scenar
     sc = scenario
     w = sc.ready_worker("tx")
     sc.write_events(6_000, users=600, keys=30, lead_s=4)
-    from processor.adapters.kafka_tools import PRODUCER_DEFAULTS
+    from dpstream.processor.adapters.kafka_tools import PRODUCER_DEFAULTS
 
     producer = Producer({"bootstrap.servers": sc.broker, **PRODUCER_DEFAULTS, "transactional.id": f"upstream-{sc.app_id}"})
     producer.init_transactions(30)
@@ -554,7 +554,7 @@ def test_an_input_topic_stamped_by_its_producers_is_refused_unless_allowed(scena
     """With CreateTime, whether a record delivered late is counted would depend on how far behind
     the worker was, which other users' records influence (docs/privacy.md, "Time"): refused at
     start, naming the topic and both ways out."""
-    from topics.kafka import TopicSpec, create_topics
+    from dpstream.topics.kafka import TopicSpec, create_topics
 
     sc = scenario
     create_topics(sc.broker, [TopicSpec(sc.input, 4)])  # Kafka's default: CreateTime
@@ -571,10 +571,10 @@ def test_an_input_topic_stamped_by_its_producers_is_refused_unless_allowed(scena
 def test_produce_creates_a_missing_input_topic_as_the_worker_would(broker, tmp_path):
     """The README starts the worker and produces at once: if the producer came first, the broker
     would auto-create the topic with CreateTime, which the worker refuses."""
-    from topics.kafka import timestamp_types
+    from dpstream.topics.kafka import timestamp_types
 
     topic = f"it-produced-{uuid.uuid4().hex[:8]}"
-    proc = subprocess.run([sys.executable, "-m", "processor.cli", "produce", "--broker", broker, "--topic", topic,
+    proc = subprocess.run([sys.executable, "-m", "dpstream.processor.cli", "produce", "--broker", broker, "--topic", topic,
                            "--synthetic-users", "50", "--synthetic-keys", "5", "--span-ms", "60000", "--partitions", "3"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -6,10 +6,10 @@ import pytest
 from conftest import TEST_SECRET
 from scipy import stats
 
-from accountant.plan import QueryBudget, plan_query
-from processor.mechanisms.key_selection import SELECT_KIND, KeySelector, SelectionBatch
-from processor.mechanisms.noise import NodeNoise, TreeIdentity
-from processor.mechanisms.tree import ABSENT, HonakerForest
+from dpstream.accountant.plan import QueryBudget, plan_query
+from dpstream.processor.mechanisms.key_selection import SELECT_KIND, KeySelector, SelectionBatch
+from dpstream.processor.mechanisms.noise import NodeNoise, TreeIdentity
+from dpstream.processor.mechanisms.tree import ABSENT, HonakerForest
 
 MU = 3
 #: beta boosted so that false releases are measurable. plan_query needs
@@ -231,7 +231,7 @@ def test_prediction_equals_the_first_future_selection(noise, j, counter):
 
 @pytest.mark.parametrize("counter", COUNTERS)
 def test_prediction_with_small_chunks_is_the_same(noise, monkeypatch, counter):
-    import processor.mechanisms.key_selection as ks
+    import dpstream.processor.mechanisms.key_selection as ks
 
     plan = _prediction_plan(counter)
     selector = KeySelector(plan, noise, "chunks", 0)

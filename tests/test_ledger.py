@@ -8,15 +8,15 @@ import threading
 
 import pytest
 
-from accountant.ledger import (
+from dpstream.accountant.ledger import (
     BudgetExceeded,
     BudgetLedger,
     BudgetPolicy,
     LedgerEpochError,
 )
-from processor.adapters.replay import ReplayRunner
-from processor.config import load_config
-from state.store import MemoryStore, RocksDBStore
+from dpstream.processor.adapters.replay import ReplayRunner
+from dpstream.processor.config import load_config
+from dpstream.state.store import MemoryStore, RocksDBStore
 from tests.conftest import ROOT, TEST_SECRET
 
 DAY = 86_400_000
@@ -139,7 +139,7 @@ def test_replay_charges_each_window_once_and_drops_refused_windows(tmp_path, sha
         assert entry.spent_epsilon == pytest.approx(24.0 if shadow else 12.0)
         assert entry.charges == (4 if shadow else 2)
     assert drops == [0 if shadow else 600, 0]  # windows 3 and 4 refused; the resumed run read nothing new
-    out = subprocess.run([sys.executable, "-m", "processor.cli", "budget", "--config", str(cfg), "--state-dir", str(state), "--json"],
+    out = subprocess.run([sys.executable, "-m", "dpstream.processor.cli", "budget", "--config", str(cfg), "--state-dir", str(state), "--json"],
                          cwd=ROOT, capture_output=True, text=True, check=True)
     shown = json.loads(out.stdout)["principals"][0]
     assert shown["principal"] == "acme" and shown["spent_epsilon"] == pytest.approx(entry.spent_epsilon)
@@ -147,7 +147,7 @@ def test_replay_charges_each_window_once_and_drops_refused_windows(tmp_path, sha
 
 
 def test_budget_config_names_the_missing_field(tmp_path):
-    from processor.config import ConfigError
+    from dpstream.processor.config import ConfigError
 
     cfg = tmp_path / "q.yaml"
     cfg.write_text(CONFIG.format(shadow="false").replace("    tenant: acme\n", ""))

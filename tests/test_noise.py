@@ -1,4 +1,4 @@
-"""Keyed PRF integer noise (processor.mechanisms.noise): determinism, distribution, secret handling.
+"""Keyed PRF integer noise (dpstream.processor.mechanisms.noise): determinism, distribution, secret handling.
 
 Statistical checks run on noise derived from the fixed test secret, so each test is
 deterministic; the quoted false-failure probabilities are over the choice of secret.
@@ -11,7 +11,7 @@ import pytest
 from conftest import TEST_SECRET
 from scipy import stats
 
-from processor.mechanisms.noise import (
+from dpstream.processor.mechanisms.noise import (
     MIN_SECRET_BYTES,
     SECRET_ENV,
     SECRET_FILE_ENV,
@@ -319,7 +319,7 @@ def test_pseudonyms_are_keyed_pure_functions_whatever_the_memo_holds(monkeypatch
     """Key and user pseudonyms depend on the secret and the text only: the same under another
     batching, when the key memo overflows in the middle of a batch that repeats known keys, and
     different under another secret."""
-    import processor.mechanisms.noise as noise
+    import dpstream.processor.mechanisms.noise as noise
 
     monkeypatch.setattr(noise, "KEY_PSEUDONYM_MEMO", 5)
     texts = [f"k{i}" for i in range(12)]
@@ -340,7 +340,7 @@ def test_pseudonyms_are_pinned_to_the_state_format():
     derived would give every user a fresh contribution budget in an open window of an existing
     state directory. Such a change needs a new STATE_FORMAT (which refuses old state); this
     known-answer test fails first. Values from the BLAKE2b-keyed derivation of 5b3a36f."""
-    from state.tables import STATE_FORMAT
+    from dpstream.state.tables import STATE_FORMAT
 
     pseudo = Pseudonymizer(TEST_SECRET)
     assert STATE_FORMAT == b"5", "a new state format: re-pin the values below"

@@ -1,4 +1,4 @@
-"""topics.partitioner: Kafka's and librdkafka's own test vectors, the vectorized path against the
+"""dpstream.topics.partitioner: Kafka's and librdkafka's own test vectors, the vectorized path against the
 pure-Python reference, and librdkafka itself as the oracle: keyed messages produced with
 confluent-kafka to librdkafka's in-process mock cluster must be delivered to the partitions
 ``partition_for`` computes. No real broker is needed."""
@@ -12,7 +12,7 @@ import random
 import numpy as np
 import pytest
 
-from topics.partitioner import (
+from dpstream.topics.partitioner import (
     PARTITIONERS,
     crc32_hash,
     fnv1a_hash,

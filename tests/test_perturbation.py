@@ -15,9 +15,9 @@ import math
 import numpy as np
 import pytest
 
-from accountant.calibration import prefix_variance_factor
-from accountant.plan import QueryBudget, plan_query
-from processor.mechanisms.perturbation import HierarchicalPerturber
+from dpstream.accountant.calibration import prefix_variance_factor
+from dpstream.accountant.plan import QueryBudget, plan_query
+from dpstream.processor.mechanisms.perturbation import HierarchicalPerturber
 
 Z = 5.5
 BASE = dict(epsilon=1.0, delta=1e-6, triggers=16, contribution_bound=2)

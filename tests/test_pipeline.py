@@ -8,12 +8,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from processor.adapters.replay import ReplayRunner
-from processor.cli import main
-from processor.config import DpstreamConfig, QueryConfig
-from processor.engine.pipeline import EventColumns, QueryPipeline
-from processor.mechanisms.noise import NodeNoise, Pseudonymizer
-from state.store import MemoryStore, WriteBatch
+from dpstream.processor.adapters.replay import ReplayRunner
+from dpstream.processor.cli import main
+from dpstream.processor.config import DpstreamConfig, QueryConfig
+from dpstream.processor.engine.pipeline import EventColumns, QueryPipeline
+from dpstream.processor.mechanisms.noise import NodeNoise, Pseudonymizer
+from dpstream.state.store import MemoryStore, WriteBatch
 from tests.conftest import TEST_LABEL, TEST_SECRET, TEST_SECRET_HEX
 
 DAY = 86_400_000
@@ -246,7 +246,7 @@ def test_dense_codes_are_equal_exactly_when_rows_are(rows):
     """Stage 2 counts distinct (user, key) pairs and drops replayed (user, slot, level) copies by
     these codes: two rows may share a code only if they are the same row, and the lowest column
     comes back as ``code % width``."""
-    from processor.engine.pipeline import _dense_codes
+    from dpstream.processor.engine.pipeline import _dense_codes
 
     ids = np.array([r[0] for r in rows], dtype=np.uint64)
     a = np.array([r[1] for r in rows], dtype=np.int64)
@@ -263,7 +263,7 @@ def test_stage_two_counts_a_user_once_per_key_whatever_its_input_claims():
     record per key that is new to the round, but stage 2 reads a topic: given several records of
     one user for one key, each claiming to be the first (different slots, no predecessor), it
     must still count that user once, and count each other user once."""
-    from processor.engine.pipeline import BoundedRecords
+    from dpstream.processor.engine.pipeline import BoundedRecords
 
     pipe = QueryPipeline(small_query(), NodeNoise(TEST_SECRET, label=TEST_LABEL), MemoryStore())
     key = np.uint64(77)

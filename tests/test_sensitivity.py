@@ -15,9 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from accountant.calibration import read_levels
-from accountant.plan import QueryBudget, plan_query
-from processor.mechanisms.bounding import ContributionBounder
+from dpstream.accountant.calibration import read_levels
+from dpstream.accountant.plan import QueryBudget, plan_query
+from dpstream.processor.mechanisms.bounding import ContributionBounder
 
 T = 16
 C = 3
@@ -194,7 +194,7 @@ def test_key_histories_match_a_plain_loop(data):
     state (a set: its entries in any order) and the batch in arrival order, in any event-time
     order, duplicates included; and the new state is the set of distinct (user, key, trigger),
     grouped by user."""
-    from processor.mechanisms.bounding import key_histories
+    from dpstream.processor.mechanisms.bounding import key_histories
 
     groups = data.draw(st.integers(1, 5))
     triples = st.tuples(st.integers(0, groups - 1), _U64, st.integers(1, 20))

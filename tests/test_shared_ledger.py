@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from processor.adapters.worker import DpstreamWorker, Ownership
-from processor.cli import main
-from processor.config import DpstreamConfig
+from dpstream.processor.adapters.worker import DpstreamWorker, Ownership
+from dpstream.processor.cli import main
+from dpstream.processor.config import DpstreamConfig
 from tests.conftest import TEST_SECRET, TEST_SECRET_HEX
 
 HOUR = 3_600_000
@@ -60,8 +60,8 @@ def test_workers_owning_different_partitions_and_ticking_apart_hold_the_same_led
 def test_a_refused_window_stays_refused_for_every_partition(tmp_path):
     """Before: a refused charge was not recorded, so another partition of the same window could be
     approved later (after a refresh) and half a window would release."""
-    from accountant.ledger import BudgetExceeded, BudgetLedger, BudgetPolicy
-    from state.store import MemoryStore
+    from dpstream.accountant.ledger import BudgetExceeded, BudgetLedger, BudgetPolicy
+    from dpstream.state.store import MemoryStore
 
     led = BudgetLedger(MemoryStore(), {"t": BudgetPolicy(5.0, 1e-6, HOUR)}, None, "1")
     led.charge("t", 4.0, 0, "q:0", 0)
@@ -91,7 +91,7 @@ def test_replay_charges_in_the_workers_order_and_holds_the_same_ledger(tmp_path)
     a replay over the same span refuses the same windows as the worker."""
     import io
 
-    from processor.adapters.replay import ReplayRunner
+    from dpstream.processor.adapters.replay import ReplayRunner
 
     end = START + 7 * HOUR
     # 4 of the 10 windows fit: the worker's order charges hourly 0, six-hourly 0, hourly 1 and 2;
@@ -118,12 +118,12 @@ def test_replay_charges_in_the_workers_order_and_holds_the_same_ledger(tmp_path)
 def test_the_window_holding_a_start_that_is_not_a_window_start_is_charged_first(tmp_path):
     """Found by the budget-schedule property test: with the start 1 ms into a window, the walk
     treated that window as already charged, and the pipeline charged it later, out of order."""
-    from processor.engine.budget import BudgetGate, ChargeSchedule
-    from state.store import MemoryStore
+    from dpstream.processor.engine.budget import BudgetGate, ChargeSchedule
+    from dpstream.state.store import MemoryStore
 
     cfg = config(start=START + 1)
     store = MemoryStore()
-    from processor.engine.budget import open_ledger
+    from dpstream.processor.engine.budget import open_ledger
 
     schedule = ChargeSchedule(BudgetGate(cfg, open_ledger(cfg, store)), cfg.queries, START + 1, store)
     assert schedule.due(START + 1) == [(START, 0, "hourly"), (START, 1, "sixhourly")]

@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from state import keys as sk
-from state.store import MemoryStore, PartitionStores, RocksDBStore, WriteBatch
+from dpstream.state import keys as sk
+from dpstream.state.store import MemoryStore, PartitionStores, RocksDBStore, WriteBatch
 
 
 def fill(store):

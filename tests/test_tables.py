@@ -1,12 +1,12 @@
-"""state.tables: the layouts round-trip, and the caches of committed values never disagree with
+"""dpstream.state.tables: the layouts round-trip, and the caches of committed values never disagree with
 the store: a batch that is not written teaches them nothing, eviction loses nothing, a dropped
 window is forgotten (docs/architecture.md, "State")."""
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from state.store import MemoryStore, RocksDBStore, WriteBatch
-from state.tables import (
+from dpstream.state.store import MemoryStore, RocksDBStore, WriteBatch
+from dpstream.state.tables import (
     AMEND_ENTRY,
     STATE_FORMAT,
     WINDOW_OPEN,
@@ -253,7 +253,7 @@ def test_sorted_ids_find_what_was_added_with_or_without_the_bucket_directory(add
     """The sorted-id index (a plain binary search, or the bucket directory large indexes use)
     finds every added id at its slot and nothing else, in any order, ids at the 64-bit edges and
     sharing their top bits included."""
-    import state.tables as tables
+    import dpstream.state.tables as tables
 
     saved = tables._DIRECTORY_FROM
     tables._DIRECTORY_FROM = directory_from

@@ -1,10 +1,10 @@
 """Topic declarations and the metrics registry (no broker needed)."""
 from prometheus_client import generate_latest
 
-from processor.adapters.metrics import PipelineMetrics
-from processor.config import DpstreamConfig, QueryConfig, plan_for
-from processor.engine.pipeline import PipelineStats
-from topics.kafka import (
+from dpstream.processor.adapters.metrics import PipelineMetrics
+from dpstream.processor.config import DpstreamConfig, QueryConfig, plan_for
+from dpstream.processor.engine.pipeline import PipelineStats
+from dpstream.topics.kafka import (
     DEAD_LETTER_TOPIC,
     EPOCH_TOPIC,
     PROGRESS_TOPIC,
@@ -48,8 +48,8 @@ def test_metrics_follow_prometheus_names_and_count_deltas():
 
 
 def test_kafka_security_settings_come_from_the_environment_for_every_client():
-    from processor.adapters.faust_app import _faust_credentials
-    from topics.kafka import aiokafka_security, client_security
+    from dpstream.processor.adapters.faust_app import _faust_credentials
+    from dpstream.topics.kafka import aiokafka_security, client_security
 
     env = {"DPSTREAM_KAFKA_SECURITY_PROTOCOL": "SASL_PLAINTEXT", "DPSTREAM_KAFKA_SASL_MECHANISM": "SCRAM-SHA-512",
            "DPSTREAM_KAFKA_SASL_USERNAME": "svc", "DPSTREAM_KAFKA_SASL_PASSWORD": "s3cret", "UNRELATED": "x"}

@@ -2,14 +2,14 @@
 import numpy as np
 import pytest
 
-from accountant.calibration import (
+from dpstream.accountant.calibration import (
     honaker_weights,
     prefix_variance_factor,
     read_levels,
     tree_levels,
 )
-from processor.mechanisms.noise import TreeIdentity, discrete_gaussian, node_ids
-from processor.mechanisms.tree import HonakerForest
+from dpstream.processor.mechanisms.noise import TreeIdentity, discrete_gaussian, node_ids
+from dpstream.processor.mechanisms.tree import HonakerForest
 
 
 def reference_prefix_estimates(noise, sampler, tree_id, values):

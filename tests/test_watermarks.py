@@ -6,7 +6,7 @@ the wall clock; late records are dead-lettered."""
 import base64
 import json
 
-from processor.adapters.worker import (
+from dpstream.processor.adapters.worker import (
     CREATE_TIME,
     LOG_APPEND_TIME,
     DpstreamWorker,
@@ -14,8 +14,8 @@ from processor.adapters.worker import (
 )
 from tests.conftest import TEST_SECRET, Record
 from tests.test_worker_service import START, WINDOW_MS, config, events, stage_two
-from topics.kafka import DEAD_LETTER_TOPIC
-from topics.partitioner import partition_for
+from dpstream.topics.kafka import DEAD_LETTER_TOPIC
+from dpstream.topics.partitioner import partition_for
 
 END = START + 10 * WINDOW_MS  # a wall clock past every trigger of the workload
 

@@ -6,11 +6,11 @@ import json
 import numpy as np
 import pytest
 
-from processor.adapters.worker import DpstreamWorker, Ownership, StateLayoutError
-from processor.config import DpstreamConfig
-from processor.engine.pipeline import BoundedRecords
+from dpstream.processor.adapters.worker import DpstreamWorker, Ownership, StateLayoutError
+from dpstream.processor.config import DpstreamConfig
+from dpstream.processor.engine.pipeline import BoundedRecords
 from tests.conftest import TEST_SECRET, Record
-from topics.kafka import DEAD_LETTER_TOPIC, repartition_topic
+from dpstream.topics.kafka import DEAD_LETTER_TOPIC, repartition_topic
 
 WINDOW_MS = 40_000
 START = 1_800_000_000_000 - 1_800_000_000_000 % WINDOW_MS
@@ -186,7 +186,7 @@ def test_two_workers_own_disjoint_partitions():
 def test_an_empty_state_directory_under_an_epoch_already_run_is_a_lost_volume(tmp_path):
     """docs/privacy.md, "Failures": volume loss is a new, explicitly configured epoch, never a silent
     reset of the ledger or of what was released."""
-    from processor.adapters.worker import LostStateError
+    from dpstream.processor.adapters.worker import LostStateError
 
     first = make_worker(tmp_path / "a")
     mark = {**first.epoch_mark, "since_ms": 1}
@@ -246,7 +246,7 @@ def test_stage_two_batches_of_many_messages_release_what_one_message_at_a_time_d
 
 
 def test_a_key_id_collision_in_a_stage_two_batch_names_the_message_that_carried_it(tmp_path, monkeypatch):
-    from processor.mechanisms.noise import Pseudonymizer
+    from dpstream.processor.mechanisms.noise import Pseudonymizer
 
     original = Pseudonymizer.group_keys
 
@@ -281,7 +281,7 @@ def test_a_key_id_collision_in_a_stage_two_batch_names_the_message_that_carried_
 def test_a_log_that_went_back_is_refused_naming_the_partition(tmp_path):
     """Issue 15: a recreated topic or a broker that lost data counted only the records past the old
     offset, silently. The stored offset and topic id are checked against the log."""
-    from processor.adapters.worker import InputWentBackError
+    from dpstream.processor.adapters.worker import InputWentBackError
 
     w = make_worker(tmp_path / "w")
     w.process_input("in", 0, events(500)).commit()
@@ -301,7 +301,7 @@ def test_a_log_that_went_back_is_refused_naming_the_partition(tmp_path):
 def test_large_stage_one_batches_are_split_below_the_brokers_record_limit_and_release_the_same(tmp_path, monkeypatch):
     """Found live on Apache Kafka: at 128k events/s one stage-1 batch made a repartition message
     over the broker's 1 MB limit, and the worker stopped (MSG_SIZE_TOO_LARGE)."""
-    import processor.adapters.worker as worker_module
+    import dpstream.processor.adapters.worker as worker_module
 
     records = events(6000, seed=5)
     whole = make_worker(tmp_path / "whole")

@@ -1,9 +1,9 @@
 """Record decoders: the one place an input format is read (docs/architecture.md, "Where to add").
 
 A :class:`RecordDecoder` turns a batch of raw record values (Kafka message values, replay input
-lines) into one mapping per record, or an :class:`topics.records.InvalidRecord` naming what is
+lines) into one mapping per record, or an :class:`dpstream.topics.records.InvalidRecord` naming what is
 wrong (never quoting the content). Query-level field extraction then works on mappings whatever
-the format (:class:`topics.records.EventParser`, :class:`topics.records.UpdateParser`), so one
+the format (:class:`dpstream.topics.records.EventParser`, :class:`dpstream.topics.records.UpdateParser`), so one
 batch is decoded once however many queries read it. JSON is the format today; another one is a
 class with a ``name`` and ``decode`` registered in :data:`DECODERS`.
 """
@@ -13,7 +13,7 @@ from typing import Mapping, Optional, Protocol, Sequence, Union
 
 import orjson
 
-from topics.records import InvalidRecord
+from dpstream.topics.records import InvalidRecord
 
 
 class RecordDecoder(Protocol):

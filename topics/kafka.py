@@ -56,7 +56,7 @@ class TopicSpec:
 #: timestamp decides whether it is late; the broker's stamps rise with the offsets, so they also
 #: tell how far a partition has been read, and a backlog's triggers fire as it is read. A
 #: producer's stamps (CreateTime) never move a watermark: such a partition's watermark moves only
-#: when it has been read to its end (processor.adapters.worker.broker_stamped_max; docs/privacy.md, "Time").
+#: when it has been read to its end (dpstream.processor.adapters.worker.broker_stamped_max; docs/privacy.md, "Time").
 INPUT_TOPIC_CONFIG = {"message.timestamp.type": "LogAppendTime"}
 
 

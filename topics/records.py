@@ -59,7 +59,7 @@ def _event_time(obj: Mapping, name: str) -> Union[int, InvalidRecord]:
 
 
 class EventParser:
-    """A query's event from a decoded record (a mapping: topics.decoding), by its field names."""
+    """A query's event from a decoded record (a mapping: dpstream.topics.decoding), by its field names."""
 
     def __init__(self, user_field: str, key_fields: Sequence[str], value_field: Optional[str], time_field: str):
         self.user_field = user_field
@@ -221,7 +221,7 @@ def key_for_output(key: str, key_fields: Sequence[str]):
 def release_record(*, query: str, window_start: int, window_end: int, trigger: int, trigger_time: int, key, fields: dict,
                    epsilon: float, delta: float, mechanism: str = "dp-sqlp") -> dict:
     """One published histogram update: ``fields`` are the aggregate's released values and their
-    noise scales (processor.mechanisms.aggregates). Never raw counts, never user ids."""
+    noise scales (dpstream.processor.mechanisms.aggregates). Never raw counts, never user ids."""
     return {
         "query": query,
         "window_start": window_start,

@@ -27,8 +27,8 @@ import threading
 import time
 from typing import Awaitable, Callable, Optional
 
-from processor.adapters.worker import CREATE_TIME, LOG_APPEND_TIME, InputWentBackError
-from topics.kafka import client_security
+from dpstream.processor.adapters.worker import CREATE_TIME, LOG_APPEND_TIME, InputWentBackError
+from dpstream.topics.kafka import client_security
 
 log = logging.getLogger("dpstream.worker")
 
@@ -39,7 +39,7 @@ Key = tuple[str, int]
 
 
 class ConsumedRecord:
-    """A confluent-kafka message as the worker reads records (:class:`processor.adapters.worker.RecordLike`)."""
+    """A confluent-kafka message as the worker reads records (:class:`dpstream.processor.adapters.worker.RecordLike`)."""
 
     __slots__ = ("offset", "key", "value", "timestamp", "timestamp_type")
 

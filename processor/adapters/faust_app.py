@@ -2,17 +2,17 @@
 
 Faust runs the worker: its lifecycle and signals, two agents (stage 1 by user, stage 2 by key),
 the timer that fires triggers on the fixed schedule, and the web server for ``/healthz``,
-``/readyz`` and ``/metrics``. All processing is :class:`processor.adapters.worker.DpstreamWorker`.
+``/readyz`` and ``/metrics``. All processing is :class:`dpstream.processor.adapters.worker.DpstreamWorker`.
 
 Records reach the agents in batches, from an aiokafka consumer (Faust's own Kafka client) that
 the app runs with static partition assignment (worker i of N owns partitions p % N == i; see
-:mod:`processor.adapters.worker`), or, with ``--assignment group``, from a consumer group member
-(:mod:`processor.adapters.consumer_group`) whose gained partitions are restored from their
+:mod:`dpstream.processor.adapters.worker`), or, with ``--assignment group``, from a consumer group member
+(:mod:`dpstream.processor.adapters.consumer_group`) whose gained partitions are restored from their
 changelogs before they are read (docs/operations.md, "Elastic workers"). Faust's per-event stream path was measured at 13k events/s on this
 machine against 587k/s for aiokafka's ``getmany``, so one channel message carries a batch: the
 records of every owned partition of a stage fetched within ``--batch-linger`` (or up to
 ``--fetch-records``), sent on with one acknowledgement wait (docs/operations.md, "Batches").
-Messages are sent with confluent-kafka (:class:`topics.kafka.KafkaPublisher`). Health states and
+Messages are sent with confluent-kafka (:class:`dpstream.topics.kafka.KafkaPublisher`). Health states and
 the broker watch: docs/operations.md, "Health".
 """
 from __future__ import annotations
@@ -29,9 +29,9 @@ from typing import Optional
 import faust
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from processor.adapters.consumer_group import GroupConsumer
-from processor.adapters.metrics import PipelineMetrics
-from processor.adapters.worker import (
+from dpstream.processor.adapters.consumer_group import GroupConsumer
+from dpstream.processor.adapters.metrics import PipelineMetrics
+from dpstream.processor.adapters.worker import (
     WATERMARK_DELAY_MS,
     DpstreamWorker,
     FiredTrigger,
@@ -39,8 +39,8 @@ from processor.adapters.worker import (
     LostStateError,
     Ownership,
 )
-from processor.config import DpstreamConfig
-from topics.kafka import (
+from dpstream.processor.config import DpstreamConfig
+from dpstream.topics.kafka import (
     CHANGELOG_MAX_BYTES,
     CHANGELOG_TOPIC_CONFIG,
     DeliveryError,

@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Iterator, Optional, TextIO
 
-from topics.records import MAX_FIELD_CHARS
+from dpstream.topics.records import MAX_FIELD_CHARS
 
 PRODUCER_DEFAULTS = {"partitioner": "murmur2_random", "linger.ms": 20, "batch.num.messages": 10_000,
                      "queue.buffering.max.messages": 1_000_000, "acks": "all"}
@@ -48,8 +48,8 @@ def file_lines(path: str) -> Iterator[bytes]:
 
 
 def synthetic_lines(users: int, keys: int, seed: int, start_ms: int, window_ms: int) -> Iterator[bytes]:
-    """The DP-SQLP workload's shape (processor.synthetic) as JSON events in time order."""
-    from processor.synthetic import KEYS_Q, generate
+    """The DP-SQLP workload's shape (dpstream.processor.synthetic) as JSON events in time order."""
+    from dpstream.processor.synthetic import KEYS_Q, generate
 
     stream = generate(users, keys, seed, window_ms=window_ms, start_ms=start_ms, key_q=KEYS_Q * keys / 1_000_000)
     for u, k, t in zip(stream.users.tolist(), stream.keys.tolist(), stream.ts.tolist()):
@@ -59,7 +59,7 @@ def synthetic_lines(users: int, keys: int, seed: int, start_ms: int, window_ms: 
 def produce(broker: str, topic: str, lines: Iterator[bytes], user_field: str = "user_id", client_config: Optional[dict] = None) -> int:
     from confluent_kafka import Producer
 
-    from topics.kafka import DeliveryError
+    from dpstream.topics.kafka import DeliveryError
 
     errors: list[str] = []
 
@@ -67,7 +67,7 @@ def produce(broker: str, topic: str, lines: Iterator[bytes], user_field: str = "
         if err is not None:
             errors.append(str(err))
 
-    from topics.kafka import client_security
+    from dpstream.topics.kafka import client_security
 
     producer = Producer({"bootstrap.servers": broker, **PRODUCER_DEFAULTS, **client_security(), **(client_config or {})})
     sent = 0
@@ -99,7 +99,7 @@ def tail(broker: str, topic: str, out: TextIO = sys.stdout, idle_seconds: Option
         TopicPartition,
     )
 
-    from topics.kafka import client_security
+    from dpstream.topics.kafka import client_security
 
     consumer = Consumer({"bootstrap.servers": broker, "group.id": "dpstream-tail", "enable.auto.commit": False, **client_security()})
     meta = consumer.list_topics(topic, timeout=15).topics.get(topic)

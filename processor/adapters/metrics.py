@@ -1,6 +1,6 @@
 """Prometheus metrics of the pipeline (docs/operations.md, "Metrics"), named by Prometheus conventions.
 
-The pipeline keeps plain counters (:class:`processor.engine.pipeline.PipelineStats`); this module turns
+The pipeline keeps plain counters (:class:`dpstream.processor.engine.pipeline.PipelineStats`); this module turns
 them into a registry the worker serves over HTTP, so the pipeline itself never imports
 prometheus-client. Every metric is labelled by query; none carries a user id or a key.
 """

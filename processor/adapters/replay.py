@@ -45,21 +45,21 @@ from typing import Callable, Iterable, Iterator, Optional, TextIO
 
 import numpy as np
 
-from processor.config import ConfigError, DpstreamConfig
-from processor.engine.budget import (
+from dpstream.processor.config import ConfigError, DpstreamConfig
+from dpstream.processor.engine.budget import (
     LEDGER_STORE,
     BudgetGate,
     ChargeSchedule,
     open_ledger,
 )
-from processor.engine.dynamic_stream import DynamicQueryState
-from processor.engine.pipeline import EventColumns, QueryPipeline, check_noise_epoch
-from processor.engine.runner import Engine, Fired, QueryRunner
-from processor.mechanisms.noise import NodeNoise, Pseudonymizer
-from state.store import PartitionStores, WriteBatch
-from state.tables import ClockState, EpochMarks, IntegerMark
-from topics.decoding import decoder_for
-from topics.records import (
+from dpstream.processor.engine.dynamic_stream import DynamicQueryState
+from dpstream.processor.engine.pipeline import EventColumns, QueryPipeline, check_noise_epoch
+from dpstream.processor.engine.runner import Engine, Fired, QueryRunner
+from dpstream.processor.mechanisms.noise import NodeNoise, Pseudonymizer
+from dpstream.state.store import PartitionStores, WriteBatch
+from dpstream.state.tables import ClockState, EpochMarks, IntegerMark
+from dpstream.topics.decoding import decoder_for
+from dpstream.topics.records import (
     EventParser,
     InvalidRecord,
     dead_letter,

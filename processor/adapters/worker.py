@@ -1,8 +1,8 @@
 """What the Kafka worker does with records, free of Faust and of any Kafka client.
 
-The Faust adapter (:mod:`processor.adapters.faust_app`) reads batches of records, hands them here, sends
+The Faust adapter (:mod:`dpstream.processor.adapters.faust_app`) reads batches of records, hands them here, sends
 the messages this returns, waits for the broker to acknowledge them, and only then commits the
-state write this prepared. Everything DP happens in :class:`processor.engine.pipeline.QueryPipeline`,
+state write this prepared. Everything DP happens in :class:`dpstream.processor.engine.pipeline.QueryPipeline`,
 the same code ``dpstream replay`` and the benchmarks run.
 
 Partitions and state (docs/operations.md, "Partitions and state"; docs/privacy.md, "Failures").
@@ -41,7 +41,7 @@ Failure rules:
 
 Time (docs/privacy.md, "Time"): windows are charged and dynamic ticks are decided on the wall
 clock, data or not; every query's windows are charged in one public order on every worker
-(:class:`processor.engine.budget.ChargeSchedule`). Stage 1 judges each record by its own Kafka
+(:class:`dpstream.processor.engine.budget.ChargeSchedule`). Stage 1 judges each record by its own Kafka
 timestamp: ``late`` if that is past its trigger's fire time, ``future`` if its event time is
 more than ``max_skew`` after it (both dead-lettered). A trigger fires once every input partition
 has been read past its fire time (the input watermark, :meth:`DpstreamWorker.watermark_messages`),
@@ -61,36 +61,36 @@ from typing import Iterable, Iterator, Optional, Protocol, Sequence
 
 import numpy as np
 
-from processor.adapters.metrics import PipelineMetrics
-from processor.config import DpstreamConfig, plan_for
-from processor.engine.budget import (
+from dpstream.processor.adapters.metrics import PipelineMetrics
+from dpstream.processor.config import DpstreamConfig, plan_for
+from dpstream.processor.engine.budget import (
     LEDGER_STORE,
     BudgetGate,
     ChargeSchedule,
     open_ledger,
 )
-from processor.engine.dynamic_stream import DynamicQueryState
-from processor.engine.pipeline import (
+from dpstream.processor.engine.dynamic_stream import DynamicQueryState
+from dpstream.processor.engine.pipeline import (
     BoundedRecords,
     EventColumns,
     PipelineStats,
     QueryPipeline,
     check_noise_epoch,
 )
-from processor.engine.runner import Fired, QueryRunner
-from processor.mechanisms.noise import NodeNoise, Pseudonymizer
-from state.changelog import ChangelogStore, restore_from_changelog
-from state.store import PartitionStores, Store, WriteBatch
-from state.tables import InputWatermarks, IntegerMark, TextMark
-from topics.decoding import decoder_for
-from topics.kafka import (
+from dpstream.processor.engine.runner import Fired, QueryRunner
+from dpstream.processor.mechanisms.noise import NodeNoise, Pseudonymizer
+from dpstream.state.changelog import ChangelogStore, restore_from_changelog
+from dpstream.state.store import PartitionStores, Store, WriteBatch
+from dpstream.state.tables import InputWatermarks, IntegerMark, TextMark
+from dpstream.topics.decoding import decoder_for
+from dpstream.topics.kafka import (
     CHANGELOG_MAX_BYTES,
     DEAD_LETTER_TOPIC,
     PROGRESS_TOPIC,
     changelog_topic,
     repartition_topic,
 )
-from topics.records import (
+from dpstream.topics.records import (
     WATERMARK_KEY,
     EventParser,
     dead_letter,
@@ -205,7 +205,7 @@ def worker_noise_label(app_id: str, config: DpstreamConfig) -> str:
 
 def epoch_mark(config: DpstreamConfig, noise: NodeNoise) -> dict:
     """What a worker's state belongs to: the configured budget epoch and the noise secret (as its
-    public fingerprint). Kept outside the volume (:data:`topics.kafka.EPOCH_TOPIC`)."""
+    public fingerprint). Kept outside the volume (:data:`dpstream.topics.kafka.EPOCH_TOPIC`)."""
     return {"budget_epoch": config.budget.epoch if config.budget is not None else None, "noise": noise.fingerprint}
 
 
@@ -693,7 +693,7 @@ class DpstreamWorker:
         """Records keyed by a user whose key hashes to another partition (by the configured
         partitioner): counted here, the user could also be counted on that partition, up to C
         more contributions. ``keys``: the records' message keys. Returns {record index: reason}."""
-        from topics.partitioner import partition_for
+        from dpstream.topics.partitioner import partition_for
 
         keyed = [i for i, k in enumerate(keys) if k is not None] if None in keys else None
         if keyed is not None:
@@ -901,12 +901,12 @@ class DpstreamWorker:
 
     # ------------------------------------------------------------------ exactly once
     # With --delivery exactly-once, every send is one Kafka transaction that also carries a
-    # progress record (topics.kafka.PROGRESS_TOPIC) saying which inputs' outputs, or which
+    # progress record (dpstream.topics.kafka.PROGRESS_TOPIC) saying which inputs' outputs, or which
     # triggers' releases, it completes. The state is committed after the transaction; a crash in
     # between leaves the state behind the progress topic, and :meth:`resume` tells the restarted
     # worker what not to send again (docs/operations.md, "Delivery").
     def resume(self, progress: dict[str, dict]) -> None:
-        """Take in what the progress topic says was delivered (:func:`topics.kafka.read_progress`):
+        """Take in what the progress topic says was delivered (:func:`dpstream.topics.kafka.read_progress`):
         records up to each source's delivered offset are applied to the state with no output
         sent, and journaled triggers up to its published one are marked published, not sent."""
         for source in [*self.stage1.values(), *self.stage2.values()]:

@@ -1,6 +1,6 @@
 """``dpstream bench dpsqlp``: the DP-SQLP paper's Table 1 workload, DP-SQLP vs its two baselines.
 
-The DP-SQLP column runs the product's own :class:`processor.engine.pipeline.QueryPipeline` over a
+The DP-SQLP column runs the product's own :class:`dpstream.processor.engine.pipeline.QueryPipeline` over a
 RocksDB store, micro-batch by micro-batch (stage 1, pending micro-batch, stage 2 at each
 trigger), exactly as the replay runner does; only the event generation is vectorized here.
 
@@ -38,14 +38,14 @@ import time
 import numpy as np
 from scipy.stats import norm
 
-from accountant.calibration import cks_rho
-from processor.bench.report import machine, pss_gb, summary
-from processor.config import QueryConfig
-from processor.engine.pipeline import EventColumns, QueryPipeline
-from processor.engine.runner import QueryRunner
-from processor.mechanisms.noise import NodeNoise, Pseudonymizer
-from processor.synthetic import generate
-from state.store import MemoryStore, RocksDBStore, WriteBatch
+from dpstream.accountant.calibration import cks_rho
+from dpstream.processor.bench.report import machine, pss_gb, summary
+from dpstream.processor.config import QueryConfig
+from dpstream.processor.engine.pipeline import EventColumns, QueryPipeline
+from dpstream.processor.engine.runner import QueryRunner
+from dpstream.processor.mechanisms.noise import NodeNoise, Pseudonymizer
+from dpstream.processor.synthetic import generate
+from dpstream.state.store import MemoryStore, RocksDBStore, WriteBatch
 
 PAPER = {
     100: {"DP-SQLP": (28338, 1391, 17741225, 50039), "Baseline 1": (435, 18077, 50835203, 430547), "Baseline 2": (191, 21913, 58551587, 576425)},

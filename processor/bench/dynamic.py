@@ -1,6 +1,6 @@
 """``dpstream bench dynamic``: the fully dynamic counter's two mechanisms on churning streams.
 
-Compares the two mechanisms of :class:`processor.mechanisms.dynamic.DynamicCounter` (Qiu & Yi,
+Compares the two mechanisms of :class:`dpstream.processor.mechanisms.dynamic.DynamicCounter` (Qiu & Yi,
 *Differential Privacy on Dynamic Data*):
 
 * ``interval_tree`` - the paper's online interval tree with Algorithm 3 at each node, whose error
@@ -45,10 +45,10 @@ import time
 
 import numpy as np
 
-from accountant.dynamic import DynamicPlan
-from processor.bench.report import machine
-from processor.mechanisms.dynamic import DynamicCounter
-from processor.mechanisms.noise import NodeNoise
+from dpstream.accountant.dynamic import DynamicPlan
+from dpstream.processor.bench.report import machine
+from dpstream.processor.mechanisms.dynamic import DynamicCounter
+from dpstream.processor.mechanisms.noise import NodeNoise
 
 MECHANISMS = ("interval_tree", "baseline")
 KINDS = ("heavy_churn", "little_churn")
@@ -227,5 +227,5 @@ def _plot(curves: dict, epsilon: float, items: int, path: str) -> None:
     plt.close(fig)
 
 
-if __name__ == "__main__":  # until the CLI is wired: python -m processor.bench.dynamic [JSON [PNG]]
+if __name__ == "__main__":  # until the CLI is wired: python -m dpstream.processor.bench.dynamic [JSON [PNG]]
     run_dynamic_bench(json_path=sys.argv[1] if len(sys.argv) > 1 else None, plot_path=sys.argv[2] if len(sys.argv) > 2 else None)

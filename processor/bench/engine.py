@@ -17,11 +17,11 @@ import time
 
 import numpy as np
 
-from accountant import QueryBudget, plan_query
-from processor.bench.report import Progress, machine
-from processor.mechanisms.key_selection import KeySelector
-from processor.mechanisms.noise import NodeNoise, TreeIdentity, discrete_gaussian
-from processor.mechanisms.perturbation import HierarchicalPerturber
+from dpstream.accountant import QueryBudget, plan_query
+from dpstream.processor.bench.report import Progress, machine
+from dpstream.processor.mechanisms.key_selection import KeySelector
+from dpstream.processor.mechanisms.noise import NodeNoise, TreeIdentity, discrete_gaussian
+from dpstream.processor.mechanisms.perturbation import HierarchicalPerturber
 
 #: Benchmarks noise synthetic data only; a one-off random secret per run (never a literal).
 BENCH_SECRET = os.urandom(32)
@@ -108,11 +108,11 @@ def run_scaling_bench(seen_small: int = 10_000, seen_large: int = 1_000_000, bat
     """
     import tempfile
 
-    from processor.config import QueryConfig
-    from processor.engine.pipeline import EventColumns, QueryPipeline
-    from processor.engine.runner import QueryRunner
-    from processor.mechanisms.noise import Pseudonymizer
-    from state.store import RocksDBStore, WriteBatch
+    from dpstream.processor.config import QueryConfig
+    from dpstream.processor.engine.pipeline import EventColumns, QueryPipeline
+    from dpstream.processor.engine.runner import QueryRunner
+    from dpstream.processor.mechanisms.noise import Pseudonymizer
+    from dpstream.state.store import RocksDBStore, WriteBatch
 
     query = QueryConfig(name="scaling", window="1d", triggers=100, contribution_bound=32, epsilon=6.0, delta=1e-9, allowed_lateness="0s")
     interval = 86_400_000 // 100
@@ -183,9 +183,9 @@ def _stage_one_cost(query, pseudo, noise, seen: int, batch_records: int, repeats
     and rewrites an existing state), on RocksDB."""
     import tempfile
 
-    from processor.engine.pipeline import EventColumns, QueryPipeline
-    from processor.engine.runner import QueryRunner
-    from state.store import RocksDBStore, WriteBatch
+    from dpstream.processor.engine.pipeline import EventColumns, QueryPipeline
+    from dpstream.processor.engine.runner import QueryRunner
+    from dpstream.state.store import RocksDBStore, WriteBatch
 
     rng = np.random.default_rng(1)
     keys = np.array([f"k{i}" for i in range(10_000)], dtype=object)

@@ -6,7 +6,7 @@ Workload (``numpy.random.default_rng(seed)``): ``countries`` countries; country 
 20 countries. A leaf's weight is ``(c+1)^-1.2 (s+1)^-1 (t+1)^-1`` (Zipf-like at every level, so
 counts are skewed at every level). Each of ``users`` users has ``1 + Geometric(0.4)`` records
 (capped at 20), each at a leaf drawn by weight, at a uniform time of one window; C = 8, T =
-``triggers``. Records go through :class:`processor.engine.pipeline.QueryPipeline` (stage 1, stage 2,
+``triggers``. Records go through :class:`dpstream.processor.engine.pipeline.QueryPipeline` (stage 1, stage 2,
 key selection, perturbation, consistency) on RocksDB, one micro-batch per trigger, in time order.
 
 Truth: each user's first C records (what bounding admits), counted at every level through each
@@ -32,13 +32,13 @@ from collections import defaultdict
 
 import numpy as np
 
-from processor.bench.report import machine
-from processor.config import QueryConfig
-from processor.engine.pipeline import EventColumns, QueryPipeline
-from processor.engine.runner import QueryRunner
-from processor.mechanisms.consistency import clamp_and_round
-from processor.mechanisms.noise import NodeNoise, Pseudonymizer
-from state.store import PartitionStores, WriteBatch
+from dpstream.processor.bench.report import machine
+from dpstream.processor.config import QueryConfig
+from dpstream.processor.engine.pipeline import EventColumns, QueryPipeline
+from dpstream.processor.engine.runner import QueryRunner
+from dpstream.processor.mechanisms.consistency import clamp_and_round
+from dpstream.processor.mechanisms.noise import NodeNoise, Pseudonymizer
+from dpstream.state.store import PartitionStores, WriteBatch
 
 DAY = 86_400_000
 START = 1_795_132_800_000  # a window start (multiple of one day)

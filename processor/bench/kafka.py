@@ -42,7 +42,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from processor.bench.report import machine
+from dpstream.processor.bench.report import machine
 
 ROOT = Path(__file__).resolve().parents[2]
 DAY_MS = 86_400_000
@@ -155,8 +155,8 @@ def worker_rate(broker: str, config_path: str, key_file: str, expected: int, par
 
 def run_kafka_bench(broker: str, users: int, keys: int, repeats: int, partitions: int, json_path: str | None,
                     workers: int = 2, baselines: bool = True) -> dict:
-    from processor.adapters.kafka_tools import produce, synthetic_lines
-    from topics.kafka import INPUT_TOPIC_CONFIG, TopicSpec, create_topics
+    from dpstream.processor.adapters.kafka_tools import produce, synthetic_lines
+    from dpstream.topics.kafka import INPUT_TOPIC_CONFIG, TopicSpec, create_topics
 
     tag = uuid.uuid4().hex[:8]
     topic = f"bench-events-{tag}"
@@ -243,7 +243,7 @@ def _start_workers(broker: str, config_path: str, key_file: str, partitions: int
     group = "group" in extra  # elastic workers: the consumer group assigns, each has an instance id
     for i, port in enumerate(ports):
         layout = ["--instance-id", f"w{i}"] if group else ["--worker-index", str(i), "--workers", str(workers)]
-        cmd = [sys.executable, "-m", "processor.cli", "worker", "--config", config_path, "--broker", broker,
+        cmd = [sys.executable, "-m", "dpstream.processor.cli", "worker", "--config", config_path, "--broker", broker,
                "--state-dir", str(state / f"w{i}"), "--partitions", str(partitions), "--web-port", str(port),
                "--web-host", "127.0.0.1", "--app-id", app_id, *layout, "--log-level", "warn", *extra]
         log = open(state / f"worker{i}.log", "wb")
@@ -294,7 +294,7 @@ def produce_live_lines(broker: str, topic: str, rate: float, seconds: float, use
     import numpy as np
     from confluent_kafka import Producer
 
-    from processor.adapters.kafka_tools import PRODUCER_DEFAULTS
+    from dpstream.processor.adapters.kafka_tools import PRODUCER_DEFAULTS
 
     rng = np.random.default_rng(seed)
     total = int(rate * seconds)
@@ -330,7 +330,7 @@ def live_trial(broker: str, rate: float, seconds: float, partitions: int, users:
     accumulated) every admitted record within LIVE_GRACE_S of the last one being produced."""
     tag = uuid.uuid4().hex[:8]
     topic = f"bench-live-{tag}"
-    from topics.kafka import INPUT_TOPIC_CONFIG, TopicSpec, create_topics
+    from dpstream.topics.kafka import INPUT_TOPIC_CONFIG, TopicSpec, create_topics
 
     create_topics(broker, [TopicSpec(topic, partitions, INPUT_TOPIC_CONFIG)])
     with tempfile.TemporaryDirectory(prefix="dpstream-bench-live-") as tmp:

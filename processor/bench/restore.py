@@ -7,7 +7,7 @@ key-row logs of one commit). Then, in alternation, ``--repeats`` times each:
 
 * baseline: the same read of the changelog (read_committed, to its end) that a restore does,
   touching each record and writing nothing;
-* restore: :func:`state.changelog.restore_from_changelog` into an empty RocksDB store (a new or
+* restore: :func:`dpstream.state.changelog.restore_from_changelog` into an empty RocksDB store (a new or
   lost volume: the full restore; a volume that kept the store reads only what was written since).
 
 Reported: medians, seconds per GB of changelog bytes, and the restore / read ratio.
@@ -21,12 +21,12 @@ import tempfile
 import time
 import uuid
 
-from processor.bench.report import machine
+from dpstream.processor.bench.report import machine
 
 
 def fill_changelog(broker: str, topic: str, mb: int, blob_kb: int, seed: int = 7) -> tuple[int, int]:
     """Write about ``mb`` MB of records; returns (records, bytes)."""
-    from topics.kafka import (
+    from dpstream.topics.kafka import (
         CHANGELOG_TOPIC_CONFIG,
         KafkaPublisher,
         TopicSpec,
@@ -52,7 +52,7 @@ def fill_changelog(broker: str, topic: str, mb: int, blob_kb: int, seed: int = 7
 
 
 def read_only(broker: str, topic: str) -> tuple[float, int]:
-    from topics.kafka import read_changelog
+    from dpstream.topics.kafka import read_changelog
 
     started = time.perf_counter()
     end, batches = read_changelog(broker, topic, 0, 0)
@@ -64,9 +64,9 @@ def read_only(broker: str, topic: str) -> tuple[float, int]:
 
 
 def restore_once(broker: str, topic: str) -> tuple[float, int]:
-    from state.changelog import restore_from_changelog
-    from state.store import PartitionStores
-    from topics.kafka import read_changelog
+    from dpstream.state.changelog import restore_from_changelog
+    from dpstream.state.store import PartitionStores
+    from dpstream.topics.kafka import read_changelog
 
     with tempfile.TemporaryDirectory(prefix="dpstream-restore-") as tmp:
         stores = PartitionStores(tmp, block_cache_mb=64, write_buffer_mb=32)

@@ -1,3 +1,3 @@
-"""The engine: one query's pipeline (:mod:`processor.engine.pipeline`), the one drive loop every
-adapter and benchmark runs (:mod:`processor.engine.runner`), dynamic-count state and the budget
+"""The engine: one query's pipeline (:mod:`dpstream.processor.engine.pipeline`), the one drive loop every
+adapter and benchmark runs (:mod:`dpstream.processor.engine.runner`), dynamic-count state and the budget
 gate (docs/architecture.md)."""

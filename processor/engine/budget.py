@@ -1,7 +1,7 @@
 """The budget ledger wired to the queries: who is charged what, and when (docs/privacy.md, "Windows and budget").
 
 * A DP-SQLP query is charged its plan's (epsilon, delta) for each window as the clock reaches
-  the window's start, with or without data (:meth:`processor.engine.pipeline.QueryPipeline.open_due`),
+  the window's start, with or without data (:meth:`dpstream.processor.engine.pipeline.QueryPipeline.open_due`),
   with charge id ``query:window_start`` and the time of the charge the window's start: the
   guarantee is per user and window, so each window is one spend, and what is spent or refused
   follows the public schedule only (docs/privacy.md). The charge records the plan's fingerprint;
@@ -27,11 +27,11 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from accountant.ledger import BudgetExceeded, BudgetLedger
-from accountant.plan import plan_fingerprint
-from processor.config import DpstreamConfig, level_plans_for, plan_for
-from state.store import RocksDBStore, Store, WriteBatch
-from state.tables import IntegerMark
+from dpstream.accountant.ledger import BudgetExceeded, BudgetLedger
+from dpstream.accountant.plan import plan_fingerprint
+from dpstream.processor.config import DpstreamConfig, level_plans_for, plan_for
+from dpstream.state.store import RocksDBStore, Store, WriteBatch
+from dpstream.state.tables import IntegerMark
 
 log = logging.getLogger("dpstream.budget")
 LEDGER_STORE = "ledger"

@@ -11,7 +11,7 @@ Ticks are decided on the clock, not on data (docs/privacy.md, "Time"):
 :meth:`DynamicQueryState.advance_clock` decides every tick whose end (plus ``allowed_lateness``)
 the clock has passed, with or without updates - the worker's timer calls it with the wall clock,
 replay with its event-time clock and, at the end, its public ``--until``. The logged updates of
-those ticks are fed to :class:`processor.mechanisms.dynamic.DynamicCounter` in (tick, arrival) order, so the
+those ticks are fed to :class:`dpstream.processor.mechanisms.dynamic.DynamicCounter` in (tick, arrival) order, so the
 order in which updates of undecided ticks arrived does not matter, and whether a segment's
 release exists never reveals whether later updates exist. A delete of an item that is not
 present at that point in tick order is refused then (dead-lettered, never a negative count).
@@ -30,13 +30,13 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Mapping, Optional, Union
 
-from processor.config import DynamicQueryConfig
-from processor.engine.pipeline import PlanChangedError
-from processor.mechanisms.dynamic import DynamicCounter, DynamicRelease
-from processor.mechanisms.noise import NodeNoise, Pseudonymizer
-from state.store import Store, WriteBatch
-from state.tables import DynamicTables
-from topics.records import InvalidRecord, Update, UpdateParser
+from dpstream.processor.config import DynamicQueryConfig
+from dpstream.processor.engine.pipeline import PlanChangedError
+from dpstream.processor.mechanisms.dynamic import DynamicCounter, DynamicRelease
+from dpstream.processor.mechanisms.noise import NodeNoise, Pseudonymizer
+from dpstream.state.store import Store, WriteBatch
+from dpstream.state.tables import DynamicTables
+from dpstream.topics.records import InvalidRecord, Update, UpdateParser
 
 OPS = {"insert": 1, "delete": 2}
 OP_NAMES = {1: "insert", 2: "delete"}
@@ -110,7 +110,7 @@ class DynamicQueryState:
         return self.counter.decided
 
     def parse(self, obj: Union[Mapping, InvalidRecord]) -> Union[Update, InvalidRecord]:
-        """The update a decoded record holds (topics.records.UpdateParser), or why it is invalid."""
+        """The update a decoded record holds (dpstream.topics.records.UpdateParser), or why it is invalid."""
         return self.parser.from_mapping(obj)
 
     def apply(self, obj: Union[dict, InvalidRecord], batch: WriteBatch, clock_ms: Optional[int] = None) -> Optional[str]:

@@ -48,22 +48,22 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from accountant.counters import BINARY_TREE
-from accountant.plan import plan_fingerprint
-from processor.config import QueryConfig, level_plans_for, parse_duration_ms
-from processor.mechanisms.aggregates import aggregate_named
-from processor.mechanisms.bounding import (
+from dpstream.accountant.counters import BINARY_TREE
+from dpstream.accountant.plan import plan_fingerprint
+from dpstream.processor.config import QueryConfig, level_plans_for, parse_duration_ms
+from dpstream.processor.mechanisms.aggregates import aggregate_named
+from dpstream.processor.mechanisms.bounding import (
     ContributionBounder,
     first_for_key,
     key_histories,
 )
-from processor.mechanisms.consistency import solve as solve_consistency
-from processor.mechanisms.counters import counter_for
-from processor.mechanisms.key_selection import KeySelector, SelectionBatch
-from processor.mechanisms.noise import TREE_ID_DTYPE, NodeNoise, Pseudonymizer
-from processor.mechanisms.perturbation import HierarchicalPerturber, PerturbationBatch
-from state.store import Store, WriteBatch
-from state.tables import (
+from dpstream.processor.mechanisms.consistency import solve as solve_consistency
+from dpstream.processor.mechanisms.counters import counter_for
+from dpstream.processor.mechanisms.key_selection import KeySelector, SelectionBatch
+from dpstream.processor.mechanisms.noise import TREE_ID_DTYPE, NodeNoise, Pseudonymizer
+from dpstream.processor.mechanisms.perturbation import HierarchicalPerturber, PerturbationBatch
+from dpstream.state.store import Store, WriteBatch
+from dpstream.state.tables import (
     AMEND_ENTRY,
     STATE_FORMAT,
     STORED_TREE_ID,
@@ -73,7 +73,7 @@ from state.tables import (
     QueryTables,
     ViewEntry,
 )
-from topics.records import encode_json, key_for_output, key_text, release_record
+from dpstream.topics.records import encode_json, key_for_output, key_text, release_record
 
 #: initial half-width of a value's domain in the consistency program, in standard deviations of
 #: its noise (Fioretto et al. section 11.2 size domains from the noise; the solver widens them
@@ -152,7 +152,7 @@ class BoundedRecords:
     slots: np.ndarray  # int64, 1..C
     units: np.ndarray  # int64, value on the grid
     previous: np.ndarray  # int64, predecessor trigger: the user's latest earlier record for this key (0: none)
-    amend: np.ndarray  # int64, micro-batch whose predecessor this record becomes (0: none; processor.mechanisms.bounding)
+    amend: np.ndarray  # int64, micro-batch whose predecessor this record becomes (0: none; dpstream.processor.mechanisms.bounding)
     levels: np.ndarray  # int64, level of the key (1 = coarsest; always 1 for a flat query)
     roots: np.ndarray  # uint64, id of the key's level-1 prefix (the key itself for a flat query): routes stage 2
 
@@ -330,7 +330,7 @@ class QueryPipeline:
         self.stats = PipelineStats()
         plan = self.plan
         # every counter of the query (key selection and perturbation) has T steps; its state is
-        # what the key rows carry per stream (processor.mechanisms.counters)
+        # what the key rows carry per stream (dpstream.processor.mechanisms.counters)
         counter = counter_for(plan.counter or BINARY_TREE.name, plan.triggers, 1.0, noise)
         self.counter_state_width = counter.state_width
         self.bounder = ContributionBounder(plan.contribution_bound, plan.clamp, plan.resolution)
@@ -339,7 +339,7 @@ class QueryPipeline:
         if plan.selection_weights is not None:
             self.selection_weights = np.zeros(plan.contribution_bound + 1, dtype=np.int64)
             self.selection_weights[1:1 + len(plan.selection_weights)] = plan.selection_weights
-        assert np.dtype(TREE_ID_DTYPE) == STORED_TREE_ID, "key rows store tree ids of processor.mechanisms.noise's width"
+        assert np.dtype(TREE_ID_DTYPE) == STORED_TREE_ID, "key rows store tree ids of dpstream.processor.mechanisms.noise's width"
         self.aggregate = aggregate_named(query.aggregate)
         self.tables = QueryTables(store, query.name, self.counter_state_width, len(self.aggregate.columns))
         blank = np.zeros(1, dtype=self.tables.keys.dtype)  # a key not seen yet in the window
@@ -585,7 +585,7 @@ class QueryPipeline:
             # no key texts: _register_key_texts put every one in the key-text table in this batch
             self.tables.pending.append(batch, w, i, seq, (records if len(part) == len(records) else records.take(part)).encode(texts=False))
         # amendments: an out-of-order arrival becomes the predecessor of a later micro-batch's record
-        # (processor.mechanisms.bounding.key_histories); that micro-batch has not fired (triggers fire in order)
+        # (dpstream.processor.mechanisms.bounding.key_histories); that micro-batch has not fired (triggers fire in order)
         amending = np.nonzero(records.amend > 0)[0]
         if len(amending):
             entries = np.empty(len(amending), dtype=AMEND_ENTRY)
@@ -673,7 +673,7 @@ class QueryPipeline:
             level_of[kidx], root_of[kidx] = micro.levels, micro.roots
             rows["level"][fresh], rows["root"][fresh] = level_of[fresh], root_of[fresh]
         # --- merge the micro-batch: users new to each key's round (the record before theirs in
-        # (trigger, arrival) order came before the round started: processor.mechanisms.bounding), counted
+        # (trigger, arrival) order came before the round started: dpstream.processor.mechanisms.bounding), counted
         # once per (key, user) however many records they have here; buffered aggregate
         delta_units = np.zeros(n, dtype=np.int64)
         np.add.at(delta_units, kidx, rec_units)
@@ -824,7 +824,7 @@ class QueryPipeline:
         compacted output topic holds exactly that). Only subtrees (level-1 roots) with a release
         at this trigger can change. Their released keys form a forest (a key's parent is its
         nearest released ancestor: an unreleased key in between is unknown, so it only adds to
-        the ancestor's remainder), and :func:`processor.mechanisms.consistency.solve` finds the
+        the ancestor's remainder), and :func:`dpstream.processor.mechanisms.consistency.solve` finds the
         non-negative integers closest to the noisy counts in L2, weighted by each count's inverse
         variance (the paper's plain L2 when all variances are equal), such that every released
         parent is at least the sum of its released descendants. Each record then carries

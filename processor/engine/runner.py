@@ -6,7 +6,7 @@ and :class:`Engine`; they differ only in where events come from (a file, a topic
 where releases go (a file, a topic, memory) and which clock they use (docs/privacy.md, "Time").
 So a benchmark measures the product's path, and a fix to the loop is a fix everywhere.
 
-Every call takes the caller's :class:`state.store.WriteBatch` and leaves writing it to the caller:
+Every call takes the caller's :class:`dpstream.state.store.WriteBatch` and leaves writing it to the caller:
 the batch must be written together with the caller's input position (a commit point), and only
 then are releases computed from it (:meth:`QueryRunner.fire` writes its own batch, the trigger's
 journal, before returning).
@@ -18,8 +18,8 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
-from processor.engine.pipeline import BoundedRecords, EventColumns, QueryPipeline
-from state.store import WriteBatch
+from dpstream.processor.engine.pipeline import BoundedRecords, EventColumns, QueryPipeline
+from dpstream.state.store import WriteBatch
 
 
 @dataclass

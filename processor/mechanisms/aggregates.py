@@ -5,7 +5,7 @@ An :class:`Aggregate` names its columns, what one record adds to each (``"one"``
 fields are formed from the columns' released values. Everything after the trees is
 post-processing of privatized values (docs/privacy.md, "The arithmetic of releases"), so it costs
 no budget. The accountant calibrates one tree per column from the columns' per-record bounds (1
-or L; :func:`accountant.plan.plan_levels`), splitting the perturbation budget equally between
+or L; :func:`dpstream.accountant.plan.plan_levels`), splitting the perturbation budget equally between
 them: DP-SQLP section 4.4 with the column trees composed under zCDP.
 
 Adding an aggregate is one entry of :data:`AGGREGATES` built from :class:`Column` s and a

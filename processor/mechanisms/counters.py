@@ -7,13 +7,13 @@ Both use a counter only through :class:`ContinualCounter`: they advance many str
 the step each has processed to a later one, read exact noisy prefixes (compared with thresholds
 and rounded exactly, never ``raw + noise`` in floating point: docs/privacy.md, "The arithmetic of
 releases"), and carry a fixed-width int64 state per stream between steps, which the key rows store
-(state.tables: ``sel_cache``, ``pcache``). The accountant calibrates a counter from its
-:class:`accountant.counters.CounterCalibration` (sensitivity and per-step variance), found by
+(dpstream.state.tables: ``sel_cache``, ``pcache``). The accountant calibrates a counter from its
+:class:`dpstream.accountant.counters.CounterCalibration` (sensitivity and per-step variance), found by
 the counter's name.
 
 Implementations:
 
-* the binary tree with Honaker estimation (:mod:`processor.mechanisms.tree`): its state is the
+* the binary tree with Honaker estimation (:mod:`dpstream.processor.mechanisms.tree`): its state is the
   frontier of complete nodes, one per tree level;
 * the Buffered Linear Toeplitz counter (:class:`BLTCounter`): correlated noise from a
   matrix factorization, 4 numbers of state per stream, about a quarter of the tree's worst-step
@@ -26,15 +26,15 @@ from typing import Protocol
 
 import numpy as np
 
-from accountant.counters import (
+from dpstream.accountant.counters import (
     BINARY_TREE,
     BLT,
     CounterCalibration,
     blt_parameters,
     lattice_scale,
 )
-from processor.mechanisms.noise import NodeNoise, discrete_gaussian, node_ids
-from processor.mechanisms.tree import HonakerForest
+from dpstream.processor.mechanisms.noise import NodeNoise, discrete_gaussian, node_ids
+from dpstream.processor.mechanisms.tree import HonakerForest
 
 
 class NoisyPrefixes(Protocol):
@@ -237,7 +237,7 @@ class BLTCounter:
     theta_k^(m-1)`` (3 buffers, fitted by scripts/fit_blt.py, exact dyadic numbers). The counter
     privatizes ``C x + z`` and releases ``A C^-1 (C x + z) = S + A C^-1 z``: the exact prefix S
     plus correlated noise. Noise lives on the lattice ``1 / K`` of the data grid (K a power of
-    two, :func:`accountant.counters.lattice_scale`): ``z_t`` is discrete Gaussian with scale
+    two, :func:`dpstream.accountant.counters.lattice_scale`): ``z_t`` is discrete Gaussian with scale
     ``sigma_units * K`` from the keyed PRF per (stream, step), and the noise increment is
 
         w_t = z_t - round(sum_k omega_k buf_k / 2^F),    buf_k <- round(theta_k buf_k) + w_t 2^F
@@ -246,7 +246,7 @@ class BLTCounter:
     ``W_t = sum_{j<=t} w_j``. Given the data, the published prefixes determine the ``w``, hence
     the ``z``; conditionally on the past, each step's value is a discrete Gaussian centred on a
     lattice point, and two neighbouring inputs move that centre by ``K (C Delta)_t`` up to the
-    rounding slack (accountant.counters.BLT). So every release is post-processing of an exact
+    rounding slack (dpstream.accountant.counters.BLT). So every release is post-processing of an exact
     lattice mechanism, nothing is ``raw + noise`` in floating point, and the noise W depends on
     the stream's identity alone: release prediction reads it ahead, as with the tree.
 
@@ -282,7 +282,7 @@ class BLTCounter:
 
     def feedback(self, buffers: np.ndarray) -> np.ndarray:
         """``round(sum_k omega_k buf_k / 2^F)`` per row, halves up, in lattice units: the part of
-        ``(C w)_t - w_t`` the buffers carry (exact integers; accountant.counters bounds its
+        ``(C w)_t - w_t`` the buffers carry (exact integers; dpstream.accountant.counters bounds its
         distance from the linear value)."""
         shift = self.fine_bits + self.bits
         return ((buffers * self.omega_int).sum(axis=1) + (1 << (shift - 1))) >> shift
@@ -305,6 +305,6 @@ COUNTER_TYPES: dict[str, type] = {BinaryTreeCounter.name: BinaryTreeCounter, BLT
 
 def counter_for(name: str, steps: int, sigma_units: float, noise: NodeNoise) -> ContinualCounter:
     """The counter a plan names, at the plan's noise scale (grid units)."""
-    from accountant.counters import CONFIG_NAMES
+    from dpstream.accountant.counters import CONFIG_NAMES
 
     return COUNTER_TYPES[CONFIG_NAMES.get(name, name)](steps, sigma_units, noise)

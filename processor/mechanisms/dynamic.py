@@ -1,7 +1,7 @@
 """DP counts over a fully dynamic (insert/delete) stream: Qiu & Yi, *Differential Privacy on
 Dynamic Data* (papers/dp-on-dynamic-data-online-interval-tree.txt), sections 2-4 and Algorithm 3.
 
-Pure: no I/O. Every budget and threshold comes from :mod:`accountant.dynamic`. Every noise value
+Pure: no I/O. Every budget and threshold comes from :mod:`dpstream.accountant.dynamic`. Every noise value
 is a keyed PRF of its position (:class:`DynamicNoise`), so replaying the same updates with the
 same secret gives identical outputs, which is how the agent recovers its state.
 
@@ -36,7 +36,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from accountant.dynamic import (
+from dpstream.accountant.dynamic import (
     DynamicPlan,
     counter_scales,
     discrete_laplace_tail,
@@ -47,8 +47,8 @@ from accountant.dynamic import (
     svt_scales,
     svt_threshold,
 )
-from processor.mechanisms import discrete_laplace
-from processor.mechanisms.noise import NodeNoise, TreeIdentity
+from dpstream.processor.mechanisms import discrete_laplace
+from dpstream.processor.mechanisms.noise import NodeNoise, TreeIdentity
 
 NOISE_CHUNK = 4096
 FIRST_CHUNK = 16
@@ -56,7 +56,7 @@ FIRST_CHUNK = 16
 
 class DynamicNoise:
     """Discrete Laplace noise (P[x] ~ exp(-|x| / scale), every integer possible) as a keyed PRF of
-    (label, index), sampled exactly (:mod:`processor.mechanisms.discrete_laplace`: Canonne, Kamath and
+    (label, index), sampled exactly (:mod:`dpstream.processor.mechanisms.discrete_laplace`: Canonne, Kamath and
     Steinke 2020, Algorithms 1 and 2) from the words of :meth:`NodeNoise.uniforms`. Integer
     arithmetic only, so the mechanisms are pure epsilon-DP as the accountant reports; the value
     at an index does not depend on how draws are batched. ``noise=None`` gives zeros (for

@@ -3,7 +3,7 @@
 Per key and *round*, a DP tree over the triggers is fed with the round's incremental unique-user
 counts. At trigger i the tree's noisy prefix sum ``q_hat`` is compared with ``mu + tau_r`` (r the
 tree's leaf for trigger i); a key above it is *selected* (its buffered aggregate is released by
-:mod:`processor.mechanisms.perturbation`) and starts a new round with a fresh tree. Each user adds 1 to one
+:mod:`dpstream.processor.mechanisms.perturbation`) and starts a new round with a fresh tree. Each user adds 1 to one
 leaf of a round's tree and takes part in at most C rounds (section 4.4): the accountant's
 sensitivity.
 
@@ -26,11 +26,11 @@ from typing import Sequence
 
 import numpy as np
 
-from accountant.counters import BINARY_TREE
-from accountant.plan import PrivacyPlan
-from processor.mechanisms.counters import counter_for
-from processor.mechanisms.noise import TREE_ID_DTYPE, NodeNoise
-from processor.mechanisms.tree import ABSENT
+from dpstream.accountant.counters import BINARY_TREE
+from dpstream.accountant.plan import PrivacyPlan
+from dpstream.processor.mechanisms.counters import counter_for
+from dpstream.processor.mechanisms.noise import TREE_ID_DTYPE, NodeNoise
+from dpstream.processor.mechanisms.tree import ABSENT
 
 SELECT_KIND = "select"
 #: Bound on (tree, leaf) pairs materialized at once while scanning the future.
@@ -47,7 +47,7 @@ class SelectionBatch:
     done: np.ndarray  # leaves of the round tree already processed
     count: np.ndarray  # true unique-user count of the current round
     participations: np.ndarray  # gate statistic: sum of all rounds' counts
-    cache: np.ndarray  # (n, tree_levels) int64 frontier noise integers Fz at `done` (processor.mechanisms.tree)
+    cache: np.ndarray  # (n, tree_levels) int64 frontier noise integers Fz at `done` (dpstream.processor.mechanisms.tree)
     _tree_ids: np.ndarray | None = field(default=None, repr=False)
     #: an upper bound (float, with a guard for rounding) on max over the round's future leaves
     #: p > (leaf when computed) of N_p - tau_p; NaN: unknown. Only ever used to *skip* a scan
@@ -139,7 +139,7 @@ class KeySelector:
         if len(idx):
             ids = self.tree_ids(batch)[idx]
             walk = self.counter.walk(ids, batch.done[idx], leaf[idx], batch.cache[idx])
-            # q_hat = count + N, compared with mu + tau exactly (processor.mechanisms.tree)
+            # q_hat = count + N, compared with mu + tau exactly (dpstream.processor.mechanisms.tree)
             prefix = walk.prefix(np.arange(len(idx)), leaf[idx])
             selected[idx] = prefix.exceeds(batch.count[idx], self.release_at[leaf[idx] - 1])
             noisy[idx] = batch.count[idx] + prefix.approx()
@@ -167,7 +167,7 @@ class KeySelector:
         in a micro-batch nor predicted for a trigger would not have been selected there.
 
         Every "would it be selected" is the same exact comparison :meth:`step` makes
-        (:meth:`processor.mechanisms.tree.NoisePrefix.exceeds`), so the prediction is exactly what the real
+        (:meth:`dpstream.processor.mechanisms.tree.NoisePrefix.exceeds`), so the prediction is exactly what the real
         step decides.
 
         Shortcut, never changing an answer: the round's future noise path does not depend on

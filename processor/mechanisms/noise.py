@@ -47,7 +47,7 @@ from typing import Iterable, Mapping, Optional, Sequence
 import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
-from accountant.plan import MAX_SAMPLER_SIGMA, SAMPLER_TV_BOUND
+from dpstream.accountant.plan import MAX_SAMPLER_SIGMA, SAMPLER_TV_BOUND
 
 SECRET_ENV = "DPSTREAM_NOISE_KEY"
 SECRET_FILE_ENV = "DPSTREAM_NOISE_KEY_FILE"

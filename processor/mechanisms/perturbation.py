@@ -9,7 +9,7 @@ integer data; the accountant's sensitivity is ``C * L`` per tree (section 4.4: a
 contributions may land in one node).
 
 What is published is the noisy prefix rounded to the nearest whole grid step, computed exactly
-from the integer noisy nodes (:meth:`processor.mechanisms.tree.NoisePrefix.rounded`): an integer for a
+from the integer noisy nodes (:meth:`dpstream.processor.mechanisms.tree.NoisePrefix.rounded`): an integer for a
 count, ``k * resolution`` for a sum, which is exact in binary floating point because the grid
 step is a power of two. Never ``raw + noise`` in floating point (docs/privacy.md).
 
@@ -22,11 +22,11 @@ from typing import Sequence
 
 import numpy as np
 
-from accountant.counters import BINARY_TREE
-from accountant.plan import PrivacyPlan
-from processor.mechanisms.counters import counter_for
-from processor.mechanisms.noise import NodeNoise
-from processor.mechanisms.tree import ABSENT
+from dpstream.accountant.counters import BINARY_TREE
+from dpstream.accountant.plan import PrivacyPlan
+from dpstream.processor.mechanisms.counters import counter_for
+from dpstream.processor.mechanisms.noise import NodeNoise
+from dpstream.processor.mechanisms.tree import ABSENT
 
 
 @dataclass
@@ -36,7 +36,7 @@ class PerturbationBatch:
     keys: list
     released_units: np.ndarray  # exact sum (grid units) of everything released so far
     done: np.ndarray  # last step released (its trigger, or its release number), 0 if none
-    cache: np.ndarray  # (n, tree_levels) int64 frontier noise integers Fz at `done` (processor.mechanisms.tree)
+    cache: np.ndarray  # (n, tree_levels) int64 frontier noise integers Fz at `done` (dpstream.processor.mechanisms.tree)
     _tree_ids: np.ndarray | None = field(default=None, repr=False)
 
     @classmethod

@@ -10,7 +10,7 @@ that mixes data and noise.
 The arithmetic. Every node holds an integer ``y = x + z``: its data x (a sum of integer leaves)
 plus integer discrete Gaussian noise z. With ``F_0 = y`` and ``F_l = 2^l y + F_left + F_right``,
 the bottom-up Honaker estimate of a level-l node is exactly ``F_l / D_l``, ``D_l = 2^(l+1) - 1``
-(:func:`accountant.calibration.honaker_denominator` proves it). The recursion is linear and the
+(:func:`dpstream.accountant.calibration.honaker_denominator` proves it). The recursion is linear and the
 data part satisfies it with ``F_l^x = D_l x_l``, so ``F_l = D_l x_l + Fz_l`` where ``Fz_l`` is
 the same recursion over the noise alone. The noisy prefix sum at leaf i (one complete node per
 set bit of i, eq. (2)) is therefore the exact rational
@@ -42,8 +42,8 @@ from fractions import Fraction
 
 import numpy as np
 
-from accountant.calibration import honaker_denominator, tree_levels
-from processor.mechanisms.noise import DiscreteGaussian, NodeNoise, node_ids
+from dpstream.accountant.calibration import honaker_denominator, tree_levels
+from dpstream.processor.mechanisms.noise import DiscreteGaussian, NodeNoise, node_ids
 
 #: Marks a level of a frontier cache that holds no node (its bit of the leaf is 0).
 ABSENT = np.iinfo(np.int64).min
@@ -224,7 +224,7 @@ class HonakerForest:
             if level == 0:
                 values = own
             else:
-                # F_l = 2^l z + F_left + F_right (accountant.calibration.honaker_denominator)
+                # F_l = 2^l z + F_left + F_right (dpstream.accountant.calibration.honaker_denominator)
                 values = (own << level) + walk._lookup(level - 1, tree, 2 * index) + walk._lookup(level - 1, tree, 2 * index + 1)
             walk._levels.append(_Level(start, offsets, values))
         return walk

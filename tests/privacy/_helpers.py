@@ -15,8 +15,8 @@ from typing import Iterable, Optional
 
 import numpy as np
 
-from processor.adapters.replay import ReplayRunner
-from processor.config import DpstreamConfig, QueryConfig
+from dpstream.processor.adapters.replay import ReplayRunner
+from dpstream.processor.config import DpstreamConfig, QueryConfig
 from tests.conftest import TEST_LABEL, TEST_SECRET, TEST_SECRET_HEX
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,7 +57,7 @@ class Run:
     def __init__(self, output: str, dead: str, summary, stats, ledger_entries=None, label=None, dynamic=None,
                  statuses=None, charges=None):
         self.output = output
-        #: per query: {window start: status} (1 open, 2 refused: processor.engine.pipeline)
+        #: per query: {window start: status} (1 open, 2 refused: dpstream.processor.engine.pipeline)
         self.statuses = statuses
         #: the ledger's charge records: {charge id: record}
         self.charges = charges
@@ -112,11 +112,11 @@ def secret_file(tmp_path) -> Path:
 
 
 def run_cli(code_root: Path, args: list[str], tmp_path, timeout: float = 120) -> subprocess.CompletedProcess:
-    """``python -m processor.cli ARGS`` with the given code on PYTHONPATH (main or baseline)."""
+    """``python -m dpstream.processor.cli ARGS`` with the given code on PYTHONPATH (main or baseline)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DPSTREAM_")}
     env["PYTHONPATH"] = str(code_root)
     env["DPSTREAM_NOISE_KEY_FILE"] = str(secret_file(tmp_path))
-    return subprocess.run([sys.executable, "-m", "processor.cli", *args], cwd=str(code_root), env=env,
+    return subprocess.run([sys.executable, "-m", "dpstream.processor.cli", *args], cwd=str(code_root), env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -23,12 +23,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from processor.config import QueryConfig
-from processor.engine.pipeline import EventColumns, QueryPipeline
-from processor.mechanisms.noise import NodeNoise, Pseudonymizer
-from state.store import MemoryStore, WriteBatch
+from dpstream.processor.config import QueryConfig
+from dpstream.processor.engine.pipeline import EventColumns, QueryPipeline
+from dpstream.processor.mechanisms.noise import NodeNoise, Pseudonymizer
+from dpstream.state.store import MemoryStore, WriteBatch
 from tests.conftest import TEST_SECRET
-from topics.records import key_text
+from dpstream.topics.records import key_text
 
 DAY = 86_400_000
 START = 1_795_132_800_000  # a UTC midnight

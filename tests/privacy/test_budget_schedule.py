@@ -15,10 +15,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from accountant.plan import plan_fingerprint
-from processor.adapters.replay import ReplayError, ReplayRunner
-from processor.adapters.worker import DpstreamWorker, Ownership
-from processor.config import BudgetConfig, BudgetLimit, DpstreamConfig, level_plans_for
+from dpstream.accountant.plan import plan_fingerprint
+from dpstream.processor.adapters.replay import ReplayError, ReplayRunner
+from dpstream.processor.adapters.worker import DpstreamWorker, Ownership
+from dpstream.processor.config import BudgetConfig, BudgetLimit, DpstreamConfig, level_plans_for
 from tests.conftest import TEST_SECRET
 from tests.privacy._helpers import (
     BASELINE,

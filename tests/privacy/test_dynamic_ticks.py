@@ -20,11 +20,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from processor.adapters.worker import DpstreamWorker, Ownership, worker_noise_label
-from processor.config import DpstreamConfig, DynamicQueryConfig
-from processor.engine.dynamic_stream import DynamicQueryState
-from processor.mechanisms.noise import NodeNoise, Pseudonymizer
-from state.store import RocksDBStore, WriteBatch
+from dpstream.processor.adapters.worker import DpstreamWorker, Ownership, worker_noise_label
+from dpstream.processor.config import DpstreamConfig, DynamicQueryConfig
+from dpstream.processor.engine.dynamic_stream import DynamicQueryState
+from dpstream.processor.mechanisms.noise import NodeNoise, Pseudonymizer
+from dpstream.state.store import RocksDBStore, WriteBatch
 from tests.conftest import TEST_LABEL, TEST_SECRET, Record
 from tests.privacy._helpers import (
     BASELINE,
@@ -89,7 +89,7 @@ def upto(records, t: int) -> list[str]:
 # REGRESSION: DynamicNoise built 12-byte tree ids after ids grew to 16 bytes, so every config
 # with a dynamic query crashed when its counter was built.
 def test_regression_dynamic_noise_uses_full_tree_ids(tmp_path):
-    from processor.mechanisms.dynamic import DynamicNoise
+    from dpstream.processor.mechanisms.dynamic import DynamicNoise
 
     noise = NodeNoise(TEST_SECRET, TEST_LABEL)
     draws = DynamicNoise(noise, "plans").laplace(3.0, "probe", 64)

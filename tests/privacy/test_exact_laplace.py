@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from scipy.stats import chi2
 
-from processor.mechanisms import discrete_laplace as dl
-from processor.mechanisms.dynamic import DynamicNoise
-from processor.mechanisms.noise import NodeNoise, TreeIdentity
+from dpstream.processor.mechanisms import discrete_laplace as dl
+from dpstream.processor.mechanisms.dynamic import DynamicNoise
+from dpstream.processor.mechanisms.noise import NodeNoise, TreeIdentity
 from tests.conftest import TEST_SECRET
 
 

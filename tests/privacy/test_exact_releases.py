@@ -35,27 +35,27 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from accountant.calibration import (
+from dpstream.accountant.calibration import (
     cks_delta,
     honaker_denominator,
     honaker_variance_factor,
     honaker_weights,
     tree_levels,
 )
-from accountant.plan import SAMPLER_TV_BOUND, QueryBudget, plan_query
-from processor.adapters.replay import ReplayRunner
-from processor.config import DpstreamConfig, QueryConfig
-from processor.mechanisms.counters import BinaryTreeCounter
-from processor.mechanisms.key_selection import SELECT_KIND, KeySelector, SelectionBatch
-from processor.mechanisms.noise import (
+from dpstream.accountant.plan import SAMPLER_TV_BOUND, QueryBudget, plan_query
+from dpstream.processor.adapters.replay import ReplayRunner
+from dpstream.processor.config import DpstreamConfig, QueryConfig
+from dpstream.processor.mechanisms.counters import BinaryTreeCounter
+from dpstream.processor.mechanisms.key_selection import SELECT_KIND, KeySelector, SelectionBatch
+from dpstream.processor.mechanisms.noise import (
     TREE_ID_DTYPE,
     NodeNoise,
     TreeIdentity,
     discrete_gaussian,
     node_ids,
 )
-from processor.mechanisms.perturbation import HierarchicalPerturber, PerturbationBatch
-from processor.mechanisms.tree import ABSENT, HonakerForest
+from dpstream.processor.mechanisms.perturbation import HierarchicalPerturber, PerturbationBatch
+from dpstream.processor.mechanisms.tree import ABSENT, HonakerForest
 from tests.conftest import TEST_SECRET
 
 NOISE = NodeNoise(TEST_SECRET, "privacy-exact")
@@ -512,7 +512,7 @@ def test_prediction_equals_stepping_with_zero_data_near_ties(data):
             threshold = Fraction(float(selector.release_at[leaf - 1]))
             assert bool(step.selected[j]) == (q > threshold), (trigger, j)
             near_ties += abs(q - threshold) < Fraction(1, 10 ** 9)
-        # prediction on a copy, learning noise_max back as the pipeline does (processor.engine.pipeline)
+        # prediction on a copy, learning noise_max back as the pipeline does (dpstream.processor.engine.pipeline)
         sub = batch.take(np.arange(n_keys))
         predicted = selector.predict(sub)
         batch.noise_max = sub.noise_max
@@ -642,7 +642,7 @@ def test_hierarchy_reissued_records_publish_integer_counts(tmp_path):
     changed; their noisy count must stay an integer like every other published count (the
     contract: counts are published as integers, never as floats). Regression: the view column
     was float64 and re-issued records carried e.g. "count":114.0 (found by this test, fixed)."""
-    from processor.config import load_config
+    from dpstream.processor.config import load_config
 
     rng = np.random.default_rng(5)
     cities = [(f"c{a}", f"c{a}s{b}", f"c{a}s{b}t{c}") for a in range(3) for b in range(4) for c in range(5)]
@@ -692,9 +692,9 @@ def test_prediction_never_changes_pipeline_releases(seed, mu, T, counter):
     the releases equal those of a pipeline that looks at every key at every trigger. A key whose
     noise alone would select it at a trigger where it has no data must be predicted for exactly
     that trigger; otherwise it would be released later or never, changing the output."""
-    from processor.engine.pipeline import EventColumns, QueryPipeline
-    from processor.mechanisms.noise import Pseudonymizer
-    from state.store import MemoryStore, WriteBatch
+    from dpstream.processor.engine.pipeline import EventColumns, QueryPipeline
+    from dpstream.processor.mechanisms.noise import Pseudonymizer
+    from dpstream.state.store import MemoryStore, WriteBatch
 
     class Brute(LoadEveryKey, QueryPipeline):
         pass

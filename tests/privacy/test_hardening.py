@@ -19,9 +19,9 @@ import json
 import numpy as np
 import pytest
 
-from processor.adapters.replay import ReplayError
-from processor.config import DpstreamConfig
-from processor.mechanisms.noise import (
+from dpstream.processor.adapters.replay import ReplayError
+from dpstream.processor.config import DpstreamConfig
+from dpstream.processor.mechanisms.noise import (
     TREE_ID_BYTES,
     NodeNoise,
     NoiseSecretError,

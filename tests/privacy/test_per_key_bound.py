@@ -12,13 +12,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from accountant.calibration import read_levels
-from accountant.plan import BudgetError, QueryBudget, plan_query
-from processor.config import QueryConfig
-from processor.engine.pipeline import EventColumns, QueryPipeline
-from processor.mechanisms.bounding import first_for_key
-from processor.mechanisms.noise import NodeNoise, Pseudonymizer
-from state.store import MemoryStore, WriteBatch
+from dpstream.accountant.calibration import read_levels
+from dpstream.accountant.plan import BudgetError, QueryBudget, plan_query
+from dpstream.processor.config import QueryConfig
+from dpstream.processor.engine.pipeline import EventColumns, QueryPipeline
+from dpstream.processor.mechanisms.bounding import first_for_key
+from dpstream.processor.mechanisms.noise import NodeNoise, Pseudonymizer
+from dpstream.state.store import MemoryStore, WriteBatch
 from tests.conftest import TEST_SECRET
 
 DAY = 86_400_000

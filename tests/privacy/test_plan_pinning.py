@@ -13,19 +13,19 @@ import io
 import numpy as np
 import pytest
 
-from accountant.ledger import BudgetLedger, BudgetPolicy, ChargePlanError
-from accountant.plan import plan_fingerprint
-from processor.adapters.replay import ReplayRunner
-from processor.config import (
+from dpstream.accountant.ledger import BudgetLedger, BudgetPolicy, ChargePlanError
+from dpstream.accountant.plan import plan_fingerprint
+from dpstream.processor.adapters.replay import ReplayRunner
+from dpstream.processor.config import (
     BudgetConfig,
     BudgetLimit,
     DpstreamConfig,
     DynamicQueryConfig,
     level_plans_for,
 )
-from processor.engine.budget import BudgetGate
-from processor.engine.pipeline import PlanChangedError, QueryPipeline
-from state.store import MemoryStore
+from dpstream.processor.engine.budget import BudgetGate
+from dpstream.processor.engine.pipeline import PlanChangedError, QueryPipeline
+from dpstream.state.store import MemoryStore
 from tests.conftest import TEST_LABEL, TEST_SECRET
 from tests.privacy._helpers import (
     DAY,
@@ -113,7 +113,7 @@ def test_with_a_ledger_the_window_charged_at_the_end_is_pinned_too(tmp_path):
 
 def test_progress_rows_carry_the_plan_fingerprint_and_a_foreign_open_window_is_refused():
     q = query()
-    noise = __import__("processor.mechanisms.noise", fromlist=["NodeNoise"]).NodeNoise(TEST_SECRET, TEST_LABEL)
+    noise = __import__("dpstream.processor.mechanisms.noise", fromlist=["NodeNoise"]).NodeNoise(TEST_SECRET, TEST_LABEL)
     store = MemoryStore()
     pipe = QueryPipeline(q, noise, store)
     pipe.set_schedule(lambda w: True, START)

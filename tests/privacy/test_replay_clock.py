@@ -1,6 +1,6 @@
 """Fix 4: the replay's event-time clock cannot be pushed by one record (processor/adapters/replay.py).
 
-Claims under attack (processor.adapters.replay.ReplayClock): the clock starts at --start, else at the
+Claims under attack (dpstream.processor.adapters.replay.ReplayClock): the clock starts at --start, else at the
 second-earliest unit's first event time of the first chunk; an event dated more than ``max_skew``
 after the clock is held back and never moves it; the clock follows the *second-latest* unit, so
 one unit's records, however many and however dated, cannot move it past every other unit's; held
@@ -30,7 +30,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from processor.config import DpstreamConfig
+from dpstream.processor.config import DpstreamConfig
 from tests.privacy._helpers import (
     BASELINE,
     DAY,
@@ -378,7 +378,7 @@ def test_property_chunking_and_resume_do_not_change_anything(tmp_path_factory, m
     """With a public --start, the output, the dead letters and the drop counts depend on the input's
     line order only: not on where chunks end (where triggers fire and held events are stored), and
     not on where a run was stopped and resumed."""
-    import processor.adapters.replay as replay_module
+    import dpstream.processor.adapters.replay as replay_module
 
     tmp = tmp_path_factory.mktemp("chunks")
     config = cfg(triggers=24, max_skew="1h", allowed_lateness="5m")
@@ -404,7 +404,7 @@ def test_property_chunking_and_resume_do_not_change_anything(tmp_path_factory, m
 # REGRESSION: max_skew 0 was accepted and stalled the replay clock (an in-order stream was held
 # and dead-lettered as future): it is now a config error naming the field.
 def test_regression_max_skew_zero_is_refused_with_the_field_named(tmp_path):
-    from processor.config import DynamicQueryConfig
+    from dpstream.processor.config import DynamicQueryConfig
 
     with pytest.raises(ValueError, match="max_skew"):
         cfg(triggers=48, max_skew="0s")

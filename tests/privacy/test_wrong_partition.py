@@ -16,13 +16,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from processor.adapters.worker import DpstreamWorker, Ownership
-from processor.config import DpstreamConfig
-from processor.engine.pipeline import BoundedRecords
+from dpstream.processor.adapters.worker import DpstreamWorker, Ownership
+from dpstream.processor.config import DpstreamConfig
+from dpstream.processor.engine.pipeline import BoundedRecords
 from tests.conftest import TEST_SECRET, Record
 from tests.privacy._helpers import BASELINE, START, baseline_available, query
-from topics import partitioner
-from topics.kafka import DEAD_LETTER_TOPIC
+from dpstream.topics import partitioner
+from dpstream.topics.kafka import DEAD_LETTER_TOPIC
 
 C = 3
 
@@ -142,10 +142,10 @@ BASELINE_SCRIPT = r"""
 import json, sys
 from dataclasses import dataclass
 from typing import Optional
-from processor.config import DpstreamConfig
-from processor.engine.pipeline import BoundedRecords
-from processor.adapters.worker import DpstreamWorker, Ownership
-from topics.kafka import DEAD_LETTER_TOPIC
+from dpstream.processor.config import DpstreamConfig
+from dpstream.processor.engine.pipeline import BoundedRecords
+from dpstream.processor.adapters.worker import DpstreamWorker, Ownership
+from dpstream.topics.kafka import DEAD_LETTER_TOPIC
 
 @dataclass
 class Record:
