@@ -1,9 +1,9 @@
 # dpstream worker image. Build from the repository root:
-#   docker build -t dpstream:0.1.0 .
+#   docker build -t dpstream:0.2.0 .
 # Run (the chart in helm/dpstream does the same with a mounted config, secret and volume):
 #   docker run --rm -v $PWD/examples/worker.yaml:/etc/dpstream/queries.yaml:ro \
 #     -v $PWD/noise.key:/run/secrets/noise.key:ro -e DPSTREAM_NOISE_KEY_FILE=/run/secrets/noise.key \
-#     -e DPSTREAM_BROKER=host.docker.internal:19092 -p 9400:9400 dpstream:0.1.0
+#     -e DPSTREAM_BROKER=host.docker.internal:19092 -p 9400:9400 dpstream:0.2.0
 ARG PYTHON_IMAGE=python:3.11-slim
 
 # Build stage: install dpstream and its pinned dependencies (constraints.txt fixes every

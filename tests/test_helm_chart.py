@@ -135,13 +135,21 @@ def selects(selector: dict, labels: dict) -> bool:
 
 # --- what is rendered -------------------------------------------------------------------------
 
+def dpstream_version() -> str:
+    import dpstream
+
+    return dpstream.__version__
+
+
 def test_chart_metadata_matches_the_package():
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    import dpstream
+
     assert chart["apiVersion"] == "v2"
     assert chart["name"] == "dpstream"
-    assert chart["version"] == "0.1.0"
-    assert chart["appVersion"] == project["version"] == "0.1.0"
+    # one version: the package's (dpstream.__version__, read by pyproject.toml), the image's and the chart's
+    assert chart["version"] == chart["appVersion"] == dpstream.__version__
+    assert "version" in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dynamic"]
 
 
 def test_default_render_has_exactly_the_expected_resources():
@@ -196,7 +204,7 @@ def test_statefulset_workers_and_their_layout(value_set, replicas):
     assert env["DPSTREAM_FETCH_RECORDS"]["value"] == ("25000" if value_set == "custom" else "100000")
     assert env["DPSTREAM_BROKER"]["value"] == ("kafka-0.kafka:9093,kafka-1.kafka:9093" if value_set == "custom" else "kafka:9092")
     assert "DPSTREAM_NOISE_KEY" not in env, "the noise secret must come from a mounted file, never an env var"
-    assert container["image"] == ("registry.example.com/dpstream:0.1.0-rc1" if value_set == "custom" else "dpstream:0.1.0")
+    assert container["image"] == ("registry.example.com/dpstream:0.1.0-rc1" if value_set == "custom" else f"dpstream:{dpstream_version()}")
     if value_set == "custom":
         assert env["DPSTREAM_QUERY_PAGE_CLICKS_EPSILON"]["value"] == "3"
 
@@ -537,9 +545,10 @@ def test_dockerfile_builds_the_pinned_package_as_a_non_root_user():
     assert [i for i in instructions if i.startswith("FROM ")][-1] == "FROM ${PYTHON_IMAGE}"
     install = [i for i in instructions if "pip install" in i]
     assert len(install) == 1 and "--no-cache-dir -c constraints.txt ." in install[0] and "[" not in install[0], install
-    found = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
-    packages = {pattern.rstrip("*").split(".")[0] for pattern in found}  # a top-level package's COPY brings its subpackages
-    for name in ("pyproject.toml", "constraints.txt", "README.md", *packages):
+    # the package's folders (pyproject's package-dir: dpstream and the four mapped under it)
+    folders = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values())
+    assert folders == {"dpstream", "accountant", "processor", "state", "topics"}
+    for name in ("pyproject.toml", "constraints.txt", "README.md", *folders):
         assert re.search(rf"^COPY .*\b{re.escape(name)}\b", dockerfile, re.M), f"{name} is not copied"
     assert "USER 10001:10001" in instructions
     assert "--uid 10001" in dockerfile
@@ -552,4 +561,4 @@ def test_dockerfile_builds_the_pinned_package_as_a_non_root_user():
     assert worker(docs)[1]["securityContext"]["runAsUser"] == 10001
     ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines() if line.strip() and not line.startswith("#")}
     assert {".venv", ".git", "tests", "benchmarks", ".broker"} <= ignored
-    assert not ignored & {*packages, "pyproject.toml", "constraints.txt", "README.md"}
+    assert not ignored & {*folders, "pyproject.toml", "constraints.txt", "README.md"}
