@@ -258,11 +258,28 @@ class RocksDBStore(Store):
             self._db = None
 
 
+class StateDirectoryError(ValueError):
+    """A state directory that must not hold state (it holds source code)."""
+
+
+def check_state_directory(directory: Path) -> None:
+    """Refuse a directory holding Python source as a state directory: ``--state-dir ./state`` in
+    a checkout is the ``state/`` package itself, and an image built from it would copy the
+    state's files (user contribution counts) with the code."""
+    if directory.is_dir():
+        code = sorted(p.name for p in directory.glob("*.py"))
+        if code:
+            raise StateDirectoryError(f"--state-dir: {directory} holds Python source ({', '.join(code[:3])}): it is a "
+                                      f"source folder, not a state directory; use another (default ./dpstream-state)")
+
+
 class PartitionStores:
     """One store per partition under ``directory`` (``None``: in memory)."""
 
     def __init__(self, directory: str | os.PathLike | None, block_cache_mb: int = 512, write_buffer_mb: int = 128):
         self.directory = Path(directory) if directory is not None else None
+        if self.directory is not None:
+            check_state_directory(self.directory)
         self.block_cache_mb = block_cache_mb
         self.write_buffer_mb = write_buffer_mb
         self._open: dict[int | str, Store] = {}

@@ -1,0 +1,147 @@
+"""Starting over on purpose (docs/operations.md, "Starting over"), the noise secret's file, and a
+state directory that cannot be a source folder (issue 16, item 4).
+
+A lost volume is refused; `dpstream reset` is the one command that starts an application over:
+it deletes the state and the internal topics and moves the workers to a new noise label, so the
+new run never re-releases a value with the old noise. The broker test checks the new run's
+releases are exactly replay's under the new label, and that they differ from the old run's."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from dpstream.processor.adapters.replay import ReplayRunner
+from dpstream.processor.adapters.start_over import StartOverError, check_state_dir
+from dpstream.processor.adapters.worker import worker_noise_label
+from dpstream.processor.config import load_config
+from dpstream.processor.mechanisms.noise import load_noise_secret
+from dpstream.state.store import PartitionStores, StateDirectoryError
+from tests.conftest import ROOT, TEST_SECRET
+from tests.test_kafka_worker import canonical, running
+
+
+def cli(*args, env=None, timeout=120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dpstream.processor.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=timeout)
+
+
+def test_keygen_writes_a_0600_hex_secret_the_worker_reads_and_never_overwrites(tmp_path):
+    path = tmp_path / "noise.key"
+    old = os.umask(0o022)  # a permissive umask must not leak into the file's mode
+    try:
+        done = cli("keygen", "--out", str(path))
+    finally:
+        os.umask(old)
+    assert done.returncode == 0, done.stderr
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    text = path.read_text()
+    assert len(text) == 65 and text.endswith("\n") and int(text, 16) >= 0  # 64 hex digits: 256 bits
+    assert len(load_noise_secret(str(path), {})) == 32
+    assert text not in done.stdout + done.stderr  # the secret is never printed
+    again = cli("keygen", "--out", str(path))
+    assert again.returncode == 2 and "never overwritten" in again.stderr
+    assert path.read_text() == text
+
+
+def test_a_source_folder_is_refused_as_a_state_directory_and_nothing_is_written(tmp_path):
+    package = tmp_path / "state"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "store.py").write_text("x = 1\n")
+    with pytest.raises(StateDirectoryError, match="holds Python source"):
+        PartitionStores(package)
+    events = tmp_path / "events.jsonl"
+    events.write_text('{"user_id":"u1","key":"a","ts":1795132800000}\n')
+    done = cli("replay", "--config", "examples/worker.yaml", "--input", str(events), "--output", str(tmp_path / "out.jsonl"),
+               "--state-dir", str(package), env={"DPSTREAM_NOISE_KEY": TEST_SECRET.hex()})
+    assert done.returncode == 2 and "--state-dir" in done.stderr and "Traceback" not in done.stderr
+    assert sorted(p.name for p in package.iterdir()) == ["__init__.py", "store.py"]
+
+
+def test_reset_deletes_only_a_dpstream_state_directory(tmp_path):
+    check_state_dir(tmp_path / "missing")  # nothing to delete: fine
+    state = tmp_path / "dpstream-state"
+    (state / "partition-events-0").mkdir(parents=True)
+    (state / "worker-layout.json").write_text("{}")
+    check_state_dir(state)
+    (state / "notes.txt").write_text("mine")
+    with pytest.raises(StartOverError, match="notes.txt"):
+        check_state_dir(state)
+
+
+@pytest.mark.broker
+@pytest.mark.slow
+def test_a_lost_volume_is_refused_then_reset_starts_over_under_a_new_noise_label(tmp_path, broker):
+    from confluent_kafka.admin import AdminClient
+
+    from dpstream.topics.kafka import repartition_topic
+
+    with running(tmp_path, broker) as sc:
+        w = sc.worker("one").start()
+        sc.workers.append(w)
+        w.wait_ready()
+        sc.write_events(6_000, users=600, keys=20, lead_s=3)
+        assert sc.produce_events() == 6_000
+        sc.wait_for_window_end()
+        first = sc.replay()
+        assert first
+        sc.assert_published_equal(first)
+        args = ("reset", "--config", str(sc.config), "--app-id", sc.app_id, "--state-dir", str(w.state_dir),
+                "--broker", broker)
+        busy = cli(*args, "--yes")  # a running worker's application is not started over under it
+        assert busy.returncode == 2 and "stop them first" in busy.stderr
+        assert (w.state_dir / "worker-layout.json").exists()
+        w.stop()
+
+        shutil.rmtree(w.state_dir)  # the volume is lost: refused, and the refusal says how to go on
+        w.start()
+        assert w.proc.wait(90) != 0
+        log = w.log.read_text()
+        assert "state was lost" in log and "dpstream reset" in log and f"--app-id {sc.app_id}" in log
+        assert "budget.epoch" in log
+
+        dry = cli(*args)
+        assert dry.returncode == 1 and "with --yes" in dry.stderr
+        admin = AdminClient({"bootstrap.servers": broker})
+        assert repartition_topic(sc.query) in admin.list_topics(timeout=10).topics  # nothing was deleted
+        done = cli(*args, "--yes")
+        assert done.returncode == 0, done.stderr
+        assert f"delete topic {repartition_topic(sc.query)}" in done.stdout
+        assert repartition_topic(sc.query) not in admin.list_topics(timeout=10).topics
+
+        # the same command line starts afresh, reads the input from its start and fires the
+        # (past) window's triggers: exactly replay's releases under the new label
+        w.log.write_text("")
+        w.start()
+        w.wait_ready()
+        deadline_fired = sc.triggers * 4
+        import time
+
+        deadline = time.time() + 90
+        while time.time() < deadline and w.metric("dpstream_triggers_fired_total", query=sc.query) < deadline_fired:
+            time.sleep(0.3)
+        config = load_config(sc.config)
+        label = worker_noise_label(sc.app_id, config, restarts=1)
+        assert label.endswith(":1.restart1")
+        runner = ReplayRunner(config, TEST_SECRET, None, noise_label=label)
+        import io
+
+        out = io.StringIO()
+        try:
+            runner.run(str(sc.events), out)
+        finally:
+            runner.close()
+        second = [json.loads(line) for line in out.getvalue().splitlines()]
+        published = sc.published(first + second)
+        assert canonical(published) == canonical(first) | canonical(second)
+        # new noise: the same (window, key, trigger) released again carries another value
+        slot = lambda r: (r["window_start"], r["key"], r["trigger"])  # noqa: E731
+        old = {slot(r): r["count"] for r in first}
+        again = [(old[slot(r)], r["count"]) for r in second if slot(r) in old]
+        assert again and sum(a != b for a, b in again) > len(again) // 2
