@@ -197,6 +197,10 @@ def counter_calibration(name: str) -> CounterCalibration:
         raise ValueError(f"counter: must be one of {', '.join(CONFIG_NAMES)}, got {name!r}") from None
 
 
+class LatticeSlackError(ValueError):
+    """The budget is too small for a lattice counter's rounding slack (the plan names the field)."""
+
+
 def lattice_sigma(mu_sq: float, squares: float, l1: float, touched: int, steps: int, counter: CounterCalibration) -> float:
     """The smallest sigma with ``sigma^2 mu^2 >= squares ||c||^2 + 2 kappa sigma l1 ||c||_1 +
     touched T kappa^2 sigma^2`` (see slack_sigma): a user whose increments over the streams it
@@ -205,7 +209,7 @@ def lattice_sigma(mu_sq: float, squares: float, l1: float, touched: int, steps: 
     kappa = 2.0 * counter.slack(steps) / LATTICE_TARGET_SIGMA
     a = mu_sq - touched * steps * kappa * kappa
     if a <= 0:
-        raise ValueError("the budget is too small for the lattice counter's rounding slack")
+        raise LatticeSlackError("the budget is too small for the lattice counter's rounding slack")
     b = 2.0 * kappa * l1 * counter.sensitivity_l1(steps)
     c = squares * col2
     return (b + math.sqrt(b * b + 4.0 * a * c)) / (2.0 * a)

@@ -52,6 +52,7 @@ from dpstream.accountant.calibration import (
 from dpstream.accountant.counters import (
     BINARY_TREE,
     LATTICE_TARGET_SIGMA,
+    LatticeSlackError,
     counter_calibration,
     lattice_sigma,
     slack_sigma,
@@ -322,6 +323,18 @@ def plan_query(budget: QueryBudget) -> PrivacyPlan:
 
 
 def plan_levels(budget: QueryBudget) -> tuple[PrivacyPlan, ...]:
+    """One plan per level of the query (one level for a flat query); see :func:`_plan_levels`.
+    Raises :class:`BudgetError` naming the field when the budget cannot be met, including a budget
+    so small that the BLT's lattice rounding slack alone exceeds it (``counter: tree`` has none)."""
+    try:
+        return _plan_levels(budget)
+    except LatticeSlackError:
+        raise BudgetError("epsilon", f"{budget.epsilon!r} is too small for counter 'blt' at T = {budget.triggers} and C = "
+                                     f"{budget.contribution_bound}: the lattice rounding slack alone exceeds the budget "
+                                     f"(use counter: tree, or a larger epsilon)") from None
+
+
+def _plan_levels(budget: QueryBudget) -> tuple[PrivacyPlan, ...]:
     """One plan per level of the query (one level for a flat query).
 
     A hierarchical query (docs/privacy.md, "Post-processing: hierarchical consistency") keeps a histogram per level: each admitted record
@@ -505,3 +518,143 @@ def plan_levels(budget: QueryBudget) -> tuple[PrivacyPlan, ...]:
             conversion=GDP_CONVERSION if budget.composition == "gdp" else PrivacyPlan.conversion,
         ))
     return tuple(plans)
+
+
+# ---------------------------------------------------------------------------------------------
+# Composition over a horizon, and what a plan releases (`dpstream plan`: docs/plan.md)
+# ---------------------------------------------------------------------------------------------
+
+DAY_MS = 86_400_000
+#: the horizons `dpstream plan` composes over: one UTC day and 30 consecutive UTC days
+HORIZONS: tuple[tuple[str, int], ...] = (("1d", DAY_MS), ("30d", 30 * DAY_MS))
+BASIC_COMPOSITION = ("basic (sequential) composition: the epsilons and the deltas of every window a user's data can "
+                     "reach add up (docs/privacy.md, \"The guarantee and the neighbour relation\" and \"Windows and "
+                     "budget\"); an upper bound: a tighter accountant would give less, never more")
+
+
+@dataclass(frozen=True)
+class Spend:
+    """What one query spends, all public: its (epsilon, delta) per window as the budget ledger
+    charges them (the plan's ``epsilon_spent``, ``delta_spent``: dpstream.processor.engine.budget),
+    the input topic whose records it reads, and its window. ``window_ms`` None: a dynamic query,
+    charged once for its whole life (docs/privacy.md, "Dynamic counts")."""
+
+    name: str
+    topic: str
+    epsilon: float
+    delta: float
+    window_ms: Optional[int]
+    unit: str = "user"  # the query's own privacy unit (a dynamic query's: one update, or a unit_field value)
+    principal: Optional[str] = None  # the budget ledger's principal for the query, when there is a ledger
+
+
+def windows_in(horizon_ms: int, window_ms: Optional[int], start_step_ms: int = DAY_MS) -> int:
+    """The most windows a span of ``horizon_ms`` can reach when it starts at a multiple of
+    ``start_step_ms`` (a UTC midnight by default; 1 for any span). Windows are epoch-aligned
+    (``start = t - t mod window``), so with ``g = gcd(start_step, window)`` a span starts at most
+    ``window - g`` into a window, and reaches ``floor((window - g + horizon - 1) / window) + 1``
+    windows: 24 one-hour windows in a UTC day, 25 in some 24 hours. ``window_ms`` None (a
+    dynamic query, one guarantee for its whole life): 1."""
+    if window_ms is None:
+        return 1
+    g = math.gcd(int(start_step_ms), int(window_ms))
+    return (window_ms - g + horizon_ms - 1) // window_ms + 1
+
+
+def windows_charged(period_ms: int, window_ms: Optional[int]) -> int:
+    """The most windows the budget ledger charges in one refresh period: one charge per window,
+    at the window's start, so at most ``ceil(period / window)`` starts fall in a period; a dynamic
+    query is charged once (docs/privacy.md, "Windows and budget")."""
+    if window_ms is None:
+        return 1
+    return -(-period_ms // window_ms)
+
+
+def compose_horizons(spends: list[Spend], horizons=HORIZONS) -> list[dict]:
+    """Per input topic (one topic, one set of users: the privacy unit), the planned total over
+    each horizon by basic composition: each query's per-window (epsilon, delta) times the windows
+    a UTC-aligned horizon reaches (:func:`windows_in`), summed over the topic's queries. Also the
+    total for any span of that length (``*_any_span``: one more window of a query whose windows
+    a span can straddle) and the sum of one window of every query (``per_window``)."""
+    topics: dict[str, list[Spend]] = {}
+    for s in spends:
+        topics.setdefault(s.topic, []).append(s)
+    out = []
+    for topic, group in topics.items():
+        queries = []
+        for s in group:
+            windows = {name: windows_in(ms, s.window_ms) for name, ms in horizons}
+            any_span = {name: windows_in(ms, s.window_ms, 1) for name, ms in horizons}
+            queries.append({
+                "name": s.name, "unit": s.unit, "window_ms": s.window_ms, "principal": s.principal,
+                "epsilon_per_window": s.epsilon, "delta_per_window": s.delta,
+                "windows": windows, "windows_any_span": any_span,
+                "epsilon": {name: n * s.epsilon for name, n in windows.items()},
+                "delta": {name: n * s.delta for name, n in windows.items()},
+            })
+        out.append({
+            "topic": topic,
+            "queries": queries,
+            "per_window": {"epsilon": sum(s.epsilon for s in group), "delta": sum(s.delta for s in group)},
+            "epsilon": {name: sum(q["epsilon"][name] for q in queries) for name, _ in horizons},
+            "delta": {name: sum(q["delta"][name] for q in queries) for name, _ in horizons},
+            "epsilon_any_span": {name: sum(q["windows_any_span"][name] * q["epsilon_per_window"] for q in queries)
+                                 for name, _ in horizons},
+            "delta_any_span": {name: sum(q["windows_any_span"][name] * q["delta_per_window"] for q in queries)
+                               for name, _ in horizons},
+        })
+    return out
+
+
+def budget_outlook(spends: list[Spend], principal: str, max_epsilon: float, max_delta: float,
+                   refresh_ms: Optional[int]) -> dict:
+    """A ledger principal's cap next to what its queries are planned to spend: per refresh period
+    (:func:`windows_charged`; basic composition, as the ledger adds), or, for a budget that never
+    refreshes, per day and the days until the cap is reached."""
+    mine = [s for s in spends if s.principal == principal]
+    out = {"principal": principal, "max_epsilon": max_epsilon, "max_delta": max_delta, "refresh_ms": refresh_ms,
+           "queries": [s.name for s in mine]}
+    if refresh_ms is not None:
+        eps = sum(windows_charged(refresh_ms, s.window_ms) * s.epsilon for s in mine)
+        delta = sum(windows_charged(refresh_ms, s.window_ms) * s.delta for s in mine)
+        out.update(planned_epsilon_per_period=eps, planned_delta_per_period=delta,
+                   exceeds=eps > max_epsilon * (1 + 1e-12) or delta > max_delta * (1 + 1e-12))
+    else:
+        # windows charged per day on average (a dynamic query's one charge is up front)
+        per_day_eps = sum(DAY_MS / s.window_ms * s.epsilon for s in mine if s.window_ms is not None)
+        per_day_delta = sum(DAY_MS / s.window_ms * s.delta for s in mine if s.window_ms is not None)
+        once_eps = sum(s.epsilon for s in mine if s.window_ms is None)
+        once_delta = sum(s.delta for s in mine if s.window_ms is None)
+        days = [((limit - once) / rate) for limit, once, rate in ((max_epsilon, once_eps, per_day_eps), (max_delta, once_delta, per_day_delta))
+                if rate > 0]
+        out.update(planned_epsilon_per_day=per_day_eps, planned_delta_per_day=per_day_delta,
+                   days_until_exhausted=max(0.0, min(days)) if days else None)
+    return out
+
+
+def release_outlook(plans, key_users: float) -> dict:
+    """What a query can release, from its plans' public numbers only (docs/plan.md, "When a
+    setting releases nothing useful"), for a stated plausible scale of ``key_users`` distinct
+    users per key and window:
+
+    * ``min_users_to_release``: the fewest distinct users (weighted units with selection weights)
+      a key needs in one round to be released at all, ``mu + min_i tau_i`` over the levels (a
+      threshold of the most favourable trigger). Above ``key_users``: **no key of that scale is
+      ever released**.
+    * ``relative_stddev``: the expected noise stddev of a release at the last trigger over the
+      value of a key whose ``key_users`` users add one full record each (``key_users`` for a
+      count, ``key_users * L`` for a sum). Above 1: the noise is larger than such a key's value.
+    """
+    first = plans[0]
+    bar = min(p.key_threshold + min(p.thresholds) for p in plans)
+    per_record = first.clamp if first.aggregate == "sum" or (first.columns and first.columns[0][0] == VALUE) else 1.0
+    stddev = max(p.expected_stddev for p in plans)
+    return {
+        "key_users": key_users,
+        "tau_1": first.thresholds[0],
+        "min_users_to_release": bar,
+        "expected_stddev": stddev,
+        "relative_stddev": stddev / (key_users * per_record),
+        "releases_nothing": bar > key_users,
+        "noise_dominates": stddev > key_users * per_record,
+    }

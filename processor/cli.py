@@ -19,7 +19,34 @@ from dpstream.processor.config import (
 )
 
 PLAN_HELP = """Print, for each query of a config, the noise scales, thresholds, budget split and
-expected error, before anything runs. Needs no noise secret and no broker."""
+expected error, before anything runs. Needs no noise secret and no broker (docs/plan.md).
+
+Total privacy loss: the queries reading one input topic read the same users, so their losses
+add up. Per topic, each query's (epsilon, delta) per window (what the budget ledger charges)
+times the windows a UTC day and 30 UTC days reach (a 1h window: 24 a day), summed by basic
+composition: epsilons and deltas add (docs/privacy.md, "The guarantee and the neighbour
+relation"). That is an upper bound; any 24 hours not starting at midnight can reach one more
+window of each query, shown as "any span". A dynamic query is charged once for its whole life
+and counts once in every horizon (its privacy unit is an update, or its unit_field). With a
+budget: section each principal's cap is shown beside its planned spend per refresh period.
+
+Warnings (a "warning:" line on stderr, and "warnings" in --json), from the plan's public
+numbers: a query releases nothing useful when a key needs more than --key-users distinct users
+in one round to be released (mu + the lowest threshold tau), or when the noise stddev of a
+release at the last trigger exceeds the value of a key whose --key-users users add one full
+record each (times L for a sum); a topic whose users may lose more than --max-daily-epsilon per
+day is warned about as advice (nothing enforces it); so is a budget cap that the planned spend
+per refresh period exceeds, or that never refreshes and is reached within 30 days (the ledger
+will refuse windows).
+
+Utility preview (--sample EVENTS.jsonl): the queries run over your events through the replay
+path with a throwaway random secret (never DPSTREAM_NOISE_KEY*) and a temporary state
+directory, to the end of the sample's last window, publishing nothing. Per query: keys released
+per trigger; error by key frequency (keys bucketed by their true distinct users, 1-9, 10-99,
+100-999, 1000+: how many, how many released, median absolute and relative error against the
+true value); the share of records dropped by C; and a suggested C (PipelineDP's rule: quantiles
+of the records per user and window as candidates, the least RMSE of bias plus noise wins). It
+compares with your true data: keep the report to yourself."""
 
 
 REPLAY_HELP = """Replay events through the DP pipeline with an embedded RocksDB store.
@@ -148,14 +175,29 @@ def _human_dynamic_plan(q) -> str:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from dpstream.processor import planning, preview
+
+    if args.sample is None and args.plot is not None:
+        raise ConfigError("--plot: needs --sample (the plot shows the utility preview)")
+    if args.plot is not None:
+        preview.check_plotting()
     config = load_config(args.config)
-    entries = [(q, plan_for(q)) for q in config.queries]
+    doc = planning.plan_document(config, key_users=args.key_users, max_daily_epsilon=args.max_daily_epsilon)
+    if args.sample is not None:
+        doc["preview"] = preview.preview(config, args.sample)
+        if args.plot is not None:
+            preview.plot_preview(doc["preview"], args.plot)
+    for warning in doc["warnings"]:
+        print(f"warning: {warning}", file=sys.stderr)
     if args.json:
-        json.dump({"queries": [_plan_entry(q, p) for q, p in entries],
-                   "dynamic": [{"name": q.name, **q.plan().to_dict()} for q in config.dynamic]}, sys.stdout, indent=2)
+        json.dump(doc, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        print("\n\n".join([_human_plan(q, p) for q, p in entries] + [_human_dynamic_plan(q) for q in config.dynamic]))
+        entries = [(q, plan_for(q)) for q in config.queries]
+        print("\n\n".join([_human_plan(q, p) for q, p in entries] + [_human_dynamic_plan(q) for q in config.dynamic]
+                          + [planning.human_totals(doc)] + ([preview.human_preview(doc["preview"])] if "preview" in doc else [])))
+    if args.plot is not None:
+        print(f"plan: wrote {args.plot}", file=sys.stderr)
     return 0
 
 
@@ -482,9 +524,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dpstream", description="Continually released, user-level differentially private histograms.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    plan = sub.add_parser("plan", help="show the privacy calibration of a config", description=PLAN_HELP)
+    plan = sub.add_parser("plan", help="show a config's privacy calibration, total privacy loss per input topic, warnings, "
+                          "and (--sample) a utility preview", description=PLAN_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     plan.add_argument("--config", required=True, help="YAML file with a 'queries' list")
-    plan.add_argument("--json", action="store_true", help='print one JSON object {"queries": [...]} instead of text')
+    plan.add_argument("--json", action="store_true",
+                      help='print one JSON object instead of text: {"queries", "dynamic", "totals", "budget", "usefulness", '
+                           '"rules", "warnings"} (and "preview" with --sample)')
+    plan.add_argument("--key-users", type=float, default=10_000, metavar="N",
+                      help="the plausible scale a key is judged against: distinct users per key and window you expect "
+                           "(default 10,000); see 'Warnings' above")
+    plan.add_argument("--max-daily-epsilon", type=float, default=10.0, metavar="EPS",
+                      help="warn (advice only) when a topic's users may lose more than this epsilon per day (default 10)")
+    plan.add_argument("--sample", metavar="EVENTS.jsonl",
+                      help="also preview utility on these events (JSONL or .jsonl.gz): a replay with a throwaway random "
+                           "secret and a temporary state directory that publishes nothing; see 'Utility preview' above")
+    plan.add_argument("--plot", metavar="FILE.png",
+                      help="with --sample: draw keys released per trigger and the error by key frequency to this PNG "
+                           "(needs matplotlib: pip install 'dpstream[bench]')")
     plan.set_defaults(func=cmd_plan)
 
     replay = sub.add_parser("replay", help="run the pipeline over a JSONL file with an embedded store (no broker)",

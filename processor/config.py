@@ -454,8 +454,14 @@ def load_config(path: str | os.PathLike, environ: Mapping[str, str] = os.environ
         raise ConfigError(f"config file {source}: {exc.strerror}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {source}: not valid YAML: {exc}") from None
+    return config_from_mapping(raw, f"config file {source}", environ)
+
+
+def config_from_mapping(raw, source: str = "config", environ: Mapping[str, str] = os.environ) -> DpstreamConfig:
+    """A config from the YAML's content (``dpstream.plan`` takes a dict), validated and calibrated
+    as :func:`load_config` does; errors start with ``source``."""
     if not isinstance(raw, dict):
-        raise ConfigError(f"config file {source}: expected a mapping with a 'queries' list")
+        raise ConfigError(f"{source}: expected a mapping with a 'queries' list")
     _env_overrides(raw, environ)
     try:
         config = DpstreamConfig.model_validate(raw)
@@ -468,12 +474,12 @@ def load_config(path: str | os.PathLike, environ: Mapping[str, str] = os.environ
                 field_name, message = message.split(": ", 1)
                 where = f"{where}.{field_name}"
             problems.append(f"{where or 'config'}: {message}")
-        raise ConfigError(f"config file {source}: " + "; ".join(problems)) from None
+        raise ConfigError(f"{source}: " + "; ".join(problems)) from None
     for i, query in enumerate(config.queries):
         try:
             plan_query(query.budget())
         except BudgetError as exc:
-            raise ConfigError(f"config file {source}: queries[{i}].{exc}") from None
+            raise ConfigError(f"{source}: queries[{i}].{exc}") from None
     return config
 
 
