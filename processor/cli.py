@@ -74,7 +74,8 @@ data never share noise (their difference would be the exact change). --noise-lab
 run on purpose; the worker's label is "worker:<app id>:<budget epoch>". Same input, config,
 secret and label: byte-identical output.
 
-Invalid lines are reported by line number and reason (never content), counted and skipped.
+Invalid lines are reported by line number and reason (never content), counted and skipped;
+late and future events are counted once in the summary, not listed (--dead-letter keeps each).
 Releases of a hierarchical query also carry level, released_at, consistent_count and
 consistent_other (see the README's "Hierarchies")."""
 
@@ -389,25 +390,60 @@ def cmd_budget(args: argparse.Namespace) -> int:
 
 
 def cmd_produce(args: argparse.Namespace) -> int:
+    from dpstream.processor.adapters import kafka_tools as kt
     from dpstream.processor.adapters.faust_app import broker_address
-    from dpstream.processor.adapters.kafka_tools import file_lines, produce, synthetic_lines
 
     if (args.input is None) == (args.synthetic_users is None):
         raise ConfigError("produce: give exactly one of --input or --synthetic-users")
-    if args.input is not None:
-        lines = file_lines(args.input)
-    else:
-        start = args.start_ms if args.start_ms is not None else int(time.time() * 1000)
-        lines = synthetic_lines(args.synthetic_users, args.synthetic_keys, args.seed, start, args.span_ms)
-    from dpstream.topics.kafka import INPUT_TOPIC_CONFIG, TopicSpec, create_topics
-
+    if args.rebase_time and args.input is None:
+        raise ConfigError("--rebase-time: only with --input (a synthetic stream starts at --start-ms, default now)")
     if args.partitions < 1:
         raise ConfigError(f"--partitions: must be at least 1, got {args.partitions}")
+    if not args.timeout > 0:
+        raise ConfigError(f"--timeout: must be a positive number of seconds, got {args.timeout}")
+    if args.input is not None and not os.path.isfile(args.input):
+        raise kt.KafkaToolError(f"produce --input: no such file: {args.input}", 2)
+    # the events' times are judged as the worker's queries reading this topic would (docs/operations.md, "Trying it with a file")
+    queries = [q for q in load_config(args.config).queries if q.input_topic == args.topic] if args.config else []
+    if args.config and not queries:
+        raise ConfigError(f"--config: no query of {args.config} reads topic {args.topic!r} (--topic)")
+    fields = {q.time_field for q in queries}
+    if args.time_field is not None and queries and fields != {args.time_field}:
+        raise ConfigError(f"--time-field: the queries of {args.config} reading {args.topic!r} read {', '.join(sorted(fields))}")
+    if len(fields) > 1:
+        raise ConfigError(f"--config: the queries reading {args.topic!r} read different time fields ({', '.join(sorted(fields))})")
+    time_field = args.time_field or (fields.pop() if fields else "ts")
+    broker = broker_address(args.broker)
+    kt.check_broker("produce", broker, args.timeout)  # before anything else waits on it: one line, no traceback
+    shifted = ""
+    if args.input is not None:
+        lines = kt.file_lines(args.input)
+        if args.rebase_time:
+            first = kt.earliest_time(kt.file_lines(args.input), time_field)
+            if first is None:
+                raise kt.KafkaToolError(f"produce --rebase-time: no line of {args.input} has an integer {time_field!r} "
+                                        f"(epoch ms; --time-field)", 2)
+            shift = int(time.time() * 1000) - first
+            lines = kt.rebased(lines, time_field, shift)
+            shifted = f"; {time_field!r} shifted by {shift / 3_600_000:+,.2f} h: the earliest event is dated now"
+    else:
+        start = args.start_ms if args.start_ms is not None else int(time.time() * 1000)
+        lines = kt.synthetic_lines(args.synthetic_users, args.synthetic_keys, args.seed, start, args.span_ms)
+    from dpstream.topics.kafka import INPUT_TOPIC_CONFIG, TopicSpec, create_topics
+
     # a topic the broker would auto-create has CreateTime, which the worker refuses: create it as the worker would
-    create_topics(broker_address(args.broker), [TopicSpec(args.topic, args.partitions, INPUT_TOPIC_CONFIG)])
+    create_topics(broker, [TopicSpec(args.topic, args.partitions, INPUT_TOPIC_CONFIG)], timeout=args.timeout,
+                  client_config={"logger": kt.RDKAFKA_LOG})
     started = time.perf_counter()
-    sent = produce(broker_address(args.broker), args.topic, lines, user_field=args.user_field)
-    print(f"produce: {sent:,} records to {args.topic} in {time.perf_counter() - started:.1f} s", file=sys.stderr)
+    report = kt.TimeReport(time_field, queries)
+    if args.input is None:
+        report.advice = (f"a synthetic stream is dated from --start-ms (default now) over --span-ms: keep it within "
+                         f"max_skew, e.g. --span-ms 600000 ({kt.DOC})")
+    sent = kt.produce(broker, args.topic, lines, user_field=args.user_field, timeout=args.timeout, report=report)
+    print(f"produce: {sent:,} records to {args.topic} in {time.perf_counter() - started:.1f} s{shifted}", file=sys.stderr)
+    summary = report.summary()
+    if summary:
+        print(summary, file=sys.stderr)
     return 0
 
 
@@ -415,8 +451,17 @@ def cmd_tail(args: argparse.Namespace) -> int:
     from dpstream.processor.adapters.faust_app import broker_address
     from dpstream.processor.adapters.kafka_tools import tail
 
-    tail(broker_address(args.broker), args.topic, idle_seconds=args.idle_seconds, max_records=args.max_records,
-         from_beginning=not args.latest)
+    if args.idle_seconds is not None and not args.idle_seconds > 0:
+        raise ConfigError(f"--timeout: must be a positive number of seconds, got {args.idle_seconds}")
+    if args.max_records is not None and args.max_records < 1:
+        raise ConfigError(f"--max-messages: must be at least 1, got {args.max_records}")
+    try:
+        seen = tail(broker_address(args.broker), args.topic, idle_seconds=args.idle_seconds, max_records=args.max_records,
+                    from_beginning=not args.latest)
+    except KeyboardInterrupt:  # the way to stop it without --timeout or --max-messages
+        return 130
+    if args.max_records is None or seen < args.max_records:
+        print(f"tail: {seen:,} records; stopped after {args.idle_seconds:g} s without a new one", file=sys.stderr)
     return 0
 
 
@@ -649,14 +694,31 @@ def build_parser() -> argparse.ArgumentParser:
     producer.add_argument("--synthetic-keys", type=int, default=10_000, help="key space of the synthetic stream (default 10,000)")
     producer.add_argument("--seed", type=int, default=1, help="seed of the synthetic stream")
     producer.add_argument("--start-ms", type=int, help="first event time of the synthetic stream (default: now)")
-    producer.add_argument("--span-ms", type=int, default=86_400_000, help="event times spread over this many ms (default one day)")
+    producer.add_argument("--span-ms", type=int, default=86_400_000,
+                          help="event times spread over this many ms (default one day; the worker drops events dated more "
+                               "than a query's max_skew, default 1h, after they arrive as future: use at most 3600000 for a "
+                               "worker that reads them now)")
+    producer.add_argument("--rebase-time", action="store_true",
+                          help="with --input: shift every event's time field by one amount so that the file's earliest event "
+                               "is dated now, keeping their spacing: the worker judges events by their arrival, so an old "
+                               "file's events are dropped as late; rebased, each trigger fires as the clock reaches it "
+                               "(docs/operations.md, \"Trying it with a file\")")
+    producer.add_argument("--time-field", help="the events' time field, integer epoch ms (default: the --config queries', else ts)")
+    producer.add_argument("--config", help="the worker's config: the events' times are judged as its queries reading --topic will "
+                                           "judge them, and a summary line says how many they drop as late or future")
+    producer.add_argument("--timeout", type=float, default=15.0,
+                          help="seconds to wait for a broker that does not answer (at start, or acknowledging nothing while "
+                               "records wait) before giving up with one line and exit code 1 (default 15)")
     producer.set_defaults(func=cmd_produce)
 
     tailer = sub.add_parser("tail", help="print releases from an output topic, one JSON object per line")
     _broker_arg(tailer)
     tailer.add_argument("--topic", default="dp-histograms", help="output topic (default dp-histograms)")
-    tailer.add_argument("--idle-seconds", type=float, help="stop after this long without a record (default: run until interrupted)")
-    tailer.add_argument("--max-records", type=int, help="stop after this many records")
+    tailer.add_argument("--timeout", "--idle-seconds", dest="idle_seconds", type=float, metavar="SECONDS",
+                        help="stop after this long without a new record (waiting for the topic to exist counts; default: "
+                             "run until interrupted, and a missing topic is an error at once)")
+    tailer.add_argument("--max-messages", "--max-records", dest="max_records", type=int, metavar="N",
+                        help="stop after this many records")
     tailer.add_argument("--latest", action="store_true", help="only records published from now on")
     tailer.set_defaults(func=cmd_tail)
 
@@ -765,6 +827,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from dpstream.accountant.ledger import ChargePlanError
+    from dpstream.processor.adapters.kafka_tools import KafkaToolError
     from dpstream.processor.engine.pipeline import StateMismatchError
     from dpstream.processor.mechanisms.noise import NoiseSecretError
 
@@ -774,6 +837,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, NoiseSecretError, StateMismatchError, ChargePlanError) as exc:
         print(f"dpstream: {exc}", file=sys.stderr)
         return 2
+    except KafkaToolError as exc:  # produce, tail: one line naming the command, no traceback
+        print(f"dpstream {exc}", file=sys.stderr)
+        return exc.exit_code
 
 
 if __name__ == "__main__":

@@ -18,9 +18,11 @@ the broker watch: docs/operations.md, "Health".
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import socket
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -88,8 +90,65 @@ class BrokerUnreachableError(RuntimeError):
     """The broker has not answered for ``--broker-timeout`` seconds."""
 
 
-def _exit_now(code: int) -> None:
+#: s between the worker's reports of events dropped as late or future (one line per query with
+#: counts, never one per event: docs/operations.md, "Trying it with a file")
+DROP_REPORT_S = 10.0
+
+
+def drop_report(pipelines, seen: dict) -> list[str]:
+    """One line per query whose events were dropped as late or future since the last report;
+    ``seen``: the totals reported so far, updated. Counts only, never an event's content."""
+    totals: dict = {}
+    queries = {}
+    for pipe in pipelines:
+        queries[pipe.query.name] = pipe.query
+        for reason in ("late", "future"):
+            key = (pipe.query.name, reason)
+            totals[key] = totals.get(key, 0) + pipe.stats.dropped[reason]
+    lines = []
+    for name, q in sorted(queries.items()):
+        late, future = (max(0, totals[(name, r)] - seen.get((name, r), 0)) for r in ("late", "future"))
+        if late or future:
+            lines.append(f"query {name}: since the last report, {late:,} events dropped as late (their trigger, by their "
+                         f"{q.time_field!r}, had fired when the broker stamped them: the worker goes by the stamp, not by "
+                         f"{q.time_field!r}) and {future:,} as future (dated more than max_skew {q.max_skew} after the stamp); "
+                         f"dead-lettered (docs/operations.md, \"Trying it with a file\")")
+    seen.update(totals)
+    return lines
+
+
+class TopicLayoutError(RuntimeError):
+    """The topics on the broker do not fit the config (a dynamic input topic with more than one
+    partition, repartition topics of different sizes, a topic missing)."""
+
+
+def refusals() -> tuple:
+    """What the worker refuses to run with (the operator must act: a restart refuses again).
+    These end the process with ``dpstream worker: refused: ...`` and exit code 2; any other
+    failure with ``dpstream worker: stopped: ...`` and 1 (docs/operations.md, "Health")."""
+    from dpstream.accountant.ledger import ChargePlanError, LedgerEpochError
+    from dpstream.processor.adapters.worker import StateLayoutError
+    from dpstream.processor.engine.pipeline import StateMismatchError
+
+    return (StateLayoutError, StateMismatchError, LedgerEpochError, ChargePlanError, CreateTimeInputError, TopicLayoutError,
+            WorkerRefusal)
+
+
+class WorkerRefusal(RuntimeError):
+    """Refused before Faust starts (no broker within --broker-timeout, the web port taken)."""
+
+
+def stop_line(exc: BaseException) -> tuple[int, str]:
+    """The exit code and the last line the worker prints when ``exc`` stopped it."""
+    if isinstance(exc, refusals()):
+        return 2, f"dpstream worker: refused: {exc}"
+    return 1, f"dpstream worker: stopped: {type(exc).__name__}: {exc}"
+
+
+def _exit_now(code: int, last_line: Optional[str] = None) -> None:
     logging.shutdown()
+    if last_line:
+        print(last_line, file=sys.stderr, flush=True)
     os._exit(code)
 
 
@@ -274,7 +333,8 @@ def build_app(s: WorkerSettings) -> faust.App:
             return
         log.error("dpstream worker stopping: %s: %s", type(exc).__name__, exc)
         set_state("stopping", f"{type(exc).__name__}: {exc}")
-        asyncio.get_running_loop().call_later(STOP_GRACE_S, _exit_now, 1)
+        status["stopped_by"] = exc  # said again as the last line, after Faust's shutdown (run_worker)
+        asyncio.get_running_loop().call_later(STOP_GRACE_S, _exit_now, *stop_line(exc))
         await app.crash(exc)
 
     async def process(items, step, role: str) -> None:
@@ -487,11 +547,11 @@ def build_app(s: WorkerSettings) -> faust.App:
                         "decide which records are late (docs/operations.md, \"Time and lateness\")", topic, stamps[topic])
         for topic in dynamic_inputs:
             if counts[topic] != 1:
-                raise RuntimeError(f"dynamic input topic {topic!r} has {counts[topic]} partitions; it needs exactly 1")
+                raise TopicLayoutError(f"dynamic input topic {topic!r} has {counts[topic]} partitions; it needs exactly 1")
         # existing topics keep their partition counts: use what the broker has
         repartitions = {n for t, n in counts.items() if t not in inputs | dynamic_inputs}
         if len(repartitions) > 1:
-            raise RuntimeError(f"repartition topics have different partition counts: {sorted(repartitions)}")
+            raise TopicLayoutError(f"repartition topics have different partition counts: {sorted(repartitions)}")
         # what this worker's state belonged to when it last started, kept outside its volume:
         # an empty state directory under the same epoch is a lost volume, refused (static); a
         # lost changelog topic, refused (group)
@@ -798,6 +858,16 @@ def build_app(s: WorkerSettings) -> faust.App:
             log.info("the broker at %s answers again", broker)
             set_state("ready")
 
+    drops_seen: dict = {}
+
+    @app.timer(DROP_REPORT_S, name="dpstream.report_drops")
+    async def report_drops():
+        """Events dropped as late or future: one warning per query and period, with counts."""
+        worker = status["worker"]
+        if worker is not None:
+            for line in drop_report(list(worker.pipelines()), drops_seen):
+                log.warning(line)
+
     @app.timer(LOG_CHECK_S, name="dpstream.check_logs")
     async def check_logs():
         """While running: a source topic recreated under the same name, or a log shorter than
@@ -891,15 +961,106 @@ def _partition_counts(broker: str, topics: set[str]) -> dict[str, int]:
     counts = {}
     for topic in topics:
         if topic not in meta.topics or meta.topics[topic].error is not None:
-            raise RuntimeError(f"topic {topic!r} does not exist on {broker}")
+            raise TopicLayoutError(f"topic {topic!r} does not exist on {broker}")
         counts[topic] = len(meta.topics[topic].partitions)
     return counts
 
 
-def run_worker(s: WorkerSettings, loglevel: str = "info") -> int:
+#: what mode (Faust's service framework) logs again when a service crashed (after a service
+#: label): the worker has already said why (crash), and says it once more as its last line
+_CRASH_ECHOES = ("Crashed reason=%r", "Error: %r", "We experienced a crash! Reraising original exception...")
+#: Faust's leader-election topic, which the worker never declares (topic_allow_declare=False) nor
+#: uses: its partitions are its own (static) or its group consumer's; aiokafka logs its absence
+#: as an ERROR at every start
+_UNUSED_TOPIC = "-__assignor-__leader"
+
+
+class _FaustNoise(logging.Filter):
+    """Drops mode's echoes (with their stack dumps) of a failure the worker has reported, and
+    the misleading errors about Faust's unused leader topic."""
+
+    def __init__(self, status: dict):
+        super().__init__()
+        self.status = status
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        template = str(record.msg)
+        if self.status.get("stopped_by") is not None and template.endswith(_CRASH_ECHOES):
+            return False
+        return _UNUSED_TOPIC not in template and not any(_UNUSED_TOPIC in str(a) for a in (record.args or ()))
+
+
+def preflight(s: WorkerSettings) -> None:
+    """Before Faust starts (its own failures are stack dumps): the web port is free, and a broker
+    answers within ``--broker-timeout``. Raises :class:`WorkerRefusal`."""
+    from confluent_kafka import KafkaException
+    from confluent_kafka.admin import AdminClient
+
+    from dpstream.processor.adapters.kafka_tools import RDKAFKA_LOG, last_reason
+
+    with socket.socket(socket.AF_INET6 if ":" in s.web_host else socket.AF_INET) as probe:
+        try:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((s.web_host, s.web_port))
+        except OSError as exc:
+            raise WorkerRefusal(f"--web-port {s.web_port}: cannot listen on {s.web_host}:{s.web_port} ({exc.strerror}): another "
+                                f"worker on this machine? Give each its own --web-port") from None
+    broker = broker_address(s.broker)
+    admin = AdminClient({"bootstrap.servers": broker, "logger": RDKAFKA_LOG, **client_security()})
+    deadline = time.monotonic() + s.broker_timeout
+    for attempt in itertools.count():
+        try:
+            admin.list_topics(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
+            admin.poll(0)  # librdkafka's log lines go to RDKAFKA_LOG (left queued, it prints that it drops them)
+            return
+        except KafkaException:
+            admin.poll(0)  # librdkafka's log lines: the reason
+            if time.monotonic() >= deadline:
+                raise WorkerRefusal(f"no Kafka broker answered at {broker} within {s.broker_timeout:g} s (--broker-timeout)"
+                                    f"{last_reason()}; start one (scripts/broker start) or pass --broker HOST:PORT") from None
+            if attempt == 0:
+                log.warning("no Kafka broker answers at %s yet%s; waiting up to %g s (--broker-timeout)", broker, last_reason(),
+                            s.broker_timeout)
+
+
+def _quiet_worker(app: faust.App, loglevel: str):
+    """Faust's worker, with Faust's, mode's and aiokafka's logs at WARNING and above (all of them
+    with --log-level debug), dpstream's at --log-level, without :class:`_FaustNoise`."""
     from faust.worker import Worker
 
+    class QuietWorker(Worker):
+        def on_setup_root_logger(self, logger: logging.Logger, level: int) -> None:
+            super().on_setup_root_logger(logger, level)
+            logging.getLogger("dpstream").setLevel(level)
+            logger.setLevel(level if level <= logging.DEBUG else max(level, logging.WARNING))
+            for handler in logger.handlers:
+                handler.addFilter(_FaustNoise(app.dpstream_status))
+
+    return QuietWorker(app, loglevel=loglevel, quiet=True, redirect_stdouts=False)
+
+
+def run_worker(s: WorkerSettings, loglevel: str = "info") -> int:
+    """Run until SIGTERM/SIGINT (0), or until a failure: then its reason is the last line on
+    stderr, ``dpstream worker: refused: ...`` (exit code 2: the operator must act, see
+    :func:`refusals`) or ``dpstream worker: stopped: ...`` (1) (docs/operations.md, "Health")."""
+    try:
+        preflight(s)
+    except WorkerRefusal as exc:
+        code, line = stop_line(exc)
+        print(line, file=sys.stderr)
+        return code
     app = build_app(s)
-    worker = Worker(app, loglevel=loglevel, quiet=True, redirect_stdouts=False)
-    worker.execute_from_commandline()  # until SIGTERM/SIGINT; exits the process
-    return 0
+    worker = _quiet_worker(app, loglevel)
+    try:
+        worker.execute_from_commandline()  # until SIGTERM/SIGINT
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    stopped_by = app.dpstream_status.get("stopped_by")
+    if stopped_by is not None:
+        code, line = stop_line(stopped_by)
+        logging.shutdown()
+        print(line, file=sys.stderr, flush=True)
+    elif code:
+        print(f"dpstream worker: stopped: Faust failed (exit code {code}; its log above says why)", file=sys.stderr)
+    return code

@@ -8,23 +8,94 @@ in one partition whichever of these clients wrote them.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
-from typing import Iterator, Optional, TextIO
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Optional, Sequence, TextIO
 
 from dpstream.topics.records import MAX_FIELD_CHARS
 
 PRODUCER_DEFAULTS = {"partitioner": "murmur2_random", "linger.ms": 20, "batch.num.messages": 10_000,
                      "queue.buffering.max.messages": 1_000_000, "acks": "all"}
+#: s produce and tail wait for a broker that does not answer before they give up (one line, no traceback)
+BROKER_WAIT_S = 15.0
+#: without a config: events dated more than this before they are sent are reported as old
+#: (the default allowed_lateness; docs/operations.md, "Trying it with a file")
+OLD_MS = 60_000
+#: without a config: events dated more than this after they are sent are reported (the default max_skew)
+AHEAD_MS = 3_600_000
+DOC = 'docs/operations.md, "Trying it with a file"'
 
 
-def _user_key(raw: bytes, user_field: str) -> Optional[bytes]:
-    """The record's user id as its message key (None for records that are not JSON objects:
-    they are still sent, and the worker dead-letters them)."""
+class KafkaToolError(RuntimeError):
+    """A failure of ``produce`` or ``tail`` said in one line, which the CLI prints without a
+    traceback and exits with :attr:`exit_code` (2: the command's input; 1: the broker)."""
+
+    def __init__(self, message: str, exit_code: int = 1):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class _LastLine(logging.Handler):
+    """Keeps librdkafka's last log line instead of printing it: a broker that does not answer
+    makes it log every reconnect attempt; the command says once what went wrong."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.last: Optional[str] = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.last = record.getMessage()
+
+
+_LAST = _LastLine()
+#: the ``logger`` of every client here (librdkafka's lines go to it, not to stderr)
+RDKAFKA_LOG = logging.getLogger("dpstream.librdkafka")
+RDKAFKA_LOG.addHandler(_LAST)
+RDKAFKA_LOG.propagate = False
+
+
+def last_reason() -> str:
+    """librdkafka's last line, shortened to its reason (" (Connect to ... failed: Connection refused)")."""
+    line = _LAST.last
+    if not line:
+        return ""
+    text = line.rsplit("]: ", 1)[-1]
+    head, _, rest = text.partition(": ")
+    if rest and "/" in head:  # "127.0.0.1:9092/bootstrap: " names the connection
+        text = rest
+    return f" ({text.split(' (after ')[0].strip()})"
+
+
+def no_broker(command: str, bootstrap: str, timeout: float) -> KafkaToolError:
+    return KafkaToolError(f"{command}: no Kafka broker answered at {bootstrap} within {timeout:g} s{last_reason()}; start one "
+                          f"(scripts/broker start) or pass --broker HOST:PORT")
+
+
+def check_broker(command: str, bootstrap: str, timeout: float = BROKER_WAIT_S) -> None:
+    """One metadata round trip within ``timeout``, or :class:`KafkaToolError`."""
+    from confluent_kafka import KafkaException
+    from confluent_kafka.admin import AdminClient
+
+    from dpstream.topics.kafka import client_security
+
+    admin = AdminClient({"bootstrap.servers": bootstrap, "logger": RDKAFKA_LOG, **client_security()})
     try:
-        obj = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        return None
+        admin.list_topics(timeout=timeout)
+    except KafkaException:
+        failed = True
+    else:
+        failed = False
+    admin.poll(0)  # serves librdkafka's log lines to RDKAFKA_LOG (the reason; left queued, it prints that it drops them)
+    if failed:
+        raise no_broker(command, bootstrap, timeout)
+
+
+def _user_key(obj, user_field: str) -> Optional[bytes]:
+    """The decoded record's user id as its message key (None for records that are not JSON
+    objects: they are still sent, and the worker dead-letters them)."""
     if not isinstance(obj, dict):
         return None
     user = obj.get(user_field)
@@ -37,14 +108,139 @@ def _user_key(raw: bytes, user_field: str) -> Optional[bytes]:
 
 
 def file_lines(path: str) -> Iterator[bytes]:
+    """The non-empty lines of a .jsonl or .jsonl.gz file; a file that cannot be read is one
+    line (:class:`KafkaToolError`, exit code 2)."""
     import gzip
+    import zlib
 
     opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rb") as fh:
-        for line in fh:
-            line = line.rstrip(b"\r\n")
-            if line:
-                yield line
+    line_no = 0
+    try:
+        with opener(path, "rb") as fh:
+            for line_no, line in enumerate(fh, 1):
+                line = line.rstrip(b"\r\n")
+                if line:
+                    yield line
+    except FileNotFoundError:
+        raise KafkaToolError(f"produce --input: no such file: {path}", 2) from None
+    except (OSError, EOFError, zlib.error) as exc:
+        raise KafkaToolError(f"produce --input: cannot read {path} after line {line_no}: {exc}", 2) from None
+
+
+def _int_time(obj, time_field: str) -> Optional[int]:
+    """The event's time as the worker reads it (integer epoch ms), or None (dead-lettered as malformed)."""
+    ts = obj.get(time_field) if isinstance(obj, dict) else None
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or ts != ts or ts in (float("inf"), float("-inf")) or ts != int(ts):
+        return None
+    return int(ts)
+
+
+def earliest_time(lines: Iterable[bytes], time_field: str) -> Optional[int]:
+    """The earliest integer ``time_field`` among the lines (None: no line has one)."""
+    first = None
+    for raw in lines:
+        try:
+            ts = _int_time(json.loads(raw), time_field)
+        except (ValueError, UnicodeDecodeError):
+            continue
+        if ts is not None and (first is None or ts < first):
+            first = ts
+    return first
+
+
+def rebased(lines: Iterable[bytes], time_field: str, shift_ms: int) -> Iterator[bytes]:
+    """``produce --rebase-time``: every line's ``time_field`` moved by ``shift_ms`` (relative
+    spacing kept); lines without an integer time are sent as they are."""
+    for raw in lines:
+        try:
+            obj = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            yield raw
+            continue
+        ts = _int_time(obj, time_field)
+        if ts is None:
+            yield raw
+            continue
+        obj[time_field] = ts + shift_ms
+        yield json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+@dataclass
+class TimeReport:
+    """What the worker will make of the events' own times, judged as they are sent.
+
+    The worker puts an event in the trigger its own time says, but judges it by the broker's
+    stamp, its arrival (docs/privacy.md, "Time"): it is late, dropped, if its trigger's fire time
+    (trigger end plus ``allowed_lateness``) has passed when it arrives, and future, dropped, if it
+    is dated more than ``max_skew`` after that. With the worker's ``queries`` (those reading the
+    topic) the counts are theirs, exactly as of the moment each event is sent (it arrives a
+    little later: at least these); without, events older than :data:`OLD_MS` or more than
+    :data:`AHEAD_MS` ahead are counted."""
+
+    time_field: str = "ts"
+    queries: Sequence = ()
+    #: what to do about it, ending the summary line
+    advice: str = f"--rebase-time dates the file from now ({DOC})"
+    events: int = 0
+    undated: int = 0
+    old: int = 0
+    ahead: int = 0
+    oldest_ms: int = 0  # how far before sending the oldest event is dated
+    late: Counter = field(default_factory=Counter)
+    future: Counter = field(default_factory=Counter)
+
+    def __post_init__(self):
+        from dpstream.processor.config import parse_duration_ms
+
+        # (name, window ms, trigger interval ms, allowed lateness ms, max_skew ms)
+        self._schedules = [(q.name, q.window_ms, q.window_ms // q.triggers, parse_duration_ms(q.allowed_lateness, allow_zero=True),
+                            parse_duration_ms(q.max_skew)) for q in self.queries]
+
+    def observe(self, obj, sent_ms: int) -> None:
+        self.events += 1
+        ts = _int_time(obj, self.time_field)
+        if ts is None:
+            self.undated += 1
+            return
+        if ts < sent_ms - OLD_MS:
+            self.old += 1
+        elif ts > sent_ms + AHEAD_MS:
+            self.ahead += 1
+        self.oldest_ms = max(self.oldest_ms, sent_ms - ts)
+        for name, window, interval, lateness, skew in self._schedules:
+            start = ts - ts % window
+            if start + ((ts - start) // interval + 1) * interval + lateness <= sent_ms:
+                self.late[name] += 1
+            elif ts > sent_ms + skew:
+                self.future[name] += 1
+
+    def summary(self) -> Optional[str]:
+        """One line when some events will not count as their times say, else None."""
+        f = self.time_field
+        undated = (f"; {self.undated:,} have no integer {f!r} (epoch ms) and are dead-lettered as malformed"
+                   if self.undated else "")
+        if self.queries:
+            parts = [f"query {name} drops {self.late[name]:,} as late (their trigger by {f!r} had fired when sent) and "
+                     f"{self.future[name]:,} as future (dated more than its max_skew ahead)"
+                     for name, *_ in self._schedules if self.late[name] or self.future[name]]
+            if not parts and not self.undated:
+                return None
+            return (f"produce: of {self.events:,} events, " + ("; ".join(parts) or "all are on time") + undated
+                    + f". The worker judges each event by the broker's arrival time, not by {f!r}; {self.advice}")
+        if not (self.old or self.ahead or self.undated):
+            return None
+        oldest = f" (the oldest by {_span(self.oldest_ms)})" if self.old else ""
+        return (f"produce: {self.old:,} of {self.events:,} events are dated more than {OLD_MS // 60_000} min before they were sent"
+                f"{oldest} and {self.ahead:,} more than {AHEAD_MS // 3_600_000} h after{undated}. The worker judges each event "
+                f"by the broker's arrival time: one whose trigger (by {f!r}) has fired is dropped as late, one dated more than "
+                f"max_skew (default 1h) ahead as future; --config FILE counts them exactly; {self.advice}")
+
+
+def _span(ms: int) -> str:
+    for unit, size in (("d", 86_400_000), ("h", 3_600_000), ("min", 60_000)):
+        if ms >= size:
+            return f"{ms / size:.1f} {unit}"
+    return f"{ms / 1000:.1f} s"
 
 
 def synthetic_lines(users: int, keys: int, seed: int, start_ms: int, window_ms: int) -> Iterator[bytes]:
@@ -56,67 +252,113 @@ def synthetic_lines(users: int, keys: int, seed: int, start_ms: int, window_ms: 
         yield f'{{"user_id":"user-{u}","key":"page-{k}","ts":{t}}}'.encode()
 
 
-def produce(broker: str, topic: str, lines: Iterator[bytes], user_field: str = "user_id", client_config: Optional[dict] = None) -> int:
+def produce(broker: str, topic: str, lines: Iterator[bytes], user_field: str = "user_id", client_config: Optional[dict] = None,
+            *, timeout: float = BROKER_WAIT_S, report: Optional[TimeReport] = None) -> int:
+    """Send the lines keyed by their user. Gives up with one line (:class:`KafkaToolError`)
+    when nothing is acknowledged for ``timeout`` seconds while records wait, or when the broker
+    refuses records. ``report``: each event's time judged as it is sent (:class:`TimeReport`)."""
     from confluent_kafka import Producer
 
-    from dpstream.topics.kafka import DeliveryError
+    from dpstream.topics.kafka import client_security
 
     errors: list[str] = []
+    acked = [time.monotonic()]
 
     def on_delivery(err, msg):
         if err is not None:
             errors.append(str(err))
+        else:
+            acked[0] = time.monotonic()
 
-    from dpstream.topics.kafka import client_security
+    producer = Producer({"bootstrap.servers": broker, **PRODUCER_DEFAULTS, "logger": RDKAFKA_LOG, **client_security(),
+                         **(client_config or {})})
 
-    producer = Producer({"bootstrap.servers": broker, **PRODUCER_DEFAULTS, **client_security(), **(client_config or {})})
+    def give_up(left: int) -> KafkaToolError:
+        producer.purge()
+        producer.flush(0)
+        return KafkaToolError(f"produce: the broker at {broker} acknowledged nothing for {timeout:g} s{last_reason()}; {left:,} "
+                              f"of {sent:,} records sent were not acknowledged")
+
     sent = 0
+    now_ms = int(time.time() * 1000)
     for raw in lines:
+        try:
+            obj = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            obj = None  # still sent: the worker dead-letters it
+        if report is not None:
+            report.observe(obj, now_ms)
+        key = _user_key(obj, user_field)
         while True:
             try:
-                producer.produce(topic, raw, _user_key(raw, user_field), on_delivery=on_delivery)
+                producer.produce(topic, raw, key, on_delivery=on_delivery)
                 break
-            except BufferError:
-                producer.poll(0.05)
+            except BufferError:  # the queue is full: wait for acknowledgements
+                if producer.poll(0.05) == 0 and time.monotonic() - acked[0] > timeout:
+                    raise give_up(len(producer)) from None
         sent += 1
         if sent % 10_000 == 0:
             producer.poll(0)
-    left = producer.flush(120)
-    if left or errors:
-        raise DeliveryError(f"{left} records not acknowledged; errors: {errors[:5]}")
+            now_ms = int(time.time() * 1000)
+    while (left := producer.flush(0.5)) and not errors:
+        if time.monotonic() - acked[0] > timeout:
+            raise give_up(left)
+    if errors:
+        producer.purge()
+        raise KafkaToolError(f"produce: the broker refused {len(errors):,} of {sent:,} records (first: {errors[0]})")
     return sent
 
 
 def tail(broker: str, topic: str, out: TextIO = sys.stdout, idle_seconds: Optional[float] = None, max_records: Optional[int] = None,
          from_beginning: bool = True) -> int:
     """Print release records (one JSON object per line) as they arrive. Stops after
-    ``idle_seconds`` without a record, or after ``max_records``; otherwise runs until interrupted."""
+    ``idle_seconds`` without a record (waiting for the topic counts: the worker creates it when
+    it starts), or after ``max_records``; otherwise runs until interrupted. No broker within
+    ``idle_seconds`` (at most :data:`BROKER_WAIT_S`), or no such topic, is one line
+    (:class:`KafkaToolError`)."""
     from confluent_kafka import (
         OFFSET_BEGINNING,
         OFFSET_END,
         Consumer,
         KafkaError,
+        KafkaException,
         TopicPartition,
     )
 
     from dpstream.topics.kafka import client_security
 
-    consumer = Consumer({"bootstrap.servers": broker, "group.id": "dpstream-tail", "enable.auto.commit": False, **client_security()})
-    meta = consumer.list_topics(topic, timeout=15).topics.get(topic)
-    if meta is None or meta.error is not None:
+    started = time.monotonic()
+    wait = BROKER_WAIT_S if idle_seconds is None else min(BROKER_WAIT_S, max(idle_seconds, 1.0))
+    consumer = Consumer({"bootstrap.servers": broker, "group.id": "dpstream-tail", "enable.auto.commit": False,
+                         "logger": RDKAFKA_LOG, **client_security()})
+    try:
+        while True:
+            try:
+                meta = consumer.list_topics(topic, timeout=wait).topics.get(topic)
+            except KafkaException:
+                consumer.poll(0)  # serves librdkafka's log lines to RDKAFKA_LOG: the reason
+                raise no_broker("tail", broker, wait) from None
+            if meta is not None and meta.error is None and meta.partitions:
+                break
+            if idle_seconds is None or time.monotonic() - started > idle_seconds:
+                waited = "" if idle_seconds is None else f" within {idle_seconds:g} s"
+                raise KafkaToolError(f"tail: topic {topic!r} does not exist on {broker}{waited}: the worker creates its output "
+                                     f"topics when it starts (is it running? see its log), or pass --topic NAME")
+            time.sleep(0.5)
+    except BaseException:
         consumer.close()
-        raise RuntimeError(f"tail: topic {topic!r} not found on {broker}")
+        raise
     # assigned, not subscribed: a reader needs every partition and no group membership
     start = OFFSET_BEGINNING if from_beginning else OFFSET_END
     consumer.assign([TopicPartition(topic, p, start) for p in sorted(meta.partitions)])
-    seen, last = 0, time.monotonic()
+    seen, last = 0, started  # waiting for the topic counts as time without a record
     try:
         while max_records is None or seen < max_records:
-            msgs = consumer.consume(1000, 0.2)
+            msgs = consumer.consume(1000 if max_records is None else min(1000, max_records - seen), 0.2)
             for msg in msgs:
                 if msg.error():
                     if msg.error().code() != KafkaError._PARTITION_EOF:
-                        raise RuntimeError(f"tail: {msg.error()}")
+                        raise KafkaToolError(f"tail: {msg.error()}")
                     continue
                 out.write(msg.value().decode() + "\n")
                 seen += 1
@@ -128,4 +370,3 @@ def tail(broker: str, topic: str, out: TextIO = sys.stdout, idle_seconds: Option
     finally:
         consumer.close()
     return seen
-

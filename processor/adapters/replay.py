@@ -68,6 +68,10 @@ from dpstream.topics.records import (
 
 CHUNK_LINES = 50_000
 MAX_REPORTED_INVALID = 100
+#: refusals the log does not list line by line (a file's late or future events are often
+#: thousands): the summary counts them once; --dead-letter keeps each (docs/operations.md,
+#: "Trying it with a file")
+QUIET_REASONS = ("late:", "future:")
 PROGRESS_SECONDS = 5.0
 #: held-back events kept per privacy unit and stream; beyond it, further ones are dead-lettered at once
 MAX_HELD_PER_UNIT = 1_000
@@ -554,11 +558,12 @@ class ReplayRunner:
 
     def _invalid(self, query: str, reason: str, line_no: int, raw: bytes, summary, dead_letters) -> None:
         summary.invalid[f"{query}: {reason}"] += 1
-        if self._reported < MAX_REPORTED_INVALID:
-            self.log.write(f"line {line_no}: query {query}: {reason}\n")
-        elif self._reported == MAX_REPORTED_INVALID:
-            self.log.write("(further invalid lines are counted, not shown)\n")
-        self._reported += 1
+        if not reason.startswith(QUIET_REASONS):  # those: a matter of time, said once with their count (the summary)
+            if self._reported < MAX_REPORTED_INVALID:
+                self.log.write(f"line {line_no}: query {query}: {reason}\n")
+            elif self._reported == MAX_REPORTED_INVALID:
+                self.log.write("(further invalid lines are counted, not shown)\n")
+            self._reported += 1
         if dead_letters is not None:
             dead_letters.write(encode_json({"query": query, **dead_letter(reason, raw.rstrip(b"\n"), f"line {line_no}")}).decode() + "\n")
 
