@@ -291,9 +291,11 @@ def test_worker_releases_equal_replay_dead_letters_and_metrics(scenario):
     names = {n for n, _ in m}
     for name in ("dpstream_events_in_total", "dpstream_events_dropped_total", "dpstream_keys_tracked", "dpstream_keys_released",
                  "dpstream_releases_total", "dpstream_trigger_duration_seconds_bucket", "dpstream_trigger_duration_seconds_count",
-                 "dpstream_state_size_bytes", "dpstream_budget_epsilon_spent", "dpstream_budget_epsilon_remaining",
-                 "dpstream_consumer_lag_records", "dpstream_triggers_fired_total", "dpstream_ready"):
+                 "dpstream_state_size_bytes", "dpstream_budget_epsilon_spent", "dpstream_consumer_lag_records",
+                 "dpstream_triggers_fired_total", "dpstream_ready", "dpstream_last_trigger_timestamp_seconds"):
         assert name in names, name
+    # no budget section: no ledger, so no remaining budget to report (never a 0 that reads "exhausted")
+    assert "dpstream_budget_epsilon_remaining" not in names and "dpstream_ledger_epsilon_remaining" not in names
     assert w.metric("dpstream_events_in_total", query=sc.query) == 20_004
     assert w.metric("dpstream_events_dropped_total", query=sc.query, reason="malformed") == 4
     assert w.metric("dpstream_releases_total", query=sc.query) == len(expected)

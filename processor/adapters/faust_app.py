@@ -512,13 +512,15 @@ def build_app(s: WorkerSettings) -> faust.App:
         if worker is None:
             return
         worker.refresh_metrics()
+        lags = {}
         for src in worker.sources:
             if group:
                 high = status["highs"].get((src.topic, src.partition), (None,))[0]
             else:
                 high = consumer.highwater(_tp(src.topic, src.partition)) if consumer is not None else None
             if high is not None:
-                metrics.consumer_lag.labels(src.topic, str(src.partition)).set(max(0, high - src.last_offset - 1))
+                lags[(src.topic, src.partition)] = max(0, high - src.last_offset - 1)
+        metrics.observe_lag(lags)  # a partition that moved away loses its sample
         for topic, count in worker.owned_counts().items():
             metrics.partitions_owned.labels(topic).set(count)
 

@@ -877,7 +877,7 @@ class DpstreamWorker:
                 f = next(due, None)
                 if f is None:
                     break
-                self.metrics.trigger_seconds.labels(runner.query.name).observe(time.perf_counter() - started)
+                self.metrics.observe_trigger(runner.query.name, time.perf_counter() - started)
                 yield FiredTrigger(source, f)
 
     def fire_next(self, source: SourcePartition, now_ms: int) -> Optional[FiredTrigger]:
@@ -892,7 +892,7 @@ class DpstreamWorker:
             return None
         started = time.perf_counter()
         fired = runner.fire(nxt[1], nxt[2])
-        self.metrics.trigger_seconds.labels(runner.query.name).observe(time.perf_counter() - started)
+        self.metrics.observe_trigger(runner.query.name, time.perf_counter() - started)
         return FiredTrigger(source, fired)
 
     def unpublished(self) -> list[FiredTrigger]:
@@ -975,5 +975,17 @@ class DpstreamWorker:
         for name, values in marks.items():
             if None not in values:
                 self.metrics.input_watermark.labels(name).set(min(values) / 1000.0)
+        # the earliest trigger still to fire per query (docs/operations.md, "Dashboards and alerts")
+        next_fire: dict[str, int] = {}
+        for source in self.stage2.values():
+            nxt = source.runners[0].pipeline.next_fire()
+            if nxt is not None:
+                name = source.runners[0].query.name
+                next_fire[name] = min(next_fire.get(name, nxt[0]), nxt[0])
+        self.metrics.observe_next_triggers(next_fire)
         if self.ledger is not None:
-            self.metrics.observe_ledger(self.ledger.entries(int(time.time() * 1000)))
+            now_ms = int(time.time() * 1000)
+            # each query's principal, read from the ledger (a budget section names one for every query)
+            remaining = {q.name: self.ledger.get(self.config.budget.principal_of(q), now_ms).remaining[0]
+                         for q in (*self.config.queries, *self.config.dynamic)}
+            self.metrics.observe_ledger(self.ledger.entries(now_ms), remaining)
