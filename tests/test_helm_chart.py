@@ -4,7 +4,10 @@ The chart is rendered with helm-python-sdk (the Helm SDK in-process; output iden
 `helm template`), each manifest is validated against the bundled Kubernetes schemas with
 kubernetes-validate in strict mode, the rendered output and values.yaml are linted with yamllint,
 and the chart passes `helm lint --strict`. The ConfigMap's queries.yaml must load with the
-project's own config loader. The Dockerfile is checked statically (no Docker engine here).
+project's own config loader, and the configs the chart refuses, the loader refuses too. The
+dashboard's and the alerts' PromQL is parsed with promql-parser, and its metric names are found
+on a running worker's /metrics (a broker test; docs/operations.md, "Dashboards and alerts"). The
+Dockerfile is checked statically (no Docker engine here).
 """
 from __future__ import annotations
 
@@ -25,7 +28,8 @@ FULLNAME = "dp-dpstream"
 # The chart needs Kubernetes >= 1.28 (the apps.kubernetes.io/pod-index label); validate the
 # oldest supported version, a common one and the newest that kubernetes-validate bundles.
 KUBE_VERSIONS = ("1.28.0", "1.30.0", "1.37.0")
-CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}  # no bundled schema: checked by hand below
+CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"),  # no bundled schema: checked by hand below
+             ("monitoring.coreos.com/v1", "PrometheusRule")}
 
 try:
     import helm_python
@@ -39,6 +43,7 @@ except Exception as exc:  # ImportError, or the shared library failing to load
     )
 try:
     import kubernetes_validate
+    import promql_parser  # the PromQL of the dashboard and the alerts (docs/operations.md, "Dashboards and alerts")
     from yamllint import linter as yamllint_linter
     from yamllint.config import YamlLintConfig
 except ImportError as exc:
@@ -74,8 +79,15 @@ EXAMPLE_QUERIES_TEXT = (ROOT / "examples" / "queries.yaml").read_text()
 AS_STRING = {"queriesYaml": EXAMPLE_QUERIES_TEXT}  # verbatim text instead of the mapping
 AS_MAPPING = {"queries": yaml.safe_load(EXAMPLE_QUERIES_TEXT)}  # has `dynamic:` too
 DYNAMIC_ONLY = {"queries": {"queries": None, "dynamic": AS_MAPPING["queries"]["dynamic"]}}  # null drops the default list
+MONITORING = {  # the dashboard and the alerts, with non-default settings
+    "grafanaDashboard": {"enabled": True, "namespace": "grafana", "label": "grafana.example.com/dashboard", "labelValue": "dp",
+                         "annotations": {"grafana_folder": "streams"}, "labels": {"team": "data"}},
+    "prometheusRule": {"enabled": True, "labels": {"release": "prometheus"}, "selector": f'job="{FULLNAME}-metrics"',
+                       "severity": "page", "triggerOverdue": {"seconds": 120, "for": "3m"}, "deadLetters": {"ratio": 0.05}},
+    "metrics": {"serviceMonitor": {"enabled": True}},
+}
 VALUE_SETS = {"default": {}, "custom": CUSTOM, "create-secret": CREATE_SECRET, "queries-text": AS_STRING,
-              "queries-mapping": AS_MAPPING, "dynamic-only": DYNAMIC_ONLY}
+              "queries-mapping": AS_MAPPING, "dynamic-only": DYNAMIC_ONLY, "monitoring": MONITORING}
 
 
 def render_files(values: dict | None = None) -> dict[str, str]:
@@ -489,7 +501,7 @@ def test_values_file_passes_yamllint():
     assert _lint((CHART / "values.yaml").read_text()) == []
 
 
-@pytest.mark.parametrize("value_set", ["default", "custom", "create-secret"])
+@pytest.mark.parametrize("value_set", ["default", "custom", "create-secret", "monitoring"])
 def test_helm_lint_strict(value_set):
     report = helm_python.lint(str(CHART), copy.deepcopy(VALUE_SETS[value_set]), strict=True, kube_version="v1.30.0")
     assert report["errors"] == []
@@ -562,3 +574,448 @@ def test_dockerfile_builds_the_pinned_package_as_a_non_root_user():
     ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines() if line.strip() and not line.startswith("#")}
     assert {".venv", ".git", "tests", "benchmarks", ".broker"} <= ignored
     assert not ignored & {*folders, "pyproject.toml", "constraints.txt", "README.md"}
+
+
+# --- dashboard and alerts (docs/operations.md, "Dashboards and alerts") ----------------------------
+
+DASHBOARD_FILE = CHART / "dashboards" / "dpstream.json"
+ALERTS = {"DpstreamConsumerLagGrowing", "DpstreamTriggerOverdue", "DpstreamTriggerSlow", "DpstreamBudgetLow",
+          "DpstreamBudgetRefused", "DpstreamDeadLetters", "DpstreamNotReady"}
+#: Grafana's own variables, as the test substitutes them before parsing a panel's PromQL
+GRAFANA_BUILTINS = {"__rate_interval": "5m", "__interval": "1m", "__range": "6h"}
+#: the fields of a rule group and of a rule in the PrometheusRule CRD (monitoring.coreos.com/v1)
+RULE_GROUP_FIELDS = {"name", "interval", "rules", "labels", "limit", "partial_response_strategy", "query_offset"}
+RULE_FIELDS = {"alert", "record", "expr", "for", "keep_firing_for", "labels", "annotations"}
+PROM_DURATION = re.compile(r"^(0|([0-9]+y)?([0-9]+w)?([0-9]+d)?([0-9]+h)?([0-9]+m)?([0-9]+s)?([0-9]+ms)?)$")
+
+
+def dashboard_json() -> dict:
+    import json
+
+    return json.loads(DASHBOARD_FILE.read_text())
+
+
+def dashboard_queries(dashboard: dict) -> list[tuple[str, str]]:
+    """(where, PromQL) of every panel target, Grafana variables substituted: $__rate_interval
+    by a duration, $job and $query (only ever inside label matchers' strings) left as they are."""
+    defined = {v["name"] for v in dashboard["templating"]["list"]}
+    out = []
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            expr = target["expr"]
+            for name in re.findall(r"\$\{?(\w+)", expr):
+                assert name in defined or name in GRAFANA_BUILTINS, f"panel {panel['title']!r} uses undefined ${name}"
+            for name, value in GRAFANA_BUILTINS.items():
+                expr = expr.replace(f"${name}", value)
+            out.append((f"panel {panel['title']!r} {target['refId']}", expr))
+    for var in dashboard["templating"]["list"]:
+        if var["type"] == "query":  # label_values(<series selector>, <label>): the selector is PromQL
+            (selector,) = re.fullmatch(r"label_values\((.+), *\w+\)", var["query"]).groups()
+            out.append((f"variable ${var['name']}", selector))
+    return out
+
+
+def rule_queries(docs: list[dict]) -> list[tuple[str, str]]:
+    rule = only(docs, "PrometheusRule")
+    return [(f"alert {r['alert']}", r["expr"]) for g in rule["spec"]["groups"] for r in g["rules"]]
+
+
+def metric_names(where: str, expr: str) -> set[str]:
+    """The metric names a PromQL expression reads; fails (naming ``where``) if it does not parse
+    or type-check (promql-parser: the grammar, function names and argument types of Prometheus)."""
+    try:
+        ast = promql_parser.parse(expr)
+    except ValueError as exc:
+        pytest.fail(f"{where}: not valid PromQL ({exc}): {expr}")
+    names = set()
+    promql_parser.walk(ast, lambda node: names.add(node.name) if isinstance(node, promql_parser.VectorSelector) else None)
+    assert None not in names and names, f"{where}: every selector must name its metric: {expr}"
+    return names
+
+
+def served_sample_names() -> set[str]:
+    """The sample names the worker's registry can serve (processor/adapters/metrics.py), by type:
+    counters with _total, histograms with _bucket/_sum/_count."""
+    from dpstream.processor.adapters.metrics import PipelineMetrics
+
+    suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
+    return {family.name + suffix for family in PipelineMetrics().registry.collect() for suffix in suffixes[family.type]}
+
+
+def test_monitoring_resources_only_when_enabled():
+    for value_set in ("default", "custom"):
+        _, docs = rendered(value_set)
+        assert not [d for d in docs if d["kind"] == "PrometheusRule"]
+        assert [d["metadata"]["name"] for d in docs if d["kind"] == "ConfigMap"] == [FULLNAME]
+    _, docs = rendered("monitoring")
+    assert only(docs, "PrometheusRule")["metadata"]["name"] == FULLNAME
+    assert sorted(d["metadata"]["name"] for d in docs if d["kind"] == "ConfigMap") == [FULLNAME, f"{FULLNAME}-dashboard"]
+
+
+def test_dashboard_configmap_carries_the_chart_file_for_the_sidecar():
+    import json
+
+    _, docs = rendered("monitoring")
+    (cm,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == f"{FULLNAME}-dashboard"]
+    assert cm["metadata"]["namespace"] == "grafana"
+    labels = cm["metadata"]["labels"]
+    assert labels["grafana.example.com/dashboard"] == "dp" and labels["team"] == "data"
+    assert cm["metadata"]["annotations"] == {"grafana_folder": "streams"}
+    assert list(cm["data"]) == ["dpstream.json"]
+    assert json.loads(cm["data"]["dpstream.json"]) == dashboard_json(), "the ConfigMap must carry the chart's file, whole"
+    # the defaults: the sidecar's default label, in the release namespace
+    (cm,) = [d for d in manifests(render_files({"grafanaDashboard": {"enabled": True}})) if d["metadata"]["name"].endswith("-dashboard")]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1" and cm["metadata"]["namespace"] == NAMESPACE
+
+
+def test_dashboard_is_a_well_formed_grafana_dashboard():
+    d = dashboard_json()
+    assert d["uid"] == "dpstream" and d["title"] and isinstance(d["schemaVersion"], int)
+    variables = {v["name"]: v for v in d["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    ids = [p["id"] for p in d["panels"]]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    cells = set()
+    for p in d["panels"]:
+        g = p["gridPos"]
+        assert all(isinstance(g[k], int) for k in "hwxy") and g["x"] + g["w"] <= 24, p["title"]
+        mine = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
+        assert not mine & cells, f"panel {p['title']!r} overlaps another"
+        cells |= mine
+        if p["type"] == "row":
+            continue
+        assert p["type"] in ("timeseries", "stat") and p["title"] and p["description"], p
+        assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, p["title"]
+        refs = [t["refId"] for t in p["targets"]]
+        assert refs and len(refs) == len(set(refs)), p["title"]
+        assert all(t["datasource"] == p["datasource"] and t["expr"] for t in p["targets"]), p["title"]
+    for v in variables.values():
+        if v["type"] == "query":
+            assert v["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+
+
+def test_prometheus_rule_is_well_formed():
+    _, docs = rendered("monitoring")
+    rule = only(docs, "PrometheusRule")
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert set(rule) == {"apiVersion", "kind", "metadata", "spec"} and set(rule["spec"]) == {"groups"}
+    assert rule["metadata"]["namespace"] == NAMESPACE and rule["metadata"]["labels"]["release"] == "prometheus"
+    groups = rule["spec"]["groups"]
+    assert [g["name"] for g in groups] == ["dpstream"]  # a list-map keyed by name: names unique and non-empty
+    alerts = {}
+    for group in groups:
+        assert set(group) <= RULE_GROUP_FIELDS and group["rules"]
+        for r in group["rules"]:
+            assert set(r) <= RULE_FIELDS, r
+            assert "alert" in r and "record" not in r and isinstance(r["expr"], str)
+            assert re.fullmatch(r"[A-Z][A-Za-z]+", r["alert"]) and r["alert"] not in alerts
+            if "for" in r:
+                assert PROM_DURATION.match(r["for"]) and r["for"], r["for"]
+            for field in ("labels", "annotations"):
+                assert all(isinstance(k, str) and isinstance(v, str) for k, v in r[field].items()), (r["alert"], field)
+            assert r["labels"]["severity"] == "page"
+            assert {"summary", "description"} <= set(r["annotations"])
+            alerts[r["alert"]] = r
+    assert set(alerts) == ALERTS
+    # the values reach the expressions, and the selector reaches every selector
+    assert alerts["DpstreamTriggerOverdue"]["for"] == "3m" and alerts["DpstreamTriggerOverdue"]["expr"].endswith("> 120")
+    assert alerts["DpstreamDeadLetters"]["expr"].rstrip().endswith("> 0.05")
+    for where, expr in rule_queries(docs):
+        ast = promql_parser.parse(expr)
+        selectors = []
+        promql_parser.walk(ast, lambda n: selectors.append(str(n)) if isinstance(n, promql_parser.VectorSelector) else None)
+        assert selectors and all(f'job="{FULLNAME}-metrics"' in s for s in selectors), (where, selectors)
+
+
+def test_alert_annotations_keep_prometheus_templates():
+    """Helm must leave {{ $labels.x }} and {{ $value }} to Prometheus."""
+    _, docs = rendered("monitoring")
+    rules = {r["alert"]: r for g in only(docs, "PrometheusRule")["spec"]["groups"] for r in g["rules"]}
+    assert "{{ $labels.query }}" in rules["DpstreamTriggerOverdue"]["annotations"]["summary"]
+    assert "{{ $value | humanizeDuration }}" in rules["DpstreamTriggerOverdue"]["annotations"]["description"]
+
+
+@pytest.mark.parametrize("value_set", ["monitoring", "rules-default"])
+def test_every_query_parses_and_reads_a_metric_the_worker_defines(value_set):
+    """Each panel's and each alert's PromQL parses (grammar, functions, argument types) and reads
+    only sample names the worker's registry defines; tests/test_helm_chart.py::
+    test_dashboard_and_alert_metrics_are_served_by_a_running_worker checks them on a real /metrics."""
+    docs = rendered("monitoring")[1] if value_set == "monitoring" else manifests(render_files({"prometheusRule": {"enabled": True}}))
+    served = served_sample_names()
+    assert {"dpstream_events_in_total", "dpstream_trigger_duration_seconds_bucket", "dpstream_ready"} <= served
+    for where, expr in [*dashboard_queries(dashboard_json()), *rule_queries(docs)]:
+        unknown = metric_names(where, expr) - served
+        assert not unknown, f"{where} reads {sorted(unknown)}, which the worker does not serve: {expr}"
+
+
+def test_the_metric_check_would_catch_a_misspelled_metric():
+    """Guard the check above: a misspelled name, a histogram read without _bucket, and broken PromQL."""
+    served = served_sample_names()
+    assert metric_names("x", 'sum(rate(dpstream_event_in_total{job=~"$job"}[5m]))') - served == {"dpstream_event_in_total"}
+    assert metric_names("x", "rate(dpstream_trigger_duration_seconds[5m])") - served == {"dpstream_trigger_duration_seconds"}
+    with pytest.raises(pytest.fail.Exception, match="not valid PromQL"):
+        metric_names("x", "sum(rate(dpstream_events_in_total[5m])")
+    with pytest.raises(pytest.fail.Exception, match="not valid PromQL"):
+        metric_names("x", "rate(dpstream_ready)")  # a range function given an instant vector
+
+
+def test_dashboard_and_alert_metrics_are_served_by_a_running_worker(tmp_path, broker):
+    """A real worker (the chart's default layout: a consumer group, with a budget ledger) fires a
+    trigger; then every sample name the dashboard and the alerts read is on its /metrics."""
+    import time
+
+    from confluent_kafka import Producer
+
+    from tests.test_kafka_worker import running
+
+    wanted = {}
+    for where, expr in [*dashboard_queries(dashboard_json()), *rule_queries(rendered("monitoring")[1])]:
+        for name in metric_names(where, expr):
+            wanted.setdefault(name, where)
+    with running(tmp_path, broker) as sc:
+        start = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time()))
+        sc.config.write_text(sc.config.read_text() + f"budget:\n  start: '{start}'\n  default:\n    max_epsilon: 1000\n    max_delta: 1.0e-3\n")
+        w = sc.worker("m", extra=("--assignment", "group", "--instance-id", "m")).start()
+        sc.workers.append(w)
+        w.wait_ready()
+        sc.write_events(2_000, users=200, keys=20, lead_s=1)
+        sc.produce_events()
+        p = Producer({"bootstrap.servers": sc.broker})
+        p.produce(sc.input, b"{not json", b"u1")  # a dead letter
+        assert p.flush(30) == 0
+        deadline, missing = time.time() + 90, set(wanted)
+        while time.time() < deadline:
+            try:
+                served = {name for (name, _), _ in w.metrics().items()}
+            except OSError:  # busy firing: ask again
+                served = set()
+            missing = set(wanted) - served
+            if not missing and w.metric("dpstream_triggers_fired_total", query=sc.query) > 0:
+                break
+            time.sleep(1)
+        assert w.metric("dpstream_triggers_fired_total", query=sc.query) > 0, "no trigger fired"
+        assert not missing, "read by the dashboard or the alerts, not served: " + ", ".join(f"{n} ({wanted[n]})" for n in sorted(missing))
+        # the trigger gauges: a trigger every 3 s, each fired about the watermark delay (2 s) after its
+        # fire time; the last one fired a moment ago
+        now = time.time()
+        assert now - 15 < w.metric("dpstream_next_trigger_timestamp_seconds", query=sc.query) < now + 15
+        assert now - 15 < w.metric("dpstream_last_trigger_timestamp_seconds", query=sc.query) <= now
+        # the budget remaining is the ledger's (1000 less what was charged), not the config's
+        remaining = w.metric("dpstream_budget_epsilon_remaining", query=sc.query)
+        assert remaining == w.metric("dpstream_ledger_epsilon_remaining", principal=sc.query) < 1000
+
+
+# --- settings the chart refuses at render time ------------------------------------------------------
+
+def one_query(**fields) -> dict:
+    return {"name": "q", "epsilon": 1.0, "delta": 1e-9, "window": "1h", "triggers": 60, **fields}
+
+
+@pytest.mark.parametrize("values, message", [
+    # group: every input, repartition and dynamic-update partition has one owner
+    ({"replicas": 17}, "replicas 17 is more than the 16 partitions the consumer group assigns"),
+    ({"inputPartitions": 2, "replicas": 11}, "replicas 11 is more than the 10 partitions the consumer group assigns"),
+    ({"queriesYaml": EXAMPLE_QUERIES_TEXT, "replicas": 42},
+     "42 is more than the 41 partitions the consumer group assigns (input topics: 1 x inputPartitions 8, repartition "
+     "topics: 4 x partitions 8, dynamic-update topics: 1 x 1)"),
+    # static: worker i owns p % replicas == i of every topic
+    ({"assignment": "static", "replicas": 9}, "replicas 9 is more than any source topic's partitions (partitions 8, inputPartitions 8)"),
+    ({"assignment": "static", "replicas": 13, "inputPartitions": 12}, "(partitions 8, inputPartitions 12)"),
+])
+def test_more_replicas_than_partitions_fail_to_render(values, message):
+    with pytest.raises(helm_python.HelmRenderError, match=re.escape(message)):
+        render_files(values)
+
+
+@pytest.mark.parametrize("values", [
+    {"replicas": 16}, {"assignment": "static", "replicas": 8}, {"assignment": "static", "replicas": 12, "inputPartitions": 12},
+    {"queriesYaml": EXAMPLE_QUERIES_TEXT, "replicas": 41},
+    {"queriesYaml": (ROOT / "examples" / "worker.yaml").read_text(), "assignment": "static"},
+])
+def test_as_many_replicas_as_partitions_render(values):
+    assert only(manifests(render_files(values)), "StatefulSet")["spec"]["replicas"] == values.get("replicas", 1)
+
+
+def _yaml_text(config: dict) -> str:
+    return yaml.safe_dump(config, sort_keys=False)
+
+
+INVALID_CONFIGS = [  # (config, the chart's message): the worker's loader refuses each too
+    ({"queries": [one_query(epsilon=-1)]}, "queries[0].epsilon: must be a positive finite number, got -1"),
+    ({"queries": [one_query(epsilon=0)]}, "queries[0].epsilon: must be a positive finite number, got 0"),
+    ({"queries": [one_query(delta=1)]}, "queries[0].delta: must be in (0, 1), got 1"),
+    ({"queries": [one_query(triggers=0)]}, "queries[0].triggers: must be an integer in [1, 2^24], got 0"),
+    ({"queries": [one_query(triggers=7)]}, "queries[0].triggers: the window (1h) must split into 7 whole milliseconds"),
+    ({"queries": [one_query(window="1 hour")]}, "queries[0].window: must be a positive duration"),
+    ({"queries": [one_query(max_skew="0s")]}, "queries[0].max_skew: must be a duration like '1d', '15m', '30s' (positive)"),
+    ({"queries": [one_query(contribution_bound=0)]}, "queries[0].contribution_bound: must be an integer >= 1, got 0"),
+    ({"queries": [{"epsilon": 1.0, "delta": 1e-9}]}, "queries[0].name: required"),
+    ({"queries": [one_query(name="page clicks")]}, "queries[0].name: required"),
+    ({"queries": [one_query(epsilonn=2)]}, "queries[0].epsilonn: unknown field"),
+    ({"queries": [one_query(aggregate="sum")]}, "queries[0].value_field: aggregate 'sum' needs a value_field"),
+    ({"queries": [one_query(value_field="amount")]}, "queries[0].value_field: must be null for aggregate 'count'"),
+    ({"queries": [one_query(aggregate="median", value_field="amount")]}, "queries[0].aggregate: must be one of count, sum, mean"),
+    ({"queries": [one_query(), one_query()]}, "duplicate query names in [q q]"),
+    ({"queries": []}, "the config needs at least one query"),
+    ({"queries": [one_query()], "budgett": {}}, "budgett: unknown field"),
+    ({"dynamic": [{"name": "d", "start": 0, "epsilon": 1.0}]}, "dynamic[0].items: required"),
+    ({"dynamic": [{"name": "d", "start": 0, "items": ["a"], "epsilon": 0}]}, "dynamic[0].epsilon: must be a positive finite number"),
+    ({"queries": [one_query()], "budget": {"start": "2026-01-01", "principal": "tenant", "default": {"max_epsilon": 10}}},
+     "queries[0].tenant: budget.principal is 'tenant', so every query needs a tenant"),
+    ({"queries": [one_query()], "budget": {"start": "2026-01-01", "principals": {"other": {"max_epsilon": 10}}}},
+     "budget.principals: no budget for 'q' (queries[0]) and no budget.default"),
+]
+
+
+@pytest.mark.parametrize("config, message", INVALID_CONFIGS)
+def test_invalid_queries_text_fails_to_render_as_the_loader_fails(config, message, tmp_path):
+    from dpstream.processor.config import ConfigError
+
+    path = tmp_path / "queries.yaml"
+    path.write_text(_yaml_text(config))
+    with pytest.raises(ConfigError):
+        load_config(path, environ={})
+    with pytest.raises(helm_python.HelmRenderError, match=re.escape(f"queriesYaml: {message}")):
+        render_files({"queriesYaml": _yaml_text(config)})
+
+
+@pytest.mark.parametrize("config, message", INVALID_CONFIGS)
+def test_invalid_queries_mapping_fails_to_render(config, message):
+    """The same configs as values: the schema refuses what it can (types, ranges, unknown fields),
+    the templates the rest, with the loader's field names."""
+    values = {"queries": {"queries": None, **config}}  # null drops the chart's example query
+    with pytest.raises((helm_python.HelmValuesError, helm_python.HelmRenderError)) as caught:
+        render_files(values)
+    if isinstance(caught.value, helm_python.HelmRenderError):
+        assert f"queries: {message}" in str(caught.value)
+
+
+@pytest.mark.parametrize("config", [
+    {"queries": [one_query(triggers=7)]},
+    {"queries": [one_query(aggregate="sum")]},
+    {"queries": [one_query(), one_query()]},
+])
+def test_what_the_schema_cannot_see_the_templates_refuse(config):
+    """Cross-field rules pass the schema: the templates must catch them (a schema-only check would not)."""
+    with pytest.raises(helm_python.HelmRenderError):
+        render_files({"queries": {"queries": None, **config}})
+
+
+@pytest.mark.parametrize("text", [
+    "- a list, not a mapping\n",
+    "queries: [\n",
+])
+def test_queries_text_that_is_not_a_config_fails_to_render(text):
+    with pytest.raises(helm_python.HelmRenderError, match=re.escape("queriesYaml: not a YAML mapping with a 'queries' list")):
+        render_files({"queriesYaml": text})
+
+
+def test_the_chart_knows_the_loaders_fields():
+    """The templates' field lists and the schema's query definitions follow processor/config.py."""
+    import json
+    import typing
+
+    from dpstream.processor.config import (
+        BudgetConfig,
+        BudgetLimit,
+        DpstreamConfig,
+        DynamicQueryConfig,
+        QueryConfig,
+    )
+    from dpstream.processor.mechanisms.aggregates import AGGREGATES
+    from dpstream.topics.decoding import DECODERS
+
+    helpers = (CHART / "templates" / "_helpers.tpl").read_text()
+
+    def listed(name: str) -> list[str]:
+        (body,) = re.findall(r'define "dpstream\.%s" -}}\n(.*)\n' % name, helpers)
+        return body.split()
+
+    assert listed("queryFields") == list(QueryConfig.model_fields)
+    assert listed("dynamicFields") == list(DynamicQueryConfig.model_fields)
+    assert listed("configFields") == list(DpstreamConfig.model_fields)
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    defs = schema["definitions"]
+    for definition, model in (("query", QueryConfig), ("dynamicQuery", DynamicQueryConfig), ("budget", BudgetConfig),
+                              ("budgetLimit", BudgetLimit)):
+        assert set(defs[definition]["properties"]) == set(model.model_fields), definition
+        required = {n for n, f in model.model_fields.items() if f.is_required()}
+        assert set(defs[definition].get("required", [])) == required, definition
+    assert set(schema["properties"]["queries"]["properties"]) == set(DpstreamConfig.model_fields)
+    assert defs["query"]["properties"]["aggregate"]["enum"] == list(AGGREGATES)
+    assert schema["properties"]["queries"]["properties"]["input_format"]["enum"] == list(DECODERS)
+    for definition, model in (("query", QueryConfig), ("dynamicQuery", DynamicQueryConfig), ("budget", BudgetConfig)):
+        for name, field in model.model_fields.items():
+            if typing.get_origin(field.annotation) is typing.Literal:
+                assert defs[definition]["properties"][name]["enum"] == list(typing.get_args(field.annotation)), name
+
+
+def test_every_environment_variable_the_chart_names_is_read_by_the_worker():
+    """The env vars the chart renders and its docs name (values.yaml, helm/README.md) are ones
+    the code reads (processor/cli.py and the clients): a renamed flag must not leave the chart behind."""
+    code = "".join(p.read_text() for folder in ("processor", "topics") for p in (ROOT / folder).rglob("*.py"))
+    read = set(re.findall(r"DPSTREAM_[A-Z_]*[A-Z]", code))
+    named = set()
+    for value_set in VALUE_SETS:
+        for container in [worker(rendered(value_set)[1])[2]]:
+            named |= {e["name"] for e in container["env"] if not e["name"].startswith("DPSTREAM_QUERY_")}
+    for doc in (CHART / "values.yaml", ROOT / "helm" / "README.md"):
+        text = re.sub(r"DPSTREAM_[A-Z_]*_\*", "", doc.read_text())  # a family, e.g. DPSTREAM_KAFKA_*
+        named |= {n for n in re.findall(r"DPSTREAM_[A-Z_]*[A-Z]", text) if not n.startswith("DPSTREAM_QUERY_")}
+    assert {"DPSTREAM_BROKER", "DPSTREAM_ASSIGNMENT", "DPSTREAM_KAFKA_SASL_PASSWORD"} <= named
+    assert named - read == set()
+
+
+def _helm_commands(readme: str) -> list[list[str]]:
+    """The `helm install` / `helm upgrade` commands of helm/README.md's bash blocks, as argv."""
+    import shlex
+
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", readme, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            for part in line.split("&&"):
+                argv = shlex.split(part, comments=True)
+                if argv[:2] in (["helm", "install"], ["helm", "upgrade"]):
+                    commands.append(argv)
+    return commands
+
+
+def _values_of(argv: list[str]) -> dict:
+    """What Helm makes of a command's --set, --set-string, --set-file and -f flags (enough for the
+    README's commands: dotted keys, true/false and integers typed as Helm types them)."""
+    values: dict = {}
+
+    def put(key: str, value) -> None:
+        *path, last = key.split(".")
+        node = values
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = value
+
+    args = iter(argv[2:])
+    for arg in args:
+        if arg in ("--set", "--set-string", "--set-file"):
+            key, value = next(args).split("=", 1)
+            if arg == "--set-file":
+                value = (ROOT / value).read_text()
+            elif arg == "--set":
+                value = {"true": True, "false": False}.get(value, int(value) if value.isdigit() else value)
+            put(key, value)
+        elif arg in ("-f", "--values"):
+            values.update(yaml.safe_load((ROOT / next(args)).read_text()))
+    return values
+
+
+def test_the_readme_helm_commands_render():
+    """helm/README.md's install and upgrade commands, rendered as Helm would (no cluster here)."""
+    commands = _helm_commands((ROOT / "helm" / "README.md").read_text())
+    assert len(commands) >= 2 and any(c[1] == "install" for c in commands)
+    for argv in commands:
+        assert "helm/dpstream" in argv, argv
+        docs = manifests(render_files(_values_of(argv)))
+        assert only(docs, "StatefulSet")
+        if "prometheusRule.enabled=true" in argv:
+            assert only(docs, "PrometheusRule")["metadata"]["labels"]["release"] == "prometheus"
+    # a queries file given with -f is read as values, and refused: the README must not say so
+    with pytest.raises(helm_python.HelmValuesError):
+        render_files(_values_of(["helm", "install", "dp", "helm/dpstream", "-f", "examples/queries.yaml"]))

@@ -108,4 +108,207 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- fail (printf "queries.budget.start is required with replicas %d: every worker charges the same windows from the same public start (docs/privacy.md, Windows and budget)" (int .Values.replicas)) }}
 {{- end }}
 {{- end }}
+{{- include "dpstream.validateQueries" . }}
+{{- include "dpstream.validateReplicas" . }}
+{{- end }}
+
+{{/* The queries config as YAML text: queriesYaml verbatim, else the queries mapping. */}}
+{{- define "dpstream.queriesConfig" -}}
+{{- if .Values.queriesYaml }}
+{{- .Values.queriesYaml }}
+{{- else }}
+{{- toYaml .Values.queries }}
+{{- end }}
+{{- end }}
+
+{{/* Milliseconds of a duration as the config loader reads it ('1d', '15m', '30s', '250ms' or an
+integer number of ms), or nothing when it is not one. */}}
+{{- define "dpstream.durationMs" -}}
+{{- if or (kindIs "float64" .) (kindIs "int64" .) (kindIs "int" .) }}
+{{- int64 . }}
+{{- else if and (kindIs "string" .) (regexMatch `^\s*[0-9]+\s*(ms|s|m|h|d)\s*$` .) }}
+{{- $digits := regexReplaceAll `^0+([0-9])` (regexFind `[0-9]+` .) "${1}" }}
+{{- mul (int64 $digits) (get (dict "ms" 1 "s" 1000 "m" 60000 "h" 3600000 "d" 86400000) (regexFind `(ms|s|m|h|d)` .)) }}
+{{- end }}
+{{- end }}
+
+{{/* Fields of a query, a dynamic query and the config (processor/config.py: QueryConfig,
+DynamicQueryConfig, DpstreamConfig; tests/test_helm_chart.py keeps them equal). */}}
+{{- define "dpstream.queryFields" -}}
+name tenant input_topic output_topic user_field key_fields value_field time_field aggregate clamp contribution_bound window allowed_lateness max_skew triggers key_threshold epsilon delta beta key_selection_share composition counter per_key_bound perturbation_steps selection_weights resolution hierarchy level_shares
+{{- end }}
+{{- define "dpstream.dynamicFields" -}}
+name tenant input_topic output_topic item_field op_field time_field start tick allowed_lateness max_skew unit_field contribution_bound items epsilon delta beta partition_share mechanism
+{{- end }}
+{{- define "dpstream.configFields" -}}
+queries dynamic budget input_format
+{{- end }}
+
+{{/*
+Refuse at render time what the worker's config loader (processor/config.py) would refuse at start
+and a template can check, for `queries` and `queriesYaml` alike (values.schema.json checks the
+types of `queries` too): the messages name the field as the loader does.
+*/}}
+{{- define "dpstream.validateQueries" -}}
+{{- $config := include "dpstream.queriesConfig" . | fromYaml }}
+{{- if hasKey $config "Error" }}
+{{- fail (printf "queriesYaml: not a YAML mapping with a 'queries' list: %s" (get $config "Error")) }}
+{{- end }}
+{{- $where := ternary "queriesYaml" "queries" (ne .Values.queriesYaml "") }}
+{{- range $key, $_ := $config }}
+{{- if not (has $key (splitList " " (include "dpstream.configFields" $))) }}
+{{- fail (printf "%s: %s: unknown field" $where $key) }}
+{{- end }}
+{{- end }}
+{{- $queries := $config.queries | default list }}
+{{- $dynamic := $config.dynamic | default list }}
+{{- if not (and (kindIs "slice" $queries) (kindIs "slice" $dynamic)) }}
+{{- fail (printf "%s: 'queries' and 'dynamic' must be lists" $where) }}
+{{- end }}
+{{- if not (or $queries $dynamic) }}
+{{- fail (printf "%s: the config needs at least one query (under 'queries' or 'dynamic')" $where) }}
+{{- end }}
+{{- $names := list }}
+{{- $fields := splitList " " (include "dpstream.queryFields" .) }}
+{{- range $i, $q := $queries }}
+{{- $at := printf "%s: queries[%d]" $where $i }}
+{{- if not (kindIs "map" $q) }}
+{{- fail (printf "%s: must be a mapping of the query's fields" $at) }}
+{{- end }}
+{{- range $key, $_ := $q }}
+{{- if not (has $key $fields) }}
+{{- fail (printf "%s.%s: unknown field" $at $key) }}
+{{- end }}
+{{- end }}
+{{- if not (and (kindIs "string" $q.name) (regexMatch `^[A-Za-z0-9][A-Za-z0-9_.-]*$` (toString $q.name)) (le (len (toString $q.name)) 100)) }}
+{{- fail (printf "%s.name: required: letters, digits, '_', '.' and '-' (at most 100), got %v" $at $q.name) }}
+{{- end }}
+{{- $names = append $names $q.name }}
+{{- if not (and (or (kindIs "float64" $q.epsilon) (kindIs "int64" $q.epsilon)) (gt (float64 $q.epsilon) 0.0)) }}
+{{- fail (printf "%s.epsilon: must be a positive finite number, got %v" $at $q.epsilon) }}
+{{- end }}
+{{- if not (and (or (kindIs "float64" $q.delta) (kindIs "int64" $q.delta)) (gt (float64 $q.delta) 0.0) (lt (float64 $q.delta) 1.0)) }}
+{{- fail (printf "%s.delta: must be in (0, 1), got %v" $at $q.delta) }}
+{{- end }}
+{{- $triggers := ternary $q.triggers 100 (hasKey $q "triggers") }}
+{{- if not (and (or (kindIs "float64" $triggers) (kindIs "int64" $triggers) (kindIs "int" $triggers)) (eq (float64 $triggers) (floor $triggers)) (ge (float64 $triggers) 1.0) (le (float64 $triggers) 16777216.0)) }}
+{{- fail (printf "%s.triggers: must be an integer in [1, 2^24], got %v" $at $triggers) }}
+{{- end }}
+{{- if hasKey $q "contribution_bound" }}
+{{- $c := $q.contribution_bound }}
+{{- if not (and (or (kindIs "float64" $c) (kindIs "int64" $c)) (eq (float64 $c) (floor $c)) (ge (float64 $c) 1.0)) }}
+{{- fail (printf "%s.contribution_bound: must be an integer >= 1, got %v" $at $c) }}
+{{- end }}
+{{- end }}
+{{- $window := ternary $q.window "1d" (hasKey $q "window") }}
+{{- $windowMs := include "dpstream.durationMs" $window }}
+{{- if or (not $windowMs) (eq $windowMs "0") }}
+{{- fail (printf "%s.window: must be a positive duration like '1d', '15m', '30s', got %v" $at $window) }}
+{{- end }}
+{{- if ne (mod (int64 $windowMs) (int64 $triggers)) 0 }}
+{{- fail (printf "%s.triggers: the window (%v) must split into %v whole milliseconds" $at $window (int64 $triggers)) }}
+{{- end }}
+{{- range $field := list "allowed_lateness" "max_skew" }}
+{{- if hasKey $q $field }}
+{{- $ms := include "dpstream.durationMs" (get $q $field) }}
+{{- if or (not $ms) (and (eq $field "max_skew") (eq $ms "0")) }}
+{{- fail (printf "%s.%s: must be a duration like '1d', '15m', '30s'%s, got %v" $at $field (ternary " (positive)" "" (eq $field "max_skew")) (get $q $field)) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- $aggregate := $q.aggregate | default "count" }}
+{{- if not (has $aggregate (list "count" "sum" "mean")) }}
+{{- fail (printf "%s.aggregate: must be one of count, sum, mean, got %v" $at $aggregate) }}
+{{- end }}
+{{- if and (ne $aggregate "count") (not $q.value_field) }}
+{{- fail (printf "%s.value_field: aggregate '%s' needs a value_field" $at $aggregate) }}
+{{- end }}
+{{- if and (eq $aggregate "count") $q.value_field }}
+{{- fail (printf "%s.value_field: must be null for aggregate 'count' (COUNT(*))" $at) }}
+{{- end }}
+{{- end }}
+{{- $dynFields := splitList " " (include "dpstream.dynamicFields" .) }}
+{{- range $i, $q := $dynamic }}
+{{- $at := printf "%s: dynamic[%d]" $where $i }}
+{{- if not (kindIs "map" $q) }}
+{{- fail (printf "%s: must be a mapping of the query's fields" $at) }}
+{{- end }}
+{{- range $key, $_ := $q }}
+{{- if not (has $key $dynFields) }}
+{{- fail (printf "%s.%s: unknown field" $at $key) }}
+{{- end }}
+{{- end }}
+{{- if not (and (kindIs "string" $q.name) (regexMatch `^[A-Za-z0-9][A-Za-z0-9_.-]*$` (toString $q.name)) (le (len (toString $q.name)) 100)) }}
+{{- fail (printf "%s.name: required: letters, digits, '_', '.' and '-' (at most 100), got %v" $at $q.name) }}
+{{- end }}
+{{- $names = append $names $q.name }}
+{{- if not (and (or (kindIs "float64" $q.epsilon) (kindIs "int64" $q.epsilon)) (gt (float64 $q.epsilon) 0.0)) }}
+{{- fail (printf "%s.epsilon: must be a positive finite number, got %v" $at $q.epsilon) }}
+{{- end }}
+{{- if not (and (or (kindIs "float64" $q.start) (kindIs "int64" $q.start)) (ge (float64 $q.start) 0.0)) }}
+{{- fail (printf "%s.start: required: epoch ms of tick 1 (>= 0), got %v" $at $q.start) }}
+{{- end }}
+{{- if not (and (kindIs "slice" $q.items) $q.items) }}
+{{- fail (printf "%s.items: required: the public list of items" $at) }}
+{{- end }}
+{{- end }}
+{{- if ne (len $names) (len (uniq $names)) }}
+{{- fail (printf "%s: duplicate query names in %v" $where $names) }}
+{{- end }}
+{{- with $config.budget }}
+{{- $principal := .principal | default "query" }}
+{{- $limits := .principals | default dict }}
+{{- range $kind, $list := dict "queries" $queries "dynamic" $dynamic }}
+{{- range $i, $q := $list }}
+{{- $of := get (dict "query" $q.name "input_topic" ($q.input_topic | default (ternary "events" "dpstream-dynamic-updates" (eq $kind "queries"))) "tenant" ($q.tenant | default "")) $principal }}
+{{- if not $of }}
+{{- fail (printf "%s: %s[%d].tenant: budget.principal is 'tenant', so every query needs a tenant" $where $kind $i) }}
+{{- end }}
+{{- if and (not (hasKey $limits $of)) (not (get $config.budget "default")) }}
+{{- fail (printf "%s: budget.principals: no budget for '%s' (%s[%d]) and no budget.default" $where $of $kind $i) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- if .Values.queriesYaml }}
+{{- $budget := $config.budget }}
+{{- if and $budget (eq .Values.assignment "group") (not $budget.start) }}
+{{- fail "queriesYaml: budget.start is required with assignment group: every worker charges the same windows from the same public start (docs/privacy.md, Windows and budget)" }}
+{{- end }}
+{{- if and $budget (gt (int .Values.replicas) 1) (not $budget.start) }}
+{{- fail (printf "queriesYaml: budget.start is required with replicas %d: every worker charges the same windows from the same public start (docs/privacy.md, Windows and budget)" (int .Values.replicas)) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+More replicas than partitions to own: the extra workers would own nothing (values.yaml,
+inputPartitions). static: worker i owns p % replicas == i of every source topic; group: the
+consumer group gives each input, repartition and dynamic-update partition one owner.
+*/}}
+{{- define "dpstream.validateReplicas" -}}
+{{- $config := include "dpstream.queriesConfig" . | fromYaml }}
+{{- $replicas := int64 .Values.replicas }}
+{{- $partitions := int64 .Values.partitions }}
+{{- $inputPartitions := int64 (.Values.inputPartitions | default .Values.partitions) }}
+{{- $inputs := dict }}
+{{- range $q := $config.queries | default list }}
+{{- $_ := set $inputs (toString ($q.input_topic | default "events")) true }}
+{{- end }}
+{{- $updates := dict }}
+{{- range $q := $config.dynamic | default list }}
+{{- $_ := set $updates (toString ($q.input_topic | default "dpstream-dynamic-updates")) true }}
+{{- end }}
+{{- $repartitions := len ($config.queries | default list) }}
+{{- if eq .Values.assignment "static" }}
+{{- $most := max $partitions (ternary $inputPartitions 0 (gt (len $inputs) 0)) (ternary 1 0 (gt (len $updates) 0)) }}
+{{- if gt $replicas $most }}
+{{- fail (printf "replicas %d is more than any source topic's partitions (partitions %d, inputPartitions %d): with assignment static worker i owns partitions p %% %d == i, so %d of the workers would own nothing" $replicas $partitions $inputPartitions $replicas (sub $replicas $most)) }}
+{{- end }}
+{{- else }}
+{{- $total := add (mul (len $inputs) $inputPartitions) (mul $repartitions $partitions) (len $updates) }}
+{{- if gt $replicas $total }}
+{{- fail (printf "replicas %d is more than the %d partitions the consumer group assigns (input topics: %d x inputPartitions %d, repartition topics: %d x partitions %d, dynamic-update topics: %d x 1): each has one owner, so %d of the workers would own nothing" $replicas $total (len $inputs) $inputPartitions $repartitions $partitions (len $updates) (sub $replicas $total)) }}
+{{- end }}
+{{- end }}
 {{- end }}
