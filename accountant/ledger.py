@@ -93,6 +93,21 @@ class ChargeResult:
     entry: BudgetEntry = field(repr=False)
 
 
+def recorded_epoch(store: Store) -> Optional[str]:
+    """The epoch a ledger store was written under, or None: no ledger was ever opened on it."""
+    stored = store.get(EPOCH_KEY)
+    return None if stored is None else stored.decode()
+
+
+def recorded_entries(store: Store) -> list[BudgetEntry]:
+    """Every principal's entry exactly as the ledger last wrote it (at its last charge or refusal):
+    the limits it applied then, what was spent in the period holding that charge, and when that
+    period began. No configuration is applied and no refresh computed: principals never charged
+    are absent. ``dpstream budget`` and the worker's status page show these (docs/operations.md,
+    "Status page")."""
+    return [BudgetEntry(**json.loads(raw)) for _, raw in store.scan_prefix(ENTRY)]
+
+
 class BudgetLedger:
     def __init__(self, store: Store, policies: dict[str, BudgetPolicy], default: Optional[BudgetPolicy], epoch: str,
                  shadow: bool = False, read_only: bool = False):

@@ -352,40 +352,76 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return run_worker(settings, loglevel=args.log_level)
 
 
-BUDGET_HELP = """Show the privacy budget ledger of a state directory: per principal the budget per
-refresh period, what is spent and remaining, the last reset and refusals. Opens the ledger read-only,
-so it works while the worker or a replay runs."""
+BUDGET_HELP = """Show the privacy budget ledger of a state directory, as the ledger recorded it: per
+principal charged, the limits applied at its last charge, epsilon and delta spent in the period
+holding that charge, what is left of the limits, charges and refusals, and when the period began.
+No number comes from the config: principals never charged are not listed, and a period that has
+ended is said to (spent returns to 0 at the next charge). Without a ledger in the state directory
+it says so. --config, if given, only adds a note where the config now differs from the recorded
+limits. Opens the ledger read-only, so it works while the worker or a replay runs."""
+
+
+def _iso_ms(ms: int) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ms / 1000))
 
 
 def cmd_budget(args: argparse.Namespace) -> int:
-    from dpstream.processor.engine.budget import open_ledger_readonly
+    from dpstream.accountant.ledger import recorded_entries, recorded_epoch
+    from dpstream.processor.engine.budget import ledger_store_readonly
 
-    config = load_config(args.config)
-    if config.budget is None:
-        raise ConfigError(f"config file {args.config}: budget: no budget section (the ledger is off)")
-    try:
-        ledger = open_ledger_readonly(config, args.state_dir)
-    except FileNotFoundError:
-        raise ConfigError(f"--state-dir: no budget ledger under {args.state_dir} (nothing charged yet?)") from None
+    config = load_config(args.config) if args.config else None
+    if not os.path.isdir(args.state_dir):
+        raise ConfigError(f"--state-dir: {args.state_dir} is not a directory")
+    store = ledger_store_readonly(args.state_dir)
+    epoch = recorded_epoch(store) if store is not None else None
+    entries = recorded_entries(store) if epoch is not None else []
     now = int(time.time() * 1000)
-    entries = ledger.entries(now)
+    notes = []
+    if epoch is None:
+        notes.append(f"no budget ledger in {args.state_dir}: no worker or replay with a budget section has run on it, so "
+                     f"nothing was charged there")
+    elif not entries:
+        notes.append("the ledger has recorded no charge yet")
+    for e in entries:
+        if e.refresh_ms and now >= e.last_reset_ms + e.refresh_ms:
+            notes.append(f"{e.principal}: its period ended {_iso_ms(e.last_reset_ms + e.refresh_ms)}; what it spent returns "
+                         f"to 0 at its next charge")
+    if config is not None and epoch is not None:
+        b = config.budget
+        if b is None:
+            notes.append(f"config {args.config} has no budget section now: the ledger above was recorded under epoch {epoch!r}")
+        elif b.epoch != epoch:
+            notes.append(f"config {args.config} names budget epoch {b.epoch!r}, this ledger is epoch {epoch!r}")
+        else:
+            for e in entries:
+                limit = b.principals.get(e.principal, b.default)
+                if limit is None:
+                    notes.append(f"{e.principal}: config {args.config} no longer sets a budget for it")
+                    continue
+                policy = limit.policy()
+                if (policy.max_epsilon, policy.max_delta, policy.refresh_ms) != (e.max_epsilon, e.max_delta, e.refresh_ms):
+                    notes.append(f"{e.principal}: config {args.config} now sets max_epsilon {policy.max_epsilon:g}, max_delta "
+                                 f"{policy.max_delta:g}: the ledger applies it at its next charge")
     if args.json:
-        json.dump({"shadow": config.budget.shadow, "epoch": config.budget.epoch, "principals": [
+        json.dump({"state_dir": args.state_dir, "ledger": epoch is not None, "epoch": epoch, "principals": [
             {"principal": e.principal, "max_epsilon": e.max_epsilon, "max_delta": e.max_delta, "refresh_ms": e.refresh_ms,
              "spent_epsilon": e.spent_epsilon, "spent_delta": e.spent_delta, "remaining_epsilon": e.remaining[0],
-             "remaining_delta": e.remaining[1], "last_reset_ms": e.last_reset_ms, "charges": e.charges, "refusals": e.refusals}
-            for e in entries]}, sys.stdout, indent=2)
+             "remaining_delta": e.remaining[1], "last_reset_ms": e.last_reset_ms, "last_reset": _iso_ms(e.last_reset_ms),
+             "charges": e.charges, "refusals": e.refusals}
+            for e in entries], "notes": notes}, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
-    mode = "shadow (tracked, never refused)" if config.budget.shadow else "enforced"
-    print(f"budget ledger, epoch {config.budget.epoch!r}, {mode}, principal = {config.budget.principal}")
-    print(f"  {'principal':<24} {'eps spent':>10} {'eps max':>9} {'eps left':>9} {'delta spent':>12} {'delta left':>11} "
-          f"{'charges':>8} {'refused':>8}  refresh / last reset")
+    if epoch is not None:
+        print(f"budget ledger of {args.state_dir}, epoch {epoch!r}, as recorded at each principal's last charge")
+    if entries:
+        print(f"  {'principal':<24} {'eps spent':>10} {'eps max':>9} {'eps left':>9} {'delta spent':>12} {'delta left':>11} "
+              f"{'charges':>8} {'refused':>8}  refresh / period began")
     for e in entries:
         refresh = f"every {e.refresh_ms / 86_400_000:g} d" if e.refresh_ms else "never"
-        reset = time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(e.last_reset_ms / 1000))
         print(f"  {e.principal:<24} {e.spent_epsilon:>10.4g} {e.max_epsilon:>9.4g} {e.remaining[0]:>9.4g} {e.spent_delta:>12.3g} "
-              f"{e.remaining[1]:>11.3g} {e.charges:>8} {e.refusals:>8}  {refresh} / {reset}")
+              f"{e.remaining[1]:>11.3g} {e.charges:>8} {e.refusals:>8}  {refresh} / {_iso_ms(e.last_reset_ms)}")
+    for note in notes:
+        print(f"note: {note}")
     return 0
 
 
@@ -677,7 +713,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.set_defaults(func=cmd_worker)
 
     budget = sub.add_parser("budget", help="show the privacy budget ledger of a state directory", description=BUDGET_HELP)
-    budget.add_argument("--config", required=True, help="YAML file with the queries and the budget section")
+    budget.add_argument("--config", help="optional: YAML config, only to note where it differs from what the ledger recorded")
     budget.add_argument("--state-dir", required=True, help="the worker's or replay's state directory")
     budget.add_argument("--json", action="store_true", help="print JSON")
     budget.set_defaults(func=cmd_budget)

@@ -153,3 +153,49 @@ def test_budget_config_names_the_missing_field(tmp_path):
     cfg.write_text(CONFIG.format(shadow="false").replace("    tenant: acme\n", ""))
     with pytest.raises(ConfigError, match=r"queries\[0\]\.tenant"):
         load_config(cfg)
+
+
+def _budget_cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dpstream.processor.cli", "budget", *args], cwd=ROOT, capture_output=True,
+                          text=True, check=True)
+
+
+def test_budget_cli_reports_what_the_ledger_recorded_never_what_the_config_claims(tmp_path):
+    cfg = tmp_path / "q.yaml"
+    cfg.write_text(CONFIG.format(shadow="false"))
+    events = tmp_path / "e.jsonl"
+    events.write_text("".join(json.dumps({"user_id": f"u{i}", "key": "k", "ts": h * 3_600_000 + i * 1000}) + "\n"
+                              for h in range(4) for i in range(300)))
+    state = tmp_path / "state"
+    runner = ReplayRunner(load_config(cfg), TEST_SECRET, str(state), log=io.StringIO(), start_ms=0)
+    try:
+        runner.run(str(events), io.StringIO(), until_ms=4 * 3_600_000)
+    finally:
+        runner.close()
+    # the config changes after the run: larger limits and a principal that was never charged
+    cfg.write_text(CONFIG.format(shadow="false").replace("max_epsilon: 13", "max_epsilon: 100")
+                   .replace("  principals:\n", "  principals:\n    other: {max_epsilon: 50, max_delta: 1.0e-8}\n"))
+    for args in (("--state-dir", str(state)), ("--config", str(cfg), "--state-dir", str(state))):
+        shown = json.loads(_budget_cli(*args, "--json").stdout)
+        assert shown["ledger"] is True and shown["epoch"] == "1"
+        assert [p["principal"] for p in shown["principals"]] == ["acme"]  # "other" was never charged
+        acme = shown["principals"][0]
+        assert acme["max_epsilon"] == 13 and acme["spent_epsilon"] == pytest.approx(12)  # recorded, not the config's 100
+        assert acme["remaining_epsilon"] == pytest.approx(1)
+        assert (acme["charges"], acme["refusals"]) == (2, 2)
+    assert any("now sets max_epsilon 100" in n for n in shown["notes"])
+    text = _budget_cli("--config", str(cfg), "--state-dir", str(state)).stdout
+    assert "acme" in text and "other" not in text.split("note:")[0] and " 100 " not in text.split("note:")[0]
+
+    # a replay without a budget section leaves no ledger in its state directory: said plainly
+    plain = tmp_path / "plain.yaml"
+    plain.write_text(CONFIG.format(shadow="false").split("queries:\n")[1].join(["queries:\n", ""]).replace("    tenant: acme\n", ""))
+    bare = tmp_path / "bare"
+    runner = ReplayRunner(load_config(plain), TEST_SECRET, str(bare), log=io.StringIO())
+    try:
+        runner.run(str(events), io.StringIO())
+    finally:
+        runner.close()
+    out = _budget_cli("--config", str(plain), "--state-dir", str(bare))
+    assert out.stdout.startswith(f"note: no budget ledger in {bare}") and "principal" not in out.stdout
+    assert json.loads(_budget_cli("--state-dir", str(bare), "--json").stdout)["ledger"] is False

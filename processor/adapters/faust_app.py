@@ -33,6 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dpstream.processor.adapters.consumer_group import GroupConsumer
 from dpstream.processor.adapters.metrics import PipelineMetrics
+from dpstream.processor.adapters.status_page import render_status
 from dpstream.processor.adapters.worker import (
     WATERMARK_DELAY_MS,
     DpstreamWorker,
@@ -80,6 +81,9 @@ STOP_GRACE_S = 5.0
 BROKER_WAIT_S = 10.0
 #: s between checks that the source logs still hold what the state has read
 LOG_CHECK_S = 30.0
+#: s between commits of a static worker's consumer offsets to Kafka (monitoring only:
+#: docs/operations.md, "Consumer offsets")
+OFFSET_COMMIT_S = 5.0
 
 
 class CreateTimeInputError(RuntimeError):
@@ -317,6 +321,7 @@ def build_app(s: WorkerSettings) -> faust.App:
             # exactly once: the releases and the record that they are published, in one transaction
             await send(worker.release_messages(f) + ([worker.published_message(f)] if exactly_once else []))
             worker.mark_published(f)
+            worker.trigger_fired(f)  # its log line (docs/operations.md, "The trigger log line")
 
     async def publish_dynamic(key) -> None:
         worker: DpstreamWorker = status["worker"]
@@ -442,6 +447,7 @@ def build_app(s: WorkerSettings) -> faust.App:
                         break
                     worker.mark_published(fired)
                     await transact("stage2", [source], worker.release_messages(fired))
+                    worker.trigger_fired(fired)
                 await asyncio.sleep(0)  # one trigger at a time: probes and stage 2 go on
         async with lock("dynamic"):
             due, letters = worker.advance_dynamic(now, ends)
@@ -673,6 +679,9 @@ def build_app(s: WorkerSettings) -> faust.App:
                     await asyncio.get_running_loop().run_in_executor(None, consumer.close)
                 else:
                     await consumer.stop()
+            committer = offset_committer.pop("client", None)
+            if committer is not None:
+                await asyncio.get_running_loop().run_in_executor(None, committer.close)
 
     async def consume_group(loop, worker: DpstreamWorker) -> None:
         """Elastic workers: read what the consumer group assigns (docs/operations.md, "Elastic
@@ -884,6 +893,87 @@ def build_app(s: WorkerSettings) -> faust.App:
             await crash(exc)
         except Exception as exc:  # noqa: BLE001 - the broker may be away: watch_broker handles that
             log.debug("log position check skipped: %s", exc)
+
+    def offsets_read(worker: DpstreamWorker) -> dict:
+        """Static ownership: each owned partition's offset its committed state has read to, or
+        the consumer's position when every record fetched from it is committed (the position
+        passes transaction markers, which no record's offset stands for)."""
+        out = {}
+        for key, src in [*worker.stage1.items(), *worker.stage2.items(), *worker.dynamic.items()]:
+            offset = src.last_offset + 1
+            position = status["positions"].get(key)
+            if position is not None and position > offset >= status["fetched"].get(key, 0):
+                offset = position
+            out[key] = offset
+        return out
+
+    def commit_offsets_now(offsets: dict) -> None:
+        """Blocking: commit ``offsets`` for the group ``<app id>-workers`` from a client that never
+        joins it (a commit outside any generation, which Kafka keeps for a group without members)."""
+        from confluent_kafka import Consumer, KafkaException, TopicPartition
+
+        client = offset_committer.get("client")
+        if client is None:
+            client = offset_committer["client"] = Consumer({
+                "bootstrap.servers": broker, "group.id": group_id(s.app_id), "enable.auto.commit": False,
+                "socket.timeout.ms": 10_000, **client_security()})
+        tps = [TopicPartition(t, p, o) for (t, p), o in sorted(offsets.items())]
+        for attempt in range(3):
+            try:
+                client.commit(offsets=tps, asynchronous=False)
+                return
+            except KafkaException as exc:  # the group's coordinator is looked up on the first commit
+                if attempt == 2 or not exc.args[0].retriable() and "COORDINATOR" not in exc.args[0].name():
+                    raise
+                time.sleep(0.5)
+
+    offset_committer: dict = {"committed": {}, "failing": False}
+
+    @app.timer(OFFSET_COMMIT_S, name="dpstream.commit_offsets")
+    async def commit_offsets():
+        """Static ownership: commit what the state has read to Kafka as the consumer group
+        ``<app id>-workers`` after the state committed it, so that standard lag tools (Kafka's
+        consumer-groups tool, exporters) see the worker. For monitoring only: the worker resumes
+        from its own state, never from these (docs/operations.md, "Consumer offsets"). Elastic
+        workers commit theirs in their transactions."""
+        worker = status["worker"]
+        if group or worker is None or status["state"] != "ready":
+            return
+        done = offset_committer["committed"]
+        offsets = {k: o for k, o in offsets_read(worker).items() if done.get(k) != o}
+        if not offsets:
+            return
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, lambda: commit_offsets_now(offsets))
+        except Exception as exc:  # noqa: BLE001 - monitoring only: the worker goes on
+            if not offset_committer["failing"]:
+                log.warning("consumer offsets not committed to group %s (lag tools will not see this worker's "
+                            "progress): %s", group_id(s.app_id), exc)
+            offset_committer["failing"] = True
+            return
+        if offset_committer["failing"]:
+            log.info("consumer offsets committed to group %s again", group_id(s.app_id))
+        offset_committer["failing"] = False
+        done.update(offsets)
+
+    def status_data() -> dict:
+        """The status page's data (docs/operations.md, "Status page"): the worker's own
+        (:meth:`DpstreamWorker.status`), its health state and how it runs."""
+        worker = status["worker"]
+        data = worker.status(int(time.time() * 1000)) if worker is not None else {"app_id": s.app_id}
+        data.update(state=status["state"], reason=status["reason"], assignment=s.assignment, delivery=s.delivery,
+                    worker=f"instance {s.instance_id}" if group else f"worker {s.ownership.index} of {s.ownership.workers}",
+                    offsets_group=group_id(s.app_id))
+        return data
+
+    @app.page("/")
+    async def status_page(web, request):
+        """The status page: plain HTML, no script (processor/adapters/status_page.py)."""
+        return web.html(render_status(status_data()))
+
+    @app.page("/status.json")
+    async def status_json(web, request):
+        return web.json(status_data())
 
     @app.page("/healthz")
     async def healthz(web, request):

@@ -61,6 +61,7 @@ from typing import Iterable, Iterator, Optional, Protocol, Sequence
 
 import numpy as np
 
+from dpstream.accountant.ledger import recorded_entries, recorded_epoch
 from dpstream.processor.adapters.metrics import PipelineMetrics
 from dpstream.processor.config import DpstreamConfig, plan_for
 from dpstream.processor.engine.budget import (
@@ -75,13 +76,14 @@ from dpstream.processor.engine.pipeline import (
     EventColumns,
     PipelineStats,
     QueryPipeline,
+    Schedule,
     check_noise_epoch,
 )
 from dpstream.processor.engine.runner import Fired, QueryRunner
 from dpstream.processor.mechanisms.noise import NodeNoise, Pseudonymizer
 from dpstream.state.changelog import ChangelogStore, restore_from_changelog
 from dpstream.state.store import PartitionStores, Store, WriteBatch
-from dpstream.state.tables import InputWatermarks, IntegerMark, TextMark
+from dpstream.state.tables import WINDOW_OPEN, InputWatermarks, IntegerMark, TextMark
 from dpstream.topics.decoding import decoder_for
 from dpstream.topics.kafka import (
     CHANGELOG_MAX_BYTES,
@@ -130,6 +132,16 @@ def broker_stamped_max(records: Sequence["RecordLike"]) -> Optional[int]:
     when it has been read to its end."""
     stamped = [r.timestamp for r in records if getattr(r, "timestamp_type", CREATE_TIME) == LOG_APPEND_TIME]
     return max(stamped) if stamped else None
+
+
+def dead_letter_category(reason: str) -> str:
+    """A dead letter's reason as one of the categories of ``dpstream_events_dropped_total``
+    (docs/operations.md, "Topics and records"): the reason text itself may quote the record."""
+    for prefix, category in (("wrong_partition", "wrong_partition"), ("late:", "late"), ("future:", "future"),
+                             ("key id collision", "key_collision")):
+        if reason.startswith(prefix):
+            return category
+    return "malformed"  # the parser's reasons, a record not keyed by its user, an absent delete
 
 
 #: most bytes of one repartition message: half of Apache Kafka's default record limit (1 MB), so a
@@ -365,6 +377,8 @@ class FiredTrigger:
 
     source: SourcePartition
     fired: Fired
+    #: time.perf_counter() when its computation began (the trigger log line's duration)
+    started: Optional[float] = None
 
     @property
     def pipeline(self) -> QueryPipeline:
@@ -398,6 +412,10 @@ class DpstreamWorker:
         self.metrics = metrics or PipelineMetrics()
         self.app_id = app_id
         self._decided: list = []  # tick decisions of advance_dynamic(commit=False) not yet written
+        #: since start, for the status page (docs/operations.md, "Status page"): dead letters by
+        #: (query, reason category), and each query's last trigger fired here (:meth:`trigger_fired`)
+        self.dead_letters: Counter = Counter()
+        self.last_fired: dict[str, dict] = {}
         self.noise = NodeNoise(secret, worker_noise_label(app_id, config))
         self.pseudonyms = Pseudonymizer(secret)
         self.state_dir = Path(state_dir)
@@ -635,8 +653,7 @@ class DpstreamWorker:
 
             def reject(r, reason: str) -> None:
                 result.invalid[(q.name, reason)] += 1
-                body = {"query": q.name, **dead_letter(reason, r.value or b"", f"{topic}/{partition}@{r.offset}")}
-                result.messages.append(Message(DEAD_LETTER_TOPIC, encode_json(body)))
+                result.messages.append(self._letter(q.name, reason, r.value or b"", f"{topic}/{partition}@{r.offset}"))
 
             parsed_events = parser.parse_batch(parsed)  # per batch: columns, not one object per record
             refused = dict(parsed_events.invalid)
@@ -676,8 +693,7 @@ class DpstreamWorker:
             for e, reason in stage_one.refused:  # future events and key id collisions (counted by stage 1)
                 result.invalid[(q.name, reason)] += 1
                 origin = records[int(kept[e])]
-                body = {"query": q.name, **dead_letter(reason, origin.value or b"", f"{topic}/{partition}@{origin.offset}")}
-                result.messages.append(Message(DEAD_LETTER_TOPIC, encode_json(body)))
+                result.messages.append(self._letter(q.name, reason, origin.value or b"", f"{topic}/{partition}@{origin.offset}"))
             if not len(bounded):
                 continue
             # by key; a hierarchy by its level-1 key, so a whole subtree is on one partition and
@@ -688,6 +704,11 @@ class DpstreamWorker:
                 for value in encoded_parts(bounded.take(np.nonzero(target == p)[0])):
                     result.messages.append(Message(out_topic, value, None, p))
         return result
+
+    def _letter(self, query: str, reason: str, original: bytes, source: str) -> Message:
+        """A dead letter for ``query``, counted by reason category (:func:`dead_letter_category`)."""
+        self.dead_letters[(query, dead_letter_category(reason))] += 1
+        return Message(DEAD_LETTER_TOPIC, encode_json({"query": query, **dead_letter(reason, original, source)}))
 
     def _misplaced(self, topic: str, partition: int, keys: Sequence[Optional[bytes]]) -> dict[int, str]:
         """Records keyed by a user whose key hashes to another partition (by the configured
@@ -729,8 +750,7 @@ class DpstreamWorker:
         # partition, so pending blobs never collide, and the batch commits with that offset whole
         for text, reason in runner.stage_two(BoundedRecords.concat(decoded), records[-1].offset, result.batch):
             origin = next(r.offset for r, d in zip(data, decoded) if text in d.keys.tolist())
-            body = {"query": runner.query.name, **dead_letter(reason, text.encode(), f"{topic}/{partition}@{origin}")}
-            result.messages.append(Message(DEAD_LETTER_TOPIC, encode_json(body)))
+            result.messages.append(self._letter(runner.query.name, reason, text.encode(), f"{topic}/{partition}@{origin}"))
         late = runner.pipeline.stats.dropped["late"] - late_before
         if late:
             # on time at stage 1 yet its trigger fired: a producer's timestamps were more out of
@@ -794,8 +814,7 @@ class DpstreamWorker:
             for st in self.dynamic_states[key]:
                 reason = st.apply(obj, batch, clock_ms=r.timestamp)
                 if reason is not None:
-                    body = {"query": st.query.name, **dead_letter(reason, r.value or b"", f"{topic}/{partition}@{r.offset}")}
-                    messages.append(Message(DEAD_LETTER_TOPIC, encode_json(body)))
+                    messages.append(self._letter(st.query.name, reason, r.value or b"", f"{topic}/{partition}@{r.offset}"))
         return StageOneResult(source, batch, records[-1].offset, messages, read_ms=broker_stamped_max(records))
 
     def advance_dynamic(self, now_ms: int, read_to_end: Optional[dict[tuple[str, int], int]] = None, commit: bool = True
@@ -817,8 +836,7 @@ class DpstreamWorker:
             batch = WriteBatch()
             for st in states:
                 for update, reason in st.advance_clock(clock, batch, max_ticks=DYNAMIC_TICKS_PER_STEP):
-                    body = {"query": st.query.name, **dead_letter(reason, st.describe(update), f"{key[0]}/{key[1]} log@{update.seq}")}
-                    letters.append(Message(DEAD_LETTER_TOPIC, encode_json(body)))
+                    letters.append(self._letter(st.query.name, reason, st.describe(update), f"{key[0]}/{key[1]} log@{update.seq}"))
             if len(batch):
                 self._decided.append((self.dynamic[key].store, batch))
             if any(st.pending for st in states):
@@ -878,7 +896,7 @@ class DpstreamWorker:
                 if f is None:
                     break
                 self.metrics.observe_trigger(runner.query.name, time.perf_counter() - started)
-                yield FiredTrigger(source, f)
+                yield FiredTrigger(source, f, started)
 
     def fire_next(self, source: SourcePartition, now_ms: int) -> Optional[FiredTrigger]:
         """Elastic workers: open the windows the wall clock has reached on one owned stage-2
@@ -893,7 +911,7 @@ class DpstreamWorker:
         started = time.perf_counter()
         fired = runner.fire(nxt[1], nxt[2])
         self.metrics.observe_trigger(runner.query.name, time.perf_counter() - started)
-        return FiredTrigger(source, fired)
+        return FiredTrigger(source, fired, started)
 
     def unpublished(self) -> list[FiredTrigger]:
         """Journaled releases not yet marked published (after a crash): send them again."""
@@ -942,6 +960,32 @@ class DpstreamWorker:
     def mark_published(fired: FiredTrigger) -> None:
         fired.fired.runner.published(fired.fired)
 
+    def trigger_fired(self, fired: FiredTrigger, republished: bool = False) -> None:
+        """One log line per trigger, once its releases are out (docs/operations.md, "The trigger
+        log line"): the query, the window's start, the trigger, how many keys it released and how
+        long it took from the start of its computation until its releases were acknowledged
+        (committed, exactly once), and the repartition partition it fired on (each fires its own
+        share of the keys). Public values only: no key, no user. ``republished``: sent
+        again from the journal after a restart (computed by an earlier run, so no duration)."""
+        q = fired.pipeline.query
+        window = _iso(fired.window)
+        if republished or fired.started is None:
+            log.info("trigger republished from the journal: query=%s window=%s trigger=%d/%d keys_released=%d partition=%d",
+                     q.name, window, fired.trigger, q.triggers, len(fired.releases), fired.source.partition)
+            return
+        duration_ms = (time.perf_counter() - fired.started) * 1000
+        # the status page's last trigger: the latest (window, trigger) fired here, over the
+        # partitions that fired it (each its own share of the keys)
+        last, now_ms = self.last_fired.get(q.name), int(time.time() * 1000)
+        if last is None or (fired.window, fired.trigger) > (last["window_start_ms"], last["trigger"]):
+            self.last_fired[q.name] = {"window_start_ms": fired.window, "trigger": fired.trigger, "at_ms": now_ms,
+                                       "keys_released": len(fired.releases), "duration_ms": round(duration_ms, 1), "partitions": 1}
+        elif (fired.window, fired.trigger) == (last["window_start_ms"], last["trigger"]):
+            last.update(at_ms=now_ms, keys_released=last["keys_released"] + len(fired.releases), partitions=last["partitions"] + 1,
+                        duration_ms=max(last["duration_ms"], round(duration_ms, 1)))
+        log.info("trigger fired: query=%s window=%s trigger=%d/%d keys_released=%d duration_ms=%.0f partition=%d", q.name,
+                 window, fired.trigger, q.triggers, len(fired.releases), duration_ms, fired.source.partition)
+
     # ------------------------------------------------------------------ metrics
     def refresh_metrics(self) -> None:
         combined: dict[str, PipelineStats] = {}
@@ -989,3 +1033,72 @@ class DpstreamWorker:
             remaining = {q.name: self.ledger.get(self.config.budget.principal_of(q), now_ms).remaining[0]
                          for q in (*self.config.queries, *self.config.dynamic)}
             self.metrics.observe_ledger(self.ledger.entries(now_ms), remaining)
+
+    # ------------------------------------------------------------------ status page
+    def status(self, now_ms: int) -> dict:
+        """What the status page shows (docs/operations.md, "Status page"), for this worker's
+        partitions: per query its public settings, open windows, last and next trigger, releases
+        and triggers since start, dead letters by reason; the budget ledger as it recorded it;
+        the partitions owned. Aggregates and counts only, the same as ``/metrics`` or public: no
+        key, no user id, no record, no secret or fingerprint."""
+        queries = []
+        for q in self.config.queries:
+            stage1 = [p for src in self.stage1.values() for p in src.pipelines if p.query.name == q.name]
+            stage2 = [src.pipelines[0] for src in self.stage2.values() if src.pipelines[0].query.name == q.name]
+            schedule = Schedule(q)
+            windows: dict[int, list[int]] = defaultdict(list)
+            for pipe in stage2:
+                for w in pipe.open_windows():
+                    windows[w].append(pipe.progress(w))
+            nexts = [n for pipe in stage2 if (n := pipe.next_fire()) is not None]
+            last = self.last_fired.get(q.name)
+            if last is None:  # nothing fired since start: the latest trigger this worker's state records
+                done = [(schedule.fire_time(w, p.fired), w, p.fired) for pipe in stage2 for w, p in pipe.tables.progress.scan().items()
+                        if p.status == WINDOW_OPEN and p.fired > 0]
+                if done:
+                    _, w, i = max(done)
+                    last = {"window_start_ms": w, "trigger": i}
+            if last is not None:
+                last = {**last, "window_start": _iso(last["window_start_ms"]),
+                        "due": _iso(schedule.fire_time(last["window_start_ms"], last["trigger"]))}
+                if "at_ms" in last:
+                    last["at"] = _iso(last["at_ms"])
+            queries.append({
+                "name": q.name, "kind": "windowed", "aggregate": q.aggregate, "window": q.window, "triggers": q.triggers,
+                "allowed_lateness": q.allowed_lateness, "epsilon": q.epsilon, "delta": q.delta,
+                "open_windows": [{"start": _iso(w), "start_ms": w, "triggers_fired": min(done), "triggers_fired_max": max(done)}
+                                 for w, done in sorted(windows.items())],
+                "last_trigger": last,
+                "next_trigger": None if not nexts else {"due": _iso(min(nexts)[0]), "due_ms": min(nexts)[0],
+                                                         "window_start": _iso(min(nexts)[1]), "trigger": min(nexts)[2]},
+                "events_in": sum(p.stats.events_in for p in stage1),
+                "triggers_fired": sum(p.stats.triggers_fired for p in stage2),
+                "releases": sum(p.stats.releases for p in stage2),
+                "dead_letters": {reason: n for (name, reason), n in sorted(self.dead_letters.items()) if name == q.name},
+            })
+        for q in self.config.dynamic:
+            states = [st for sts in self.dynamic_states.values() for st in sts if st.query.name == q.name]
+            queries.append({"name": q.name, "kind": "dynamic", "aggregate": "count", "epsilon": q.epsilon, "delta": q.delta,
+                            "tick": q.tick, "events_in": sum(st.updates_in for st in states),
+                            "releases": sum(st.releases for st in states),
+                            "dead_letters": {reason: n for (name, reason), n in sorted(self.dead_letters.items()) if name == q.name}})
+        budget = None
+        if self.ledger is not None:
+            budget = {"epoch": recorded_epoch(self.ledger.store), "principals": [
+                {"principal": e.principal, "spent_epsilon": e.spent_epsilon, "max_epsilon": e.max_epsilon,
+                 "remaining_epsilon": e.remaining[0], "spent_delta": e.spent_delta, "max_delta": e.max_delta,
+                 "charges": e.charges, "refusals": e.refusals, "period_began": _iso(e.last_reset_ms),
+                 "period_ends": _iso(e.last_reset_ms + e.refresh_ms) if e.refresh_ms else None}
+                for e in recorded_entries(self.ledger.store)]}
+        owned: dict[str, list[int]] = defaultdict(list)
+        for topic, p in sorted([*self.stage1, *self.stage2, *self.dynamic]):
+            owned[topic].append(p)
+        return {"now": _iso(now_ms - now_ms % 1000), "app_id": self.app_id, "queries": queries, "budget": budget,
+                "partitions_owned": dict(owned)}
+
+
+def _iso(ms: int) -> str:
+    """ISO-8601 UTC; milliseconds only when not a whole second."""
+    ms = int(ms)
+    text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ms // 1000))
+    return f"{text}.{ms % 1000:03d}Z" if ms % 1000 else f"{text}Z"

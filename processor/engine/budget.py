@@ -49,10 +49,15 @@ def open_ledger(config: DpstreamConfig, store: Store, read_only: bool = False) -
                         b.default.policy() if b.default else None, b.epoch, shadow=b.shadow, read_only=read_only)
 
 
-def open_ledger_readonly(config: DpstreamConfig, state_dir: str) -> BudgetLedger:
-    """The ledger of a state directory, readable while a worker or replay holds it."""
-    store = RocksDBStore(Path(state_dir) / f"partition-{LEDGER_STORE}", block_cache_mb=8, write_buffer_mb=4, read_only=True)
-    return open_ledger(config, store, read_only=True)
+def ledger_store_readonly(state_dir: str) -> Optional[Store]:
+    """The ledger store of a worker's or replay's state directory, opened read-only (readable
+    while they hold it), or None when the directory has none. Whether it holds a ledger, and
+    what: :func:`dpstream.accountant.ledger.recorded_epoch` and
+    :func:`dpstream.accountant.ledger.recorded_entries` (no config involved)."""
+    try:
+        return RocksDBStore(Path(state_dir) / f"partition-{LEDGER_STORE}", block_cache_mb=8, write_buffer_mb=4, read_only=True)
+    except FileNotFoundError:
+        return None
 
 
 class BudgetGate:
