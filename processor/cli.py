@@ -272,7 +272,11 @@ went back (a recreated topic, a broker that lost data), or whose input topic is 
 producers (CreateTime) without --allow-create-time. With a budget and several workers,
 budget.start is required: every worker charges the same windows. Topics are created if missing.
 Health and metrics: http://HOST:WEB_PORT/healthz, /readyz (starting, ready, waiting-for-broker,
-stopping), /metrics."""
+stopping), /metrics, and a status page at / (/status.json: queries, windows, last and next trigger,
+releases, dead letters by reason, budget, partitions). Each trigger logs one line ("trigger fired:
+query=... window=... trigger=i/T keys_released=N duration_ms=..."). Consumer offsets are committed
+to Kafka as the group <app id>-workers for lag tools (static workers: every 5 s, for monitoring
+only; the state stays the source of truth). See docs/operations.md."""
 
 
 def _env_int(name: str, default: int) -> int:
@@ -667,7 +671,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--partitions", type=int, default=_env_int("DPSTREAM_PARTITIONS", 8),
                         help="partitions of the topics the worker creates (repartition, output, ...) (default 8)")
     worker.add_argument("--web-port", type=int, default=_env_int("DPSTREAM_WEB_PORT", 9400),
-                        help="port of /healthz, /readyz and /metrics (default $DPSTREAM_WEB_PORT or 9400)")
+                        help="port of the status page /, /healthz, /readyz and /metrics (default $DPSTREAM_WEB_PORT or 9400)")
     worker.add_argument("--web-host", default="0.0.0.0", help="address the web server binds (default 0.0.0.0)")
     worker.add_argument("--app-id", default=os.environ.get("DPSTREAM_APP_ID", "dpstream"),
                         help="Faust app id (default dpstream); with the budget epoch it names the worker's noise label")
