@@ -34,3 +34,40 @@ def preview(config, sample) -> dict:
     from dpstream.processor.preview import preview as run_preview
 
     return run_preview(config, sample)
+
+
+def replay(config, events, *, noise_key_file=None, noise_label=None, start=None, until=None, state_dir=None) -> list[dict]:
+    """Run ``config``'s queries over ``events`` with the embedded store, as ``dpstream replay``
+    does (docs/user-guide.md), and return the releases (dicts, in output order).
+
+    ``events``: a JSONL file (optionally .gz), or an iterable of event dicts. The noise secret
+    comes from ``noise_key_file``, else ``$DPSTREAM_NOISE_KEY_FILE``, else ``$DPSTREAM_NOISE_KEY``:
+    never from code. ``noise_label``: reuse a run's noise on purpose (default: a random label per
+    new state directory). ``start``/``until``: the clock's public start and end (epoch ms or
+    ISO-8601). ``state_dir``: keep the state to resume (default: a temporary one)."""
+    import io
+    import json
+    import tempfile
+
+    from dpstream.processor.adapters.replay import ReplayRunner
+    from dpstream.processor.config import parse_time_ms
+    from dpstream.processor.mechanisms.noise import load_noise_secret
+    from dpstream.processor.planning import as_config
+
+    cfg = as_config(config)
+    secret = load_noise_secret(noise_key_file)
+    with tempfile.TemporaryDirectory(prefix="dpstream-api-") as tmp:
+        path = events
+        if not isinstance(events, (str, _os.PathLike)):
+            path = _os.path.join(tmp, "events.jsonl")
+            with open(path, "w") as fh:
+                for event in events:
+                    fh.write(json.dumps(event) + "\n")
+        runner = ReplayRunner(cfg, secret, state_dir, noise_label=noise_label,
+                              start_ms=parse_time_ms(start) if start is not None else None)
+        out = io.StringIO()
+        try:
+            runner.run(str(path), out, until_ms=parse_time_ms(until) if until is not None else None)
+        finally:
+            runner.close()
+    return [json.loads(line) for line in out.getvalue().splitlines()]

@@ -406,6 +406,17 @@ class DpstreamConfig(BaseModel):
                         raise ValueError(f"{kind}[{i}].tenant: budget.principal is 'tenant', so every query needs a tenant")
                     if principal not in self.budget.principals and self.budget.default is None:
                         raise ValueError(f"budget.principals: no budget for {principal!r} ({kind}[{i}]) and no budget.default")
+                    # a cap below one window's charge refuses every window of the query, forever: a
+                    # mistake (max_delta defaults to 0), not a budget (docs/user-guide.md, "Budget ledger")
+                    field = f"budget.principals.{principal}" if principal in self.budget.principals else "budget.default"
+                    limit = self.budget.principals.get(principal, self.budget.default)
+                    delta = q.delta if kind == "queries" else 0.0  # dynamic queries spend Laplace only
+                    if not self.budget.shadow and (limit.max_epsilon < q.epsilon or limit.max_delta < delta):
+                        which, cap, need = (("max_delta", limit.max_delta, delta) if limit.max_delta < delta
+                                            else ("max_epsilon", limit.max_epsilon, q.epsilon))
+                        raise ValueError(f"{field}.{which}: {cap:g} is less than one window of {kind}[{i}] ({q.name!r} "
+                                         f"spends {which[4:]} {need:g} per window), so every window would be refused; "
+                                         f"raise it (max_delta defaults to 0)")
         seen = set()
         for q in [*self.queries, *self.dynamic]:
             if q.name in seen:

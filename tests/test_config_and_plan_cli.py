@@ -153,3 +153,21 @@ def test_worker_refuses_a_bad_fetch_size_at_start_naming_it(tmp_path, capsys, mo
     assert code == 2
     assert field in capsys.readouterr().err
     assert not (tmp_path / "s").exists()  # refused before anything is opened
+
+
+@pytest.mark.parametrize("limit, shadow, field", [
+    ("{max_epsilon: 24}", "false", "budget.default.max_delta"),  # max_delta left at its default, 0
+    ("{max_epsilon: 5, max_delta: 1.0e-6}", "false", "budget.default.max_epsilon"),
+    ("{max_epsilon: 5, max_delta: 1.0e-6}", "true", None),  # shadow mode never refuses: allowed
+    ("{max_epsilon: 6, max_delta: 1.0e-9}", "false", None),  # exactly one window: allowed
+])
+def test_a_budget_below_one_window_is_refused_at_load_naming_the_field(tmp_path, limit, shadow, field):
+    """A cap smaller than one window's charge would refuse every window forever (issue 16): the
+    config is refused at start, naming the cap, instead of a worker that silently releases nothing."""
+    path = write(tmp_path, "queries:\n  - name: q\n    epsilon: 6\n    delta: 1.0e-9\n"
+                           f"budget:\n  shadow: {shadow}\n  default: {limit}\n")
+    if field is None:
+        load_config(path)
+    else:
+        with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+            load_config(path)
