@@ -77,7 +77,7 @@ secret and label: byte-identical output.
 Invalid lines are reported by line number and reason (never content), counted and skipped;
 late and future events are counted once in the summary, not listed (--dead-letter keeps each).
 Releases of a hierarchical query also carry level, released_at, consistent_count and
-consistent_other (see the README's "Hierarchies")."""
+consistent_other (docs/user-guide.md, "Hierarchies")."""
 
 
 CONSISTENCY_NOTE = ("post-processing of released noisy counts and public parameters only: epsilon 0, delta 0 "
@@ -267,7 +267,7 @@ i of N owns partitions p with p % N == i of every topic it reads, and keeps thei
 --state-dir (keep it across restarts: it holds the contribution counts, the budget ledger, the
 release journal and the input offsets). A worker whose --state-dir is empty but which already ran
 under the configured budget epoch and noise secret (recorded in the dpstream-epochs topic)
-refuses to start: its volume was lost; configure a new epoch. So does a worker whose input log
+refuses to start: its volume was lost (`dpstream reset` starts over on purpose). So does a worker whose input log
 went back (a recreated topic, a broker that lost data), or whose input topic is stamped by its
 producers (CreateTime) without --allow-create-time. With a budget and several workers,
 budget.start is required: every worker charges the same windows. Topics are created if missing.
@@ -605,8 +605,15 @@ def _broker_arg(parser: argparse.ArgumentParser) -> None:
                         help="bootstrap servers, host:port[,host:port] or kafka://host:port (default $DPSTREAM_BROKER or 127.0.0.1:19092)")
 
 
+def _version() -> str:
+    import dpstream
+
+    return dpstream.__version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dpstream", description="Continually released, user-level differentially private histograms.")
+    parser.add_argument("--version", action="version", version=f"dpstream {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     plan = sub.add_parser("plan", help="show a config's privacy calibration, total privacy loss per input topic, warnings, "
@@ -862,7 +869,71 @@ def build_parser() -> argparse.ArgumentParser:
     dpsqlp.add_argument("--json", help="write the results (and the per-trigger curve) to this JSON file")
     dpsqlp.add_argument("--plot", help="draw error and retained keys vs trigger to this PNG")
     dpsqlp.set_defaults(func=cmd_bench_dpsqlp)
+    reset = sub.add_parser("reset", help="start an application over: delete its state and internal topics, new noise label",
+                           description=RESET_HELP)
+    reset.add_argument("--config", required=True, help="the workers' query config (names the repartition topics)")
+    reset.add_argument("--app-id", default=os.environ.get("DPSTREAM_APP_ID", "dpstream"),
+                       help="the application to start over (default $DPSTREAM_APP_ID or dpstream)")
+    reset.add_argument("--state-dir", default=os.environ.get("DPSTREAM_STATE_DIR", "./dpstream-state"),
+                       help="the worker's state directory to delete (default $DPSTREAM_STATE_DIR or ./dpstream-state); "
+                            "only a directory holding dpstream state is deleted")
+    reset.add_argument("--delete-outputs", action="store_true", help="also delete the queries' output topics (default: keep)")
+    reset.add_argument("--yes", action="store_true", help="do it (without: print what would be done)")
+    _broker_arg(reset)
+    reset.set_defaults(func=cmd_reset)
+    keygen = sub.add_parser("keygen", help="write a new noise secret to a new file (mode 0600)", description=KEYGEN_HELP)
+    keygen.add_argument("--out", default="noise.key", help="the file to create (default noise.key); never overwritten")
+    keygen.set_defaults(func=cmd_keygen)
     return parser
+
+
+RESET_HELP = """Start an application over on purpose (docs/operator-guide.md, "Start over"). A worker
+refuses an empty state directory after it ran under the same epoch and noise secret: the state it
+lost held the budget it spent. This command, with the workers stopped, deletes the state directory
+and the application's internal topics (repartition topics of the config's queries, changelogs, its
+consumer group's offsets), forgets its epoch marks and delivery progress, and counts a start-over
+that gives the workers a new noise label (worker:<app id>:<epoch>.restart<N>). The next `dpstream
+worker` with the same command line then starts afresh and reads the input topics from their start:
+a second release of the same users' data under a fresh budget, which is the operator's choice.
+Without --yes it only prints what it would do."""
+
+KEYGEN_HELP = """Write a new noise secret: 32 random bytes as 64 hex digits and a newline (the one
+documented format; docs/user-guide.md, "The noise secret"), to a new file created with mode 0600.
+An existing file is never overwritten. Point DPSTREAM_NOISE_KEY_FILE (or --noise-key-file) at it;
+keep it as long as the releases made with it matter: a new secret is a new epoch."""
+
+
+def cmd_reset(args: argparse.Namespace) -> int:
+    from dpstream.processor.adapters.start_over import plan_start_over, start_over
+
+    config = load_config(args.config)
+    plan = plan_start_over(config, args.app_id, args.state_dir, args.broker, delete_outputs=args.delete_outputs)
+    for line in plan.describe():
+        print(("" if args.yes else "would ") + line)
+    if not args.yes:
+        print("reset: nothing done; run again with --yes to start over", file=sys.stderr)
+        return 1
+    start_over(plan, args.broker)
+    print(f"reset: application {args.app_id!r} starts over; its next worker reads the input from the start under "
+          f"a new noise label (restart {plan.restarts})", file=sys.stderr)
+    return 0
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    import secrets
+
+    path = args.out
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        raise ConfigError(f"--out: {path} exists; a noise secret is never overwritten (a new secret is a new epoch)") from None
+    except OSError as exc:
+        raise ConfigError(f"--out: cannot create {path}: {exc.strerror}") from None
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32) + "\n")
+    os.chmod(path, 0o600)  # whatever the umask
+    print(f"keygen: wrote a new noise secret to {path} (mode 0600); export DPSTREAM_NOISE_KEY_FILE={path}", file=sys.stderr)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -870,11 +941,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from dpstream.processor.adapters.kafka_tools import KafkaToolError
     from dpstream.processor.engine.pipeline import StateMismatchError
     from dpstream.processor.mechanisms.noise import NoiseSecretError
+    from dpstream.state.store import StateDirectoryError
 
     try:
         args = build_parser().parse_args(argv)  # defaults from the environment are checked here
         return args.func(args)
-    except (ConfigError, NoiseSecretError, StateMismatchError, ChargePlanError) as exc:
+    except (ConfigError, NoiseSecretError, StateMismatchError, ChargePlanError, StateDirectoryError) as exc:
         print(f"dpstream: {exc}", file=sys.stderr)
         return 2
     except KafkaToolError as exc:  # produce, tail: one line naming the command, no traceback

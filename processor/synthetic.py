@@ -1,4 +1,4 @@
-"""The DP-SQLP synthetic workload (section 5.1; README, "Benchmarks"), vectorized.
+"""The DP-SQLP synthetic workload (section 5.1; docs/benchmarks.md), vectorized.
 
 Records per user ~ Zipf-Mandelbrot on [1, 10^5] with q = 26, s = 6.738 (P[x] proportional to
 (x + q)^-s); each record's key ~ Zipf-Mandelbrot over the key space with q = 1000, s = 1.4;

@@ -419,7 +419,7 @@ def test_a_lost_volume_is_refused_until_a_new_epoch_is_configured(scenario):
         w.start()
         assert w.proc.wait(90) != 0
         log = w.log.read_text()
-        assert "LostStateError" in log and "state was lost" in log and "configure a new epoch" in log
+        assert "LostStateError" in log and "state was lost" in log and "budget.epoch" in log and "dpstream reset" in log
         assert not (w.state_dir / "worker-layout.json").exists()
         w.log.write_text("")
     sc.config.write_text(sc.config.read_text() + "budget:\n  epoch: after-volume-loss\n  default: {max_epsilon: 100, max_delta: 1.0e-6}\n")

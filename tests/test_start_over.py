@@ -1,4 +1,4 @@
-"""Starting over on purpose (docs/operations.md, "Starting over"), the noise secret's file, and a
+"""Starting over on purpose (docs/operator-guide.md, "Start over"), the noise secret's file, and a
 state directory that cannot be a source folder (issue 16, item 4).
 
 A lost volume is refused; `dpstream reset` is the one command that starts an application over:

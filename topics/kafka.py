@@ -217,6 +217,13 @@ def read_progress(bootstrap: str, app_id: str, timeout: float = 30.0) -> dict[st
     return {k[len(prefix):]: v for k, v in read_compacted(bootstrap, PROGRESS_TOPIC, prefix, timeout).items()}
 
 
+def restarts_key(app_id: str) -> str:
+    """The :data:`EPOCH_TOPIC` key counting ``dpstream reset``'s start-overs of an application
+    (docs/operator-guide.md, "Start over"): ``{"count": N}``; the workers' noise label and
+    changelogs follow it."""
+    return f"{app_id}/restarts"
+
+
 def write_epoch_mark(bootstrap: str, worker: str, mark: dict) -> None:
     """Record (acknowledged) the epoch mark of ``<app id>/<index>``."""
     import json

@@ -26,6 +26,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 import faust
@@ -41,8 +42,10 @@ from dpstream.processor.adapters.worker import (
     InputWentBackError,
     LostStateError,
     Ownership,
+    lost_state_message,
 )
 from dpstream.processor.config import DpstreamConfig
+from dpstream.state.store import check_state_directory
 from dpstream.topics.kafka import (
     CHANGELOG_MAX_BYTES,
     CHANGELOG_TOPIC_CONFIG,
@@ -56,6 +59,7 @@ from dpstream.topics.kafka import (
     read_epoch_marks,
     read_progress,
     repartition_topic,
+    restarts_key,
     timestamp_types,
     topics_for,
     write_epoch_mark,
@@ -210,6 +214,7 @@ def build_app(s: WorkerSettings) -> faust.App:
     # leaving would otherwise rebalance every worker's Faust consumer too, and Faust suspends its
     # channels while it rebalances
     faust_id = f"{s.app_id}-{s.instance_id}" if s.assignment == "group" else s.app_id
+    check_state_directory(Path(s.state_dir))  # before Faust makes its datadir in it
     app = faust.App(
         faust_id, broker=f"kafka://{broker.replace(',', ';kafka://')}", store="memory://", datadir=os.path.join(s.state_dir, "faust"),
         web_enabled=True, web_port=s.web_port,
@@ -564,11 +569,14 @@ def build_app(s: WorkerSettings) -> faust.App:
         # an empty state directory under the same epoch is a lost volume, refused (static); a
         # lost changelog topic, refused (group)
         mark_key = f"{s.app_id}/group" if group else f"{s.app_id}/{s.ownership.index}"
-        previous = (await loop.run_in_executor(None, lambda: read_epoch_marks(broker))).get(mark_key)
+        marks = await loop.run_in_executor(None, lambda: read_epoch_marks(broker))
+        previous = marks.get(mark_key)
+        # `dpstream reset` counts start-overs here: each moves the worker to a new noise label
+        restarts = int((marks.get(restarts_key(s.app_id)) or {}).get("count", 0))
         worker = await loop.run_in_executor(None, lambda: DpstreamWorker(
             s.config, s.secret, s.state_dir, None if group else s.ownership, {t: counts[t] for t in inputs},
             repartitions.pop() if repartitions else s.partitions, metrics, previous_mark=previous, app_id=s.app_id,
-            partitioner=s.partitioner, watermark_delay_ms=s.watermark_delay_ms))
+            partitioner=s.partitioner, watermark_delay_ms=s.watermark_delay_ms, restarts=restarts))
         status["worker"] = worker
         mark = dict(worker.epoch_mark)
         if group:
@@ -594,10 +602,9 @@ def build_app(s: WorkerSettings) -> faust.App:
         same_epoch = previous is not None and {k: previous.get(k) for k in worker.epoch_mark} == worker.epoch_mark
         for name, topic_id in ids.items():
             if same_epoch and recorded.get(name) not in (None, topic_id):
-                raise LostStateError(
+                raise LostStateError(lost_state_message(
                     f"changelog topic {name} was recreated (its id is {topic_id}, this application epoch wrote topic id "
-                    f"{recorded[name]}): the state it held is lost. Starting afresh would forget the budget spent; configure a "
-                    f"new epoch (a new budget.epoch, or a new noise secret) to start over")
+                    f"{recorded[name]}): the state it held is lost", s.app_id, s.config))
         return ids
 
     class StageBatches:

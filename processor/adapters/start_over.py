@@ -1,4 +1,4 @@
-"""``dpstream reset``: start an application over on purpose (docs/operations.md, "Starting over").
+"""``dpstream reset``: start an application over on purpose (docs/operator-guide.md, "Start over").
 
 A worker refuses an empty state directory when it already ran under the same epoch and noise
 secret (:class:`dpstream.processor.adapters.worker.LostStateError`): starting afresh silently

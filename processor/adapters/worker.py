@@ -82,7 +82,7 @@ from dpstream.processor.engine.pipeline import (
 from dpstream.processor.engine.runner import Fired, QueryRunner
 from dpstream.processor.mechanisms.noise import NodeNoise, Pseudonymizer
 from dpstream.state.changelog import ChangelogStore, restore_from_changelog
-from dpstream.state.store import PartitionStores, Store, WriteBatch
+from dpstream.state.store import PartitionStores, Store, WriteBatch, check_state_directory
 from dpstream.state.tables import WINDOW_OPEN, InputWatermarks, IntegerMark, TextMark
 from dpstream.topics.decoding import decoder_for
 from dpstream.topics.kafka import (
@@ -208,17 +208,41 @@ class LostStateError(StateLayoutError):
     noise secret: its volume was lost (docs/privacy.md, "Failures")."""
 
 
-def worker_noise_label(app_id: str, config: DpstreamConfig) -> str:
-    """The worker's noise label (docs/privacy.md, "Noise"): its application and budget epoch, so a
-    new epoch never reuses the noise of released values. ``dpstream replay --noise-label`` with
-    this label reproduces the worker's releases."""
-    return f"worker:{app_id}:{config.budget.epoch if config.budget is not None else '1'}"
+def lost_state_message(what: str, app_id: str, config: DpstreamConfig) -> str:
+    """A lost-state refusal that says how to go on (docs/operator-guide.md, "Start over")."""
+    epoch = config.budget.epoch if config.budget is not None else None
+    return (f"{what}. Starting afresh would forget the budget it spent and could re-release values with the same "
+            f"noise, so it is refused. Either give the worker its state directory back, or start over on purpose: "
+            f"`dpstream reset --config CONFIG --app-id {app_id} --state-dir DIR --broker BROKER --yes` "
+            f"(deletes the state and the application's internal topics, and moves to a new noise label), or a new "
+            f"application id (--app-id {app_id}-2) or a new budget.epoch in the config "
+            f"({'now ' + repr(epoch) if epoch is not None else 'no budget section yet'}). "
+            f"See docs/operator-guide.md, \"Start over\"")
 
 
-def epoch_mark(config: DpstreamConfig, noise: NodeNoise) -> dict:
-    """What a worker's state belongs to: the configured budget epoch and the noise secret (as its
-    public fingerprint). Kept outside the volume (:data:`dpstream.topics.kafka.EPOCH_TOPIC`)."""
-    return {"budget_epoch": config.budget.epoch if config.budget is not None else None, "noise": noise.fingerprint}
+def worker_epoch(config: DpstreamConfig, restarts: int = 0) -> str:
+    """The worker's epoch: the configured ``budget.epoch`` ("1" without a budget section), and how
+    many times ``dpstream reset`` started the application over (docs/operator-guide.md, "Start
+    over"), so a start-over never reuses the noise or the changelogs of released values."""
+    epoch = config.budget.epoch if config.budget is not None else "1"
+    return f"{epoch}.restart{restarts}" if restarts else epoch
+
+
+def worker_noise_label(app_id: str, config: DpstreamConfig, restarts: int = 0) -> str:
+    """The worker's noise label (docs/privacy.md, "Noise"): its application and epoch, so a new
+    epoch never reuses the noise of released values. ``dpstream replay --noise-label`` with this
+    label reproduces the worker's releases."""
+    return f"worker:{app_id}:{worker_epoch(config, restarts)}"
+
+
+def epoch_mark(config: DpstreamConfig, noise: NodeNoise, restarts: int = 0) -> dict:
+    """What a worker's state belongs to: the configured budget epoch, the noise secret (as its
+    public fingerprint) and, after ``dpstream reset``, the start-over count. Kept outside the
+    volume (:data:`dpstream.topics.kafka.EPOCH_TOPIC`)."""
+    mark = {"budget_epoch": config.budget.epoch if config.budget is not None else None, "noise": noise.fingerprint}
+    if restarts:
+        mark["restarts"] = int(restarts)
+    return mark
 
 
 @dataclass(frozen=True)
@@ -402,8 +426,10 @@ class DpstreamWorker:
                  input_partitions: dict[str, int], repartitions: int, metrics: Optional[PipelineMetrics] = None,
                  block_cache_mb: int = 64, write_buffer_mb: int = 32, previous_mark: Optional[dict] = None,
                  app_id: str = "dpstream", partitioner: str = "murmur2", now_ms: Optional[int] = None,
-                 watermark_delay_ms: int = WATERMARK_DELAY_MS):
+                 watermark_delay_ms: int = WATERMARK_DELAY_MS, restarts: int = 0):
         self.config = config
+        #: how many times ``dpstream reset`` started this application over (public; epoch topic)
+        self.restarts = int(restarts)
         self.watermark_delay_ms = int(watermark_delay_ms)
         self.ownership = ownership
         self.repartitions = repartitions
@@ -416,12 +442,13 @@ class DpstreamWorker:
         #: (query, reason category), and each query's last trigger fired here (:meth:`trigger_fired`)
         self.dead_letters: Counter = Counter()
         self.last_fired: dict[str, dict] = {}
-        self.noise = NodeNoise(secret, worker_noise_label(app_id, config))
+        self.noise = NodeNoise(secret, worker_noise_label(app_id, config, self.restarts))
         self.pseudonyms = Pseudonymizer(secret)
         self.state_dir = Path(state_dir)
+        check_state_directory(self.state_dir)  # before the layout file is written into it
         #: the epoch mark this worker's state belongs to; ``previous_mark``: what it recorded
         #: outside its volume when it last started (None: never)
-        self.epoch_mark = epoch_mark(config, self.noise)
+        self.epoch_mark = epoch_mark(config, self.noise, self.restarts)
         self._check_layout(input_partitions, previous_mark)
         self.stores = PartitionStores(self.state_dir, block_cache_mb, write_buffer_mb)
         self.stage1: dict[tuple[str, int], SourcePartition] = {}
@@ -568,7 +595,7 @@ class DpstreamWorker:
                 source.store.checkpoint(offset, seq, now_ms)
 
     def changelog_topic(self, source_topic: str) -> str:
-        return changelog_topic(self.app_id, self.config.budget.epoch if self.config.budget is not None else "1", source_topic)
+        return changelog_topic(self.app_id, worker_epoch(self.config, self.restarts), source_topic)
 
     # ------------------------------------------------------------------ setup
     def _check_layout(self, input_partitions: dict[str, int], previous_mark: Optional[dict] = None) -> None:
@@ -588,11 +615,10 @@ class DpstreamWorker:
                     "repartitions": self.repartitions}
         elif not layout_path.exists() and previous_mark is not None and \
                 {k: previous_mark.get(k) for k in self.epoch_mark} == self.epoch_mark:
-            epoch = self.epoch_mark["budget_epoch"]
-            raise LostStateError(
-                f"state directory {self.state_dir} is empty, but worker {self.ownership.index} already ran under budget epoch "
-                f"{epoch!r} and this noise secret (since {previous_mark.get('since_ms')} ms): its state was lost. Starting afresh "
-                f"would forget the budget it spent; configure a new epoch (a new budget.epoch, or a new noise secret) to start over")
+            raise LostStateError(lost_state_message(
+                f"state directory {self.state_dir} is empty, but worker {self.ownership.index} of application "
+                f"{self.app_id!r} already ran under epoch {worker_epoch(self.config, self.restarts)!r} and this noise secret "
+                f"(since {previous_mark.get('since_ms')} ms): its state was lost", self.app_id, self.config))
         if self.ownership is not None:
             mine = {"worker_index": self.ownership.index, "workers": self.ownership.workers,
                     "input_partitions": dict(sorted(input_partitions.items())), "repartitions": self.repartitions}

@@ -1,6 +1,6 @@
 """What every benchmark records with its figures: the machine it ran on and how many runs the
 reported medians are over, so that numbers from two machines are never compared as if alike
-(README, "Benchmarks")."""
+(docs/benchmarks.md)."""
 from __future__ import annotations
 
 import os
