@@ -2,6 +2,7 @@
 trigger log line and the consumer offsets it commits to Kafka, against a real worker on the test
 broker (docs/operations.md, "Status page", "The trigger log line", "Consumer offsets")."""
 import json
+import logging
 import os
 import re
 import shutil
@@ -32,6 +33,47 @@ def test_the_page_escapes_what_it_shows_and_says_when_there_is_no_ledger():
     assert "<script" not in page.lower()  # no script at all: plain HTML
     assert "Nothing charged yet" in render_status({**data, "budget": {"epoch": "1", "principals": []}})
     assert "has not opened its state" in render_status({"state": "starting", "reason": "opening state"})
+
+
+def test_trigger_log_lines_and_the_status_after_a_restart(tmp_path, caplog):
+    """Without a broker: one log line per trigger fired (public values only), the status's dead
+    letters by reason and last trigger, and after a restart the last trigger its state records."""
+    from tests.conftest import Record
+    from tests.test_worker_service import (
+        START,
+        events,
+        fire,
+        make_worker,
+        stage_two,
+    )
+
+    w = make_worker(tmp_path / "s")
+    records = events(400)
+    result = w.process_input("in", 0, [*records, Record(400, b"u1", b"{not json", START)])
+    result.commit()
+    stage_two(w, result.messages)
+    now = START + 25_000  # triggers 1 and 2 (fire times 11 s and 21 s; watermark delay 2 s)
+    fired = fire(w, now)
+    with caplog.at_level(logging.INFO, logger="dpstream.worker"):
+        for f in fired:
+            w.mark_published(f)
+            w.trigger_fired(f)
+    lines = re.findall(rf"trigger fired: query=clicks window={iso(START)} trigger=(\d)/4 keys_released=(\d+) "
+                       rf"duration_ms=\d+ partition=(\d)$", caplog.text, re.M)
+    assert sorted(lines) == sorted((str(f.trigger), str(len(f.releases)), str(f.source.partition)) for f in fired)
+    assert {f.trigger for f in fired} == {1, 2} and sum(len(f.releases) for f in fired) > 0
+    assert not re.search(r"\bu\d+\b", caplog.text)  # no user id
+    q = w.status(now)["queries"][0]
+    assert q["dead_letters"] == {"malformed": 1}
+    assert (q["last_trigger"]["window_start_ms"], q["last_trigger"]["trigger"]) == (START, 2) and "at" in q["last_trigger"]
+    assert q["last_trigger"]["keys_released"] == sum(len(f.releases) for f in fired if f.trigger == 2)
+    assert q["next_trigger"]["trigger"] == 3 and q["next_trigger"]["due"] == iso(START + 31_000)
+    assert q["open_windows"] == [{"start": iso(START), "start_ms": START, "triggers_fired": 2, "triggers_fired_max": 2}]
+    w.close()
+    again = make_worker(tmp_path / "s").status(now)["queries"][0]  # restarted: nothing fired since
+    assert again["last_trigger"] == {"window_start_ms": START, "trigger": 2, "window_start": iso(START),
+                                     "due": iso(START + 21_000)}
+    assert again["dead_letters"] == {} and again["releases"] == 0
 
 
 def iso(ms: int) -> str:
