@@ -271,6 +271,9 @@ refuses to start: its volume was lost (`dpstream reset` starts over on purpose).
 went back (a recreated topic, a broker that lost data), or whose input topic is stamped by its
 producers (CreateTime) without --allow-create-time. With a budget and several workers,
 budget.start is required: every worker charges the same windows. Topics are created if missing.
+A refusal ends the worker with "dpstream worker: refused: REASON" as its last line on stderr and
+exit code 2; any other failure with "dpstream worker: stopped: ..." and 1 (docs/operations.md,
+"Health"); Faust's own logs show from WARNING up (all with --log-level debug).
 Health and metrics: http://HOST:WEB_PORT/healthz, /readyz (starting, ready, waiting-for-broker,
 stopping), /metrics, and a status page at / (/status.json: queries, windows, last and next trigger,
 releases, dead letters by reason, budget, partitions). Each trigger logs one line ("trigger fired:
@@ -704,7 +707,8 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--broker-timeout", default=os.environ.get("DPSTREAM_BROKER_TIMEOUT", "60s"),
                         help="how long the worker waits for a broker that does not answer (no fetch response, no "
                              "acknowledgement) before it exits non-zero for its supervisor to restart it; after 10 s "
-                             "/readyz already says waiting-for-broker (default $DPSTREAM_BROKER_TIMEOUT or 60s)")
+                             "/readyz already says waiting-for-broker. At start, no broker answering within it is "
+                             "refused before Faust starts (default $DPSTREAM_BROKER_TIMEOUT or 60s)")
     worker.add_argument("--delivery", default=os.environ.get("DPSTREAM_DELIVERY", "exactly-once"),
                         help="exactly-once: each batch's messages (repartition records, dead letters, a trigger's "
                              "releases) go out in one Kafka transaction with a record of what it completes, and the "
