@@ -768,6 +768,10 @@ class Journal:
     def read(self, window: int, trigger: int) -> list[bytes]:
         return [v for _, v in self.store.scan_prefix(sk.trigger_prefix(sk.JOURNAL, self.qid, window, trigger))]
 
+    def get(self, window: int, trigger: int, key_id: int) -> Optional[bytes]:
+        """The release of one key at (window, trigger), if it was journaled."""
+        return self.store.get(sk.trigger_prefix(sk.JOURNAL, self.qid, window, trigger) + int(key_id).to_bytes(8, "big"))
+
 
 @dataclass(frozen=True)
 class WindowProgress:

@@ -8,6 +8,7 @@ records, which go to the dead-letter topic/file, never to logs.
 from __future__ import annotations
 
 import base64
+import datetime
 import hashlib
 import json
 import math
@@ -218,16 +219,33 @@ def key_for_output(key: str, key_fields: Sequence[str]):
     return key if len(key_fields) == 1 else json.loads(key)
 
 
+_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
+
+
+def iso_utc(ms: int) -> str:
+    """An epoch-millisecond time as ISO-8601 UTC: ``2026-11-20T00:00:00Z``, with ``.mmm`` before
+    the ``Z`` when the time is not a whole second. Exact (integer arithmetic), the twin of the
+    epoch field it sits beside (docs/operations.md, "Topics and records")."""
+    ms = int(ms)
+    moment = _EPOCH + datetime.timedelta(milliseconds=ms)
+    text = moment.strftime("%Y-%m-%dT%H:%M:%S")
+    return f"{text}.{ms % 1000:03d}Z" if ms % 1000 else f"{text}Z"
+
+
 def release_record(*, query: str, window_start: int, window_end: int, trigger: int, trigger_time: int, key, fields: dict,
                    epsilon: float, delta: float, mechanism: str = "dp-sqlp") -> dict:
-    """One published histogram update: ``fields`` are the aggregate's released values and their
-    noise scales (dpstream.processor.mechanisms.aggregates). Never raw counts, never user ids."""
+    """One published histogram update: ``fields`` are the aggregate's released values, their
+    noise scales and confidence intervals (dpstream.processor.mechanisms.aggregates). Every epoch-ms
+    time has an ISO-8601 UTC twin (``<field>_iso``). Never raw counts, never user ids."""
     return {
         "query": query,
         "window_start": window_start,
+        "window_start_iso": iso_utc(window_start),
         "window_end": window_end,
+        "window_end_iso": iso_utc(window_end),
         "trigger": trigger,
         "trigger_time": trigger_time,
+        "trigger_time_iso": iso_utc(trigger_time),
         "key": key,
         **fields,
         "mechanism": mechanism,

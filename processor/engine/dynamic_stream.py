@@ -30,13 +30,14 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Mapping, Optional, Union
 
+from dpstream.accountant.intervals import CI_FIELD, discrete_laplace_sum_halfwidth
 from dpstream.processor.config import DynamicQueryConfig
 from dpstream.processor.engine.pipeline import PlanChangedError
 from dpstream.processor.mechanisms.dynamic import DynamicCounter, DynamicRelease
 from dpstream.processor.mechanisms.noise import NodeNoise, Pseudonymizer
 from dpstream.state.store import Store, WriteBatch
 from dpstream.state.tables import DynamicTables
-from dpstream.topics.records import InvalidRecord, Update, UpdateParser
+from dpstream.topics.records import InvalidRecord, Update, UpdateParser, iso_utc
 
 OPS = {"insert": 1, "delete": 2}
 OP_NAMES = {1: "insert", 2: "delete"}
@@ -52,14 +53,26 @@ class LoggedUpdate:
 
 
 def dynamic_release_record(query: DynamicQueryConfig, counter: DynamicCounter, release: DynamicRelease) -> dict:
-    """One published update of a dynamic query: noisy counts of every declared item."""
+    """One published update of a dynamic query: noisy counts of every declared item, with their
+    confidence intervals (each count +- a half-width computed from the public scales of its
+    discrete Laplace draws only; the total's from the draws of all items: docs/privacy.md,
+    "Error bars") and the time's ISO-8601 twin."""
     plan = counter.plan
     # the counters add integer noise to integer counts (exactly, well below 2^53): integers
     counts = {item: int(v) for item, v in zip(counter.items, release.counts.tolist())}
-    return {"query": query.name, "segment": release.segment, "tick": release.position,
-            "time": query.start + release.position * query.tick_ms, "counts": counts,
-            "total": int(sum(counts.values())), "mechanism": f"dynamic:{plan.mechanism}",
-            "epsilon": query.epsilon, "delta": plan.delta_spent}
+    time_ms = query.start + release.position * query.tick_ms
+    total = int(sum(counts.values()))
+    record = {"query": query.name, "segment": release.segment, "tick": release.position,
+              "time": time_ms, "time_iso": iso_utc(time_ms), "counts": counts,
+              "total": total, "mechanism": f"dynamic:{plan.mechanism}",
+              "epsilon": query.epsilon, "delta": plan.delta_spent}
+    if release.noise_scales is not None:
+        half = discrete_laplace_sum_halfwidth(release.noise_scales)
+        half_total = discrete_laplace_sum_halfwidth(release.noise_scales, copies=len(counts))
+        record[f"{CI_FIELD}_low"] = {item: c - half for item, c in counts.items()}
+        record[f"{CI_FIELD}_high"] = {item: c + half for item, c in counts.items()}
+        record[f"total_{CI_FIELD}_low"], record[f"total_{CI_FIELD}_high"] = total - half_total, total + half_total
+    return record
 
 
 class DynamicQueryState:

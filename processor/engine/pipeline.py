@@ -49,6 +49,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from dpstream.accountant.counters import BINARY_TREE
+from dpstream.accountant.intervals import CI_FIELD
 from dpstream.accountant.plan import plan_fingerprint
 from dpstream.processor.config import QueryConfig, level_plans_for, parse_duration_ms
 from dpstream.processor.mechanisms.aggregates import aggregate_named
@@ -786,7 +787,7 @@ class QueryPipeline:
         sidx = np.nonzero(selected)[0]
         sub = rows[sidx]
         sel_names = [names[j] for j in sidx]
-        values, stddevs = {}, {}
+        values, stddevs, intervals = {}, {}, {}
         done = sub["pdone"].astype(np.int64)
         # one perturbation tree per aggregate column (all released at the same triggers)
         for c, column in enumerate(self.aggregate.columns, 1):
@@ -795,15 +796,20 @@ class QueryPipeline:
             pb = PerturbationBatch(sel_names, sub["released" + suffix].copy(), done.copy(), sub["pcache" + suffix].copy(),
                                    self._tree_ids(window, sub, "pert_tree" + suffix, sel_names, perturber.kind))
             rows["pert_tree" + suffix][sidx] = sub["pert_tree" + suffix]
-            values[column.name] = perturber.release(pb, trigger, rows["buffer" + suffix][sidx])  # exact: whole grid steps
+            units = perturber.release_units(pb, trigger, rows["buffer" + suffix][sidx])  # exact: whole grid steps
+            values[column.name] = perturber.publish(units)
             stddevs[column.name] = [perturber.stddev(int(step)) for step in pb.done.tolist()]
+            # the confidence interval: the noisy value +- a public half-width, on the same grid
+            half = np.array([perturber.halfwidth_units(int(step)) for step in pb.done.tolist()], dtype=np.int64)
+            intervals[column.name] = list(zip(perturber.publish(units - half), perturber.publish(units + half)))
             rows["released" + suffix][sidx] = pb.released_units
             rows["pcache" + suffix][sidx] = pb.cache
             rows["buffer" + suffix][sidx] = 0
         rows["pdone"][sidx] = pb.done  # every column steps alike
         releases = []
         for i, j in enumerate(sidx.tolist()):
-            fields = self.aggregate.release_fields({name: v[i] for name, v in values.items()}, {name: v[i] for name, v in stddevs.items()})
+            fields = self.aggregate.release_fields({name: v[i] for name, v in values.items()}, {name: v[i] for name, v in stddevs.items()},
+                                                   {name: v[i] for name, v in intervals.items()})
             record = release_record(
                 query=self.query.name, window_start=window, window_end=window + self.schedule.window_ms, trigger=trigger,
                 trigger_time=self.schedule.trigger_time(window, trigger), key=key_for_output(names[j], self.query.key_fields),
@@ -836,6 +842,8 @@ class QueryPipeline:
         earlier whose consistent values changed are re-issued with their unchanged noisy count
         (``released_at`` says when it was released), so the latest record of every key is
         consistent once a trigger's records are all read. Written with the trigger's state.
+        A re-issued record repeats the confidence interval of its noisy count; the consistent
+        values have none of their own (docs/privacy.md, "Error bars").
         """
         entries: dict[int, dict] = {}
         for root in sorted({root for _, root, _ in released}):
@@ -880,7 +888,8 @@ class QueryPipeline:
                 record = release_record(
                     query=self.query.name, window_start=window, window_end=window + self.schedule.window_ms, trigger=trigger,
                     trigger_time=self.schedule.trigger_time(window, trigger), key=e["parts"],
-                    fields={"count": e["count"], "stddev": e["stddev"]}, epsilon=self.plan.epsilon, delta=self.plan.delta)
+                    fields={"count": e["count"], "stddev": e["stddev"], **self._journaled_interval(window, e["released_at"], key_id)},
+                    epsilon=self.plan.epsilon, delta=self.plan.delta)
                 record["level"] = e["level"]
                 self.stats.consistency_updates += 1
             record["released_at"] = e["released_at"]
@@ -891,6 +900,16 @@ class QueryPipeline:
             self.tables.view.put(batch, window, int(e["root"]), ViewEntry(key_id, e["level"], e["released_at"], e["count"], e["stddev"],
                                                                          value, rest, key_text(e["parts"])))
         return out
+
+    def _journaled_interval(self, window: int, released_at: int, key_id: int) -> dict:
+        """The confidence interval a re-issued record's noisy count was released with: the same
+        count has the same interval (docs/privacy.md, "Error bars"). Read from the journal of its
+        release (a journal written before intervals existed has none: then none is carried)."""
+        raw = self.tables.journal.get(window, released_at, key_id)
+        if raw is None:
+            return {}
+        original = json.loads(raw)
+        return {name: original[name] for name in (f"{CI_FIELD}_low", f"{CI_FIELD}_high") if name in original}
 
     def _tree_ids(self, window: int, rows: np.ndarray, field_name: str, names: list, kind: str) -> np.ndarray:
         """Tree ids cached in the key rows; missing ones (new key or new round) derived and stored."""

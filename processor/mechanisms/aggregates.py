@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from dpstream.accountant.intervals import CI_FIELD
+
 #: what one record adds to a column
 ONE, VALUE = "one", "value"
 
@@ -34,8 +36,9 @@ class Column:
 class Aggregate:
     name: str
     columns: tuple[Column, ...]
-    #: the published fields from each column's released value and noise stddev (public)
-    form: Callable[[dict, dict], dict]
+    #: the published fields from each column's released value, noise stddev and confidence
+    #: interval ``(low, high)`` (public: value +- a half-width from the noise distribution)
+    form: Callable[[dict, dict, dict], dict]
 
     @property
     def needs_value(self) -> bool:
@@ -46,23 +49,30 @@ class Aggregate:
         """What the accountant calibrates: one tree per column, per-record bound by kind."""
         return tuple(c.per_record for c in self.columns)
 
-    def release_fields(self, values: dict, stddevs: dict) -> dict:
-        return self.form(values, stddevs)
+    def release_fields(self, values: dict, stddevs: dict, intervals: dict) -> dict:
+        """``intervals``: per column, the ``(low, high)`` bounds of its confidence interval
+        (docs/privacy.md, "Error bars"), on the column's grid like its value."""
+        return self.form(values, stddevs, intervals)
 
 
-def _single(name: str) -> Callable[[dict, dict], dict]:
-    def form(values: dict, stddevs: dict) -> dict:
-        return {name: values[name], "stddev": stddevs[name]}
+def _single(name: str) -> Callable[[dict, dict, dict], dict]:
+    def form(values: dict, stddevs: dict, intervals: dict) -> dict:
+        low, high = intervals[name]
+        return {name: values[name], "stddev": stddevs[name], f"{CI_FIELD}_low": low, f"{CI_FIELD}_high": high}
     return form
 
 
-def _mean(values: dict, stddevs: dict) -> dict:
+def _mean(values: dict, stddevs: dict, intervals: dict) -> dict:
     """Noisy sum and noisy count, both released, and their ratio: post-processing of the two
     released values (no raw data, no extra budget). The ratio is undefined when the noisy count is
-    not positive: ``mean`` is then null."""
+    not positive: ``mean`` is then null. The sum and the count each carry their interval
+    (``sum_ci95_low`` ...); the ratio has none (docs/privacy.md, "Error bars")."""
     total, count = values["sum"], values["count"]
-    return {"sum": total, "count": count, "mean": total / count if count > 0 else None,
-            "stddev": stddevs["sum"], "stddev_count": stddevs["count"]}
+    out = {"sum": total, "count": count, "mean": total / count if count > 0 else None,
+           "stddev": stddevs["sum"], "stddev_count": stddevs["count"]}
+    for column in ("sum", "count"):
+        out[f"{column}_{CI_FIELD}_low"], out[f"{column}_{CI_FIELD}_high"] = intervals[column]
+    return out
 
 
 COUNT = Aggregate("count", (Column("count", ONE),), _single("count"))

@@ -116,6 +116,11 @@ class InsertionOnlyCounter:
                 offset += size
         return nodes
 
+    def scales(self) -> list[float]:
+        """Public discrete Laplace scales of the nodes the release at the current step reads (one
+        independent draw each per coordinate): the noise of a coordinate is their sum."""
+        return [scale for scale, _ in self._nodes()]
+
     def estimate(self) -> np.ndarray:
         out = self.exact.astype(np.float64)
         for scale, label in self._nodes():
@@ -250,6 +255,18 @@ class NodeMechanism:
             return np.zeros(self.dims)
         return self.base - self.q_ins.estimate()
 
+    def noise_scales(self) -> Optional[list[float]]:
+        """Discrete Laplace scales of the independent draws in one item's :meth:`answer` (public:
+        the round's budget and the counter's step): the static release's ``1 / eps_r`` and the
+        deletion counter's nodes. A halted node answers 0 with no noise (its items are then
+        missing: a bias, not noise). None for a static release other than :func:`noisy_histogram`,
+        whose noise this does not know."""
+        if self.halted:
+            return []
+        if self.static_release is not noisy_histogram:
+            return None
+        return [1.0 / self.eps_r] + self.q_ins.scales()
+
 
 # ---------------------------------------------------------------------- online interval tree
 def interval_tree_level(index: int) -> int:
@@ -307,6 +324,17 @@ class OnlineIntervalTree:
             del self.by_segment[s]
         return sum((self.nodes[i].answer() for i in keep), np.zeros(self.dims))
 
+    def noise_scales(self, j: int) -> Optional[list[float]]:
+        """The scales of the draws in one item's answer at segment j (after :meth:`close_segment`):
+        those of v_j and its left ancestors, whose answers are added. None if one is unknown."""
+        out = []
+        for i in query_nodes(j):
+            scales = self.nodes[i].noise_scales()
+            if scales is None:
+                return None
+            out += scales
+        return out
+
     def members_by_query_node(self, j: int) -> dict[int, dict[int, int]]:
         """For tests (Lemma 9): the live members each node read at segment j holds."""
         return {i: dict(self.nodes[i].members) for i in query_nodes(j)}
@@ -319,6 +347,9 @@ class DynamicRelease:
     position: int  # the tick at which the segment closed (an SVT output)
     counts: np.ndarray  # noisy count per item
     exact: np.ndarray = field(repr=False, default=None)  # true counts, for benchmarks only (never published)
+    #: public discrete Laplace scales of the independent draws in each item's count (the same for
+    #: every item; None: unknown): what its confidence interval is computed from
+    noise_scales: Optional[tuple] = None
 
 
 class InvalidUpdate(ValueError):
@@ -431,12 +462,14 @@ class DynamicCounter:
         j = self.segment
         if self.plan.mechanism == "interval_tree":
             counts = self.tree.close_segment(j, self.live, self._inserted, self._deleted)
+            scales = self.tree.noise_scales(j)
         else:
             self.inserts.feed(self._ins_counts.copy())
             self.deletes.feed(self._del_counts.copy())
             counts = self.inserts.estimate() - self.deletes.estimate()
+            scales = self.inserts.scales() + self.deletes.scales()
         self._inserted, self._deleted = [], []
         self._ins_counts[:] = 0
         self._del_counts[:] = 0
         self.segment += 1
-        return DynamicRelease(j, tick, counts, self.exact.copy())
+        return DynamicRelease(j, tick, counts, self.exact.copy(), None if scales is None else tuple(scales))

@@ -13,6 +13,10 @@ from the integer noisy nodes (:meth:`dpstream.processor.mechanisms.tree.NoisePre
 count, ``k * resolution`` for a sum, which is exact in binary floating point because the grid
 step is a power of two. Never ``raw + noise`` in floating point (docs/privacy.md).
 
+Each release carries a confidence interval, the published value +- a half-width in whole grid
+steps from the counter's public noise distribution (:meth:`HierarchicalPerturber.halfwidth_units`,
+dpstream.accountant.intervals; docs/privacy.md, "Error bars").
+
 Between releases nothing is published for the key; the last release stands.
 """
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Sequence
 import numpy as np
 
 from dpstream.accountant.counters import BINARY_TREE
+from dpstream.accountant.intervals import gaussian_halfwidth_units
 from dpstream.accountant.plan import PrivacyPlan
 from dpstream.processor.mechanisms.counters import counter_for
 from dpstream.processor.mechanisms.noise import NodeNoise
@@ -66,6 +71,7 @@ class HierarchicalPerturber:
         else:
             kind, self.sigma, sigma_units, self.resolution = plan.columns[column_index]
             self.integer = kind == "one"
+        self.sigma_units = sigma_units
         self.counter = counter_for(plan.counter or BINARY_TREE.name, plan.triggers, sigma_units, noise)
         self.noise = noise
         #: the stream's step: the trigger (the paper's layout) or the key's release number
@@ -125,3 +131,9 @@ class HierarchicalPerturber:
         """Standard deviation of a release at ``step`` (the trigger, or the key's release number
         with ``perturbation_steps: release``), in value units, from the accountant."""
         return self.sigma * self.counter.calibration.step_variance(step, self.plan.triggers) ** 0.5
+
+    def halfwidth_units(self, step: int) -> int:
+        """Half-width, in whole grid steps, of the confidence interval of a release at ``step``
+        (public: the counter, sigma and the step only; dpstream.accountant.intervals, docs/privacy.md,
+        "Error bars")."""
+        return gaussian_halfwidth_units(self.counter.calibration, self.sigma_units, step, self.plan.triggers)
