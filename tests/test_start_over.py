@@ -109,11 +109,11 @@ def test_a_lost_volume_is_refused_then_reset_starts_over_under_a_new_noise_label
         dry = cli(*args)
         assert dry.returncode == 1 and "with --yes" in dry.stderr
         admin = AdminClient({"bootstrap.servers": broker})
-        assert repartition_topic(sc.query) in admin.list_topics(timeout=10).topics  # nothing was deleted
+        assert repartition_topic(sc.query, sc.app_id) in admin.list_topics(timeout=10).topics  # nothing was deleted
         done = cli(*args, "--yes")
         assert done.returncode == 0, done.stderr
-        assert f"delete topic {repartition_topic(sc.query)}" in done.stdout
-        assert repartition_topic(sc.query) not in admin.list_topics(timeout=10).topics
+        assert f"delete topic {repartition_topic(sc.query, sc.app_id)}" in done.stdout
+        assert repartition_topic(sc.query, sc.app_id) not in admin.list_topics(timeout=10).topics
 
         # the same command line starts afresh, reads the input from its start and fires the
         # (past) window's triggers: exactly replay's releases under the new label
@@ -145,3 +145,56 @@ def test_a_lost_volume_is_refused_then_reset_starts_over_under_a_new_noise_label
         old = {slot(r): r["count"] for r in first}
         again = [(old[slot(r)], r["count"]) for r in second if slot(r) in old]
         assert again and sum(a != b for a, b in again) > len(again) // 2
+
+
+def fired_all(w, sc, timeout: float = 90) -> None:
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline and w.metric("dpstream_triggers_fired_total", query=sc.query) < sc.triggers * 4:
+        time.sleep(0.3)
+
+
+def replay_as(sc, label: str) -> list[dict]:
+    import io
+
+    runner = ReplayRunner(load_config(sc.config), TEST_SECRET, None, noise_label=label)
+    out = io.StringIO()
+    try:
+        runner.run(str(sc.events), out)
+    finally:
+        runner.close()
+    return [json.loads(line) for line in out.getvalue().splitlines()]
+
+
+@pytest.mark.broker
+@pytest.mark.slow
+def test_a_new_app_id_on_the_same_broker_reads_only_its_own_stage_one_records(tmp_path, broker):
+    """The lost-state refusal names a new --app-id as a way to start over. That application
+    reads the input from its start into a fresh state; had it also read the first application's
+    bounded records (one repartition topic per query name), every user would count twice."""
+    with running(tmp_path, broker) as sc:
+        w = sc.worker("a").start()
+        sc.workers.append(w)
+        w.wait_ready()
+        sc.write_events(6_000, users=600, keys=20, lead_s=3)
+        assert sc.produce_events() == 6_000
+        sc.wait_for_window_end()
+        first = sc.replay()
+        sc.assert_published_equal(first)
+        w.stop()
+
+        # the second application: same query name, its own input topic and events
+        first_app, sc.app_id = sc.app_id, sc.app_id + "-2"
+        old_input, sc.input = sc.input, sc.input + "-2"
+        sc.config.write_text(sc.config.read_text().replace(f"input_topic: {old_input}", f"input_topic: {sc.input}"))
+        w2 = sc.worker("b").start()
+        sc.workers.append(w2)
+        w2.wait_ready()
+        sc.write_events(3_000, users=300, keys=10, lead_s=3, seed=12)
+        assert sc.produce_events() == 3_000
+        sc.wait_for_window_end()
+        second = replay_as(sc, worker_noise_label(sc.app_id, load_config(sc.config)))
+        assert second and {r["window_start"] for r in second}.isdisjoint({r["window_start"] for r in first})
+        # exactly its own releases: none for the first application's window
+        assert canonical(sc.published(first + second)) == canonical(first) | canonical(second)

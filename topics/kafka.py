@@ -60,11 +60,19 @@ class TopicSpec:
 INPUT_TOPIC_CONFIG = {"message.timestamp.type": "LogAppendTime"}
 
 
-def repartition_topic(query_name: str) -> str:
-    return f"dpstream-{query_name}-by-key"
+def repartition_topic(query_name: str, app_id: str = "dpstream", epoch: str = "1") -> str:
+    """Stage 1 -> stage 2 of one query, for one application and epoch: a new application id, a
+    new ``budget.epoch`` or a ``dpstream reset`` reads its input from the start into a fresh
+    state, and must never also read another run's bounded records, which would count a user's
+    records twice (docs/privacy.md, "Failures"). The default application's first epoch keeps
+    the name it always had, ``dpstream-<query>-by-key``."""
+    prefix = app_id if epoch == "1" else f"{app_id}-{epoch}"
+    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in prefix)
+    return f"{safe}-{query_name}-by-key"
 
 
-def topics_for(queries: Iterable, partitions: int = 8, dynamic: Iterable = ()) -> list[TopicSpec]:
+def topics_for(queries: Iterable, partitions: int = 8, dynamic: Iterable = (), app_id: str = "dpstream",
+               epoch: str = "1") -> list[TopicSpec]:
     """Every topic the queries need, deduplicated by name (queries may share input/output).
     A dynamic query's input has one partition: its counter needs one order of all updates."""
     specs: dict[str, TopicSpec] = {}
@@ -74,7 +82,7 @@ def topics_for(queries: Iterable, partitions: int = 8, dynamic: Iterable = ()) -
 
     for q in queries:
         add(TopicSpec(q.input_topic, partitions, INPUT_TOPIC_CONFIG, "input events"))
-        add(TopicSpec(repartition_topic(q.name), partitions, {"cleanup.policy": "delete"}, "stage 1 -> stage 2, keyed by group-by key"))
+        add(TopicSpec(repartition_topic(q.name, app_id, epoch), partitions, {"cleanup.policy": "delete"}, "stage 1 -> stage 2, keyed by group-by key"))
         add(TopicSpec(q.output_topic, partitions, {"cleanup.policy": "compact"}, "releases, keyed by (query, window, key)"))
     for q in dynamic:
         add(TopicSpec(q.input_topic, 1, INPUT_TOPIC_CONFIG, "insert/delete updates for the dynamic agent (one partition)"))

@@ -43,12 +43,14 @@ from dpstream.processor.adapters.worker import (
     LostStateError,
     Ownership,
     lost_state_message,
+    worker_epoch,
 )
 from dpstream.processor.config import DpstreamConfig
 from dpstream.state.store import check_state_directory
 from dpstream.topics.kafka import (
     CHANGELOG_MAX_BYTES,
     CHANGELOG_TOPIC_CONFIG,
+    EPOCH_TOPIC,
     DeliveryError,
     KafkaPublisher,
     TopicSpec,
@@ -538,12 +540,18 @@ def build_app(s: WorkerSettings) -> faust.App:
     async def open_worker(loop) -> DpstreamWorker:
         """Create missing topics, check the input topics, open the state (static: the owned
         partitions'; group: none yet, each is restored as the group assigns it)."""
-        specs = topics_for(s.config.queries, s.partitions, s.config.dynamic)
+        # the epoch first: the start-over count in dpstream-epochs names the repartition topics
+        await loop.run_in_executor(None, lambda: create_topics(broker, [t for t in topics_for([]) if t.name == EPOCH_TOPIC]))
+        marks = await loop.run_in_executor(None, lambda: read_epoch_marks(broker))
+        # `dpstream reset` counts start-overs here: each moves the worker to a new noise label
+        restarts = int((marks.get(restarts_key(s.app_id)) or {}).get("count", 0))
+        epoch = worker_epoch(s.config, restarts)
+        specs = topics_for(s.config.queries, s.partitions, s.config.dynamic, s.app_id, epoch)
         await loop.run_in_executor(None, lambda: create_topics(broker, specs))
         inputs = {q.input_topic for q in s.config.queries}
         dynamic_inputs = {q.input_topic for q in s.config.dynamic}
         counts = await loop.run_in_executor(None, lambda: _partition_counts(
-            broker, inputs | dynamic_inputs | {repartition_topic(q.name) for q in s.config.queries}))
+            broker, inputs | dynamic_inputs | {repartition_topic(q.name, s.app_id, epoch) for q in s.config.queries}))
         stamps = await loop.run_in_executor(None, lambda: timestamp_types(broker, inputs | dynamic_inputs))
         for topic in sorted(t for t, kind in stamps.items() if kind != "LogAppendTime"):
             # the producers' stamps decide lateness: a record reaching the broker more than the
@@ -569,10 +577,7 @@ def build_app(s: WorkerSettings) -> faust.App:
         # an empty state directory under the same epoch is a lost volume, refused (static); a
         # lost changelog topic, refused (group)
         mark_key = f"{s.app_id}/group" if group else f"{s.app_id}/{s.ownership.index}"
-        marks = await loop.run_in_executor(None, lambda: read_epoch_marks(broker))
         previous = marks.get(mark_key)
-        # `dpstream reset` counts start-overs here: each moves the worker to a new noise label
-        restarts = int((marks.get(restarts_key(s.app_id)) or {}).get("count", 0))
         worker = await loop.run_in_executor(None, lambda: DpstreamWorker(
             s.config, s.secret, s.state_dir, None if group else s.ownership, {t: counts[t] for t in inputs},
             repartitions.pop() if repartitions else s.partitions, metrics, previous_mark=previous, app_id=s.app_id,

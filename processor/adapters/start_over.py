@@ -9,7 +9,8 @@ Starting over is therefore an explicit act, and this module is all of it:
 * the workers must be stopped (the consumer group ``<app>-workers`` has no members);
 * the state directory is deleted (only one that holds dpstream state: never a source folder);
 * the application's internal topics are deleted: the repartition topics of the config's queries
-  and the application's changelog topics; its consumer group's committed offsets are deleted;
+  in the current epoch and the application's changelog topics (the next run's are named anew
+  anyway); its consumer group's committed offsets are deleted;
 * its epoch marks and delivery progress records (``dpstream-epochs``, ``dpstream-progress``,
   keys ``<app>/...``) get tombstones, and ``<app>/restarts`` counts one more start-over. The
   workers' noise label and changelogs follow that count
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from dpstream.processor.adapters.worker import LAYOUT_FILE
+from dpstream.processor.adapters.worker import LAYOUT_FILE, worker_epoch
 from dpstream.processor.config import ConfigError, DpstreamConfig
 from dpstream.topics.kafka import (
     EPOCH_TOPIC,
@@ -115,14 +116,16 @@ def plan_start_over(config: DpstreamConfig, app_id: str, state_dir: Optional[str
         if members:
             raise StartOverError(f"application {app_id!r} still has {len(members)} worker(s) running (consumer group "
                                  f"{name}): stop them first (kubectl scale statefulset ... --replicas 0, or stop the processes)")
-    prefix = changelog_topic(app_id, "", "").rstrip("-")  # "<app>-": the changelogs of every epoch of the app
-    topics = {repartition_topic(q.name) for q in config.queries}
-    topics |= {t for t in existing if t.startswith(prefix) and t.endswith("-changelog")}
-    if delete_outputs:
-        topics |= {q.output_topic for q in config.queries} | {q.output_topic for q in config.dynamic}
     marks = read_compacted(broker, EPOCH_TOPIC, f"{app_id}/", timeout=timeout) if EPOCH_TOPIC in existing else {}
     progress = read_compacted(broker, PROGRESS_TOPIC, f"{app_id}/", timeout=timeout) if PROGRESS_TOPIC in existing else {}
     count = int((marks.get(restarts_key(app_id)) or {}).get("count", 0))
+    prefix = changelog_topic(app_id, "", "").rstrip("-")  # "<app>-": the changelogs of every epoch of the app
+    # this run's repartition topics (the next run's have new names: worker_epoch)
+    epoch = worker_epoch(config, count)
+    topics = {repartition_topic(q.name, app_id, epoch) for q in config.queries}
+    topics |= {t for t in existing if t.startswith(prefix) and t.endswith("-changelog")}
+    if delete_outputs:
+        topics |= {q.output_topic for q in config.queries} | {q.output_topic for q in config.dynamic}
     return StartOverPlan(app_id, path, sorted(topics & existing), group,
                          sorted(k for k in marks if k != restarts_key(app_id)), sorted(progress), count + 1)
 

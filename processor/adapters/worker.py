@@ -459,7 +459,7 @@ class DpstreamWorker:
         self._by_input: dict[str, list] = defaultdict(list)
         for q in config.queries:
             self._by_input[q.input_topic].append(q)
-        self._by_repartition = {repartition_topic(q.name): q for q in config.queries}
+        self._by_repartition = {self.repartition_topic(q.name): q for q in config.queries}
         self._dynamic_queries: dict[str, list] = defaultdict(list)
         for q in config.dynamic:
             self._dynamic_queries[q.input_topic].append(q)
@@ -594,6 +594,10 @@ class DpstreamWorker:
             if offset is not None:
                 source.store.checkpoint(offset, seq, now_ms)
 
+    def repartition_topic(self, query_name: str) -> str:
+        """This application's and epoch's stage 1 -> stage 2 topic of a query."""
+        return repartition_topic(query_name, self.app_id, worker_epoch(self.config, self.restarts))
+
     def changelog_topic(self, source_topic: str) -> str:
         return changelog_topic(self.app_id, worker_epoch(self.config, self.restarts), source_topic)
 
@@ -725,7 +729,7 @@ class DpstreamWorker:
             # by key; a hierarchy by its level-1 key, so a whole subtree is on one partition and
             # its consistency step sees every level (docs/privacy.md, "Post-processing: hierarchical consistency")
             target = (bounded.roots % np.uint64(self.repartitions)).astype(np.int64)
-            out_topic = repartition_topic(q.name)
+            out_topic = self.repartition_topic(q.name)
             for p in np.unique(target).tolist():
                 for value in encoded_parts(bounded.take(np.nonzero(target == p)[0])):
                     result.messages.append(Message(out_topic, value, None, p))
@@ -808,7 +812,7 @@ class DpstreamWorker:
             source.announced_ms = mark
             value = encode_watermark(topic, p, mark)
             for pipe in source.pipelines:
-                out.extend(Message(repartition_topic(pipe.query.name), value, WATERMARK_KEY, q) for q in range(self.repartitions))
+                out.extend(Message(self.repartition_topic(pipe.query.name), value, WATERMARK_KEY, q) for q in range(self.repartitions))
         return out
 
     def stage_two_clock(self, source: SourcePartition, now_ms: int) -> Optional[int]:
