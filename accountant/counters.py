@@ -30,7 +30,11 @@ from typing import Callable
 
 import numpy as np
 
-from dpstream.accountant.calibration import prefix_variance_factor, read_levels, tree_levels
+from dpstream.accountant.calibration import (
+    prefix_variance_factor,
+    read_levels,
+    tree_levels,
+)
 
 #: Lattice counters put their noise on the grid ``unit / K`` with K the largest power of two
 #: keeping the sampler's scale ``sigma_units * K`` at most this (dpstream.processor.mechanisms.noise).

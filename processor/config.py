@@ -25,7 +25,13 @@ from pydantic import (
     model_validator,
 )
 
-from dpstream.accountant import BudgetError, PrivacyPlan, QueryBudget, plan_levels, plan_query
+from dpstream.accountant import (
+    BudgetError,
+    PrivacyPlan,
+    QueryBudget,
+    plan_levels,
+    plan_query,
+)
 from dpstream.accountant.dynamic import DynamicPlan
 from dpstream.accountant.ledger import BudgetPolicy
 from dpstream.accountant.plan import plan_fingerprint

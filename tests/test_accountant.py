@@ -17,7 +17,12 @@ from dpstream.accountant.calibration import (
     prefix_variance_factor,
     tail_multiplier,
 )
-from dpstream.accountant.plan import SAMPLER_TV_BOUND, BudgetError, QueryBudget, plan_query
+from dpstream.accountant.plan import (
+    SAMPLER_TV_BOUND,
+    BudgetError,
+    QueryBudget,
+    plan_query,
+)
 
 RHOS = [1e-3, 0.01, 0.1, 0.5, 1.0, 3.0, 10.0]
 DELTAS = [1e-3, 1e-6, 1e-9, 1e-12]

@@ -24,7 +24,10 @@ from dpstream.accountant.plan import (
 from dpstream.processor.adapters.replay import ReplayRunner
 from dpstream.processor.config import DpstreamConfig, QueryConfig
 from dpstream.processor.mechanisms.noise import NodeNoise
-from dpstream.processor.mechanisms.perturbation import HierarchicalPerturber, PerturbationBatch
+from dpstream.processor.mechanisms.perturbation import (
+    HierarchicalPerturber,
+    PerturbationBatch,
+)
 from tests.conftest import TEST_LABEL, TEST_SECRET
 
 MEAN = dict(epsilon=2.0, delta=1e-7, triggers=64, contribution_bound=8, clamp=10.0, aggregate="mean", columns=("value", "one"))

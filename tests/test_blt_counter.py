@@ -13,8 +13,17 @@ from conftest import TEST_SECRET
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dpstream.accountant.counters import BLT, LATTICE_TARGET_SIGMA, blt_parameters, lattice_scale
-from dpstream.processor.mechanisms.counters import BLTCounter, LatticePrefix, counter_for
+from dpstream.accountant.counters import (
+    BLT,
+    LATTICE_TARGET_SIGMA,
+    blt_parameters,
+    lattice_scale,
+)
+from dpstream.processor.mechanisms.counters import (
+    BLTCounter,
+    LatticePrefix,
+    counter_for,
+)
 from dpstream.processor.mechanisms.noise import TREE_ID_DTYPE, NodeNoise
 
 

@@ -2,7 +2,12 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dpstream.state.changelog import SEQUENCE_KEY, ChangelogStore, restore_store, sequence_of
+from dpstream.state.changelog import (
+    SEQUENCE_KEY,
+    ChangelogStore,
+    restore_store,
+    sequence_of,
+)
 from dpstream.state.store import MemoryStore, WriteBatch
 
 KEYS = st.binary(min_size=1, max_size=3)

@@ -10,7 +10,13 @@ from pydantic import ValidationError
 
 from dpstream.processor.config import DpstreamConfig, DynamicQueryConfig
 from dpstream.topics.decoding import DECODERS, JsonRecordDecoder, decoder_for
-from dpstream.topics.records import Event, EventParser, InvalidRecord, Update, UpdateParser
+from dpstream.topics.records import (
+    Event,
+    EventParser,
+    InvalidRecord,
+    Update,
+    UpdateParser,
+)
 
 SECRET_LOOKING = "user-4711-private"
 

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from dpstream.processor.adapters.worker import DpstreamWorker
+from dpstream.topics.kafka import PROGRESS_TOPIC
 from tests.test_worker_service import (
     START,
     WINDOW_MS,
@@ -17,7 +18,6 @@ from tests.test_worker_service import (
     reference_releases,
     stage_two,
 )
-from dpstream.topics.kafka import PROGRESS_TOPIC
 
 
 def progress_of(worker: DpstreamWorker, messages) -> dict:
@@ -132,7 +132,12 @@ def test_a_read_waits_for_a_transaction_open_below_the_end_and_counts_it_once_co
     import threading
     import uuid
 
-    from dpstream.topics.kafka import KafkaPublisher, TopicSpec, create_topics, read_compacted
+    from dpstream.topics.kafka import (
+        KafkaPublisher,
+        TopicSpec,
+        create_topics,
+        read_compacted,
+    )
 
     topic = f"it-progress-{uuid.uuid4().hex[:8]}"
     create_topics(broker, [TopicSpec(topic, 1, {"cleanup.policy": "compact"})])

@@ -9,8 +9,8 @@ from dpstream.processor.config import DynamicQueryConfig
 from dpstream.processor.engine.dynamic_stream import DynamicQueryState
 from dpstream.processor.mechanisms.noise import NodeNoise, Pseudonymizer
 from dpstream.state.store import MemoryStore, RocksDBStore, WriteBatch
-from tests.conftest import TEST_SECRET
 from dpstream.topics.records import InvalidRecord
+from tests.conftest import TEST_SECRET
 
 ITEMS = ["a", "b", "c", "d"]
 

@@ -17,8 +17,8 @@ from dpstream.processor.adapters.worker import DpstreamWorker, Ownership
 from dpstream.processor.config import ConfigError, DpstreamConfig, load_config
 from dpstream.processor.engine.pipeline import BoundedRecords, level_key_texts
 from dpstream.processor.mechanisms.consistency import solve
-from tests.conftest import TEST_LABEL, TEST_SECRET
 from dpstream.topics.kafka import DEAD_LETTER_TOPIC
+from tests.conftest import TEST_LABEL, TEST_SECRET
 
 HOUR = 3_600_000
 START = 1_800_000_000_000 - 1_800_000_000_000 % HOUR

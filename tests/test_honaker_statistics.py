@@ -14,7 +14,10 @@ import math
 import numpy as np
 import pytest
 
-from dpstream.accountant.calibration import honaker_variance_factor, prefix_variance_factor
+from dpstream.accountant.calibration import (
+    honaker_variance_factor,
+    prefix_variance_factor,
+)
 from dpstream.processor.mechanisms.noise import TreeIdentity, discrete_gaussian
 from dpstream.processor.mechanisms.tree import HonakerForest
 

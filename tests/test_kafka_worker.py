@@ -30,9 +30,9 @@ from dpstream.processor.adapters.kafka_tools import produce, tail
 from dpstream.processor.adapters.replay import ReplayRunner
 from dpstream.processor.adapters.worker import worker_noise_label
 from dpstream.processor.config import load_config
-from tests.conftest import ROOT, TEST_SECRET, TEST_SECRET_HEX
 from dpstream.topics.kafka import DEAD_LETTER_TOPIC
 from dpstream.topics.partitioner import partition_for_key
+from tests.conftest import ROOT, TEST_SECRET, TEST_SECRET_HEX
 
 WINDOW_S, TRIGGERS, LATENESS_S = 12, 4, 1
 

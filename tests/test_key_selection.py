@@ -7,7 +7,11 @@ from conftest import TEST_SECRET
 from scipy import stats
 
 from dpstream.accountant.plan import QueryBudget, plan_query
-from dpstream.processor.mechanisms.key_selection import SELECT_KIND, KeySelector, SelectionBatch
+from dpstream.processor.mechanisms.key_selection import (
+    SELECT_KIND,
+    KeySelector,
+    SelectionBatch,
+)
 from dpstream.processor.mechanisms.noise import NodeNoise, TreeIdentity
 from dpstream.processor.mechanisms.tree import ABSENT, HonakerForest
 

@@ -185,7 +185,7 @@ def test_a_new_app_id_on_the_same_broker_reads_only_its_own_stage_one_records(tm
         w.stop()
 
         # the second application: same query name, its own input topic and events
-        first_app, sc.app_id = sc.app_id, sc.app_id + "-2"
+        sc.app_id = sc.app_id + "-2"
         old_input, sc.input = sc.input, sc.input + "-2"
         sc.config.write_text(sc.config.read_text().replace(f"input_topic: {old_input}", f"input_topic: {sc.input}"))
         w2 = sc.worker("b").start()

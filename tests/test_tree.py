@@ -8,7 +8,11 @@ from dpstream.accountant.calibration import (
     read_levels,
     tree_levels,
 )
-from dpstream.processor.mechanisms.noise import TreeIdentity, discrete_gaussian, node_ids
+from dpstream.processor.mechanisms.noise import (
+    TreeIdentity,
+    discrete_gaussian,
+    node_ids,
+)
 from dpstream.processor.mechanisms.tree import HonakerForest
 
 

@@ -12,10 +12,10 @@ from dpstream.processor.adapters.worker import (
     DpstreamWorker,
     Ownership,
 )
-from tests.conftest import TEST_SECRET, Record
-from tests.test_worker_service import START, WINDOW_MS, config, events, stage_two
 from dpstream.topics.kafka import DEAD_LETTER_TOPIC
 from dpstream.topics.partitioner import partition_for
+from tests.conftest import TEST_SECRET, Record
+from tests.test_worker_service import START, WINDOW_MS, config, events, stage_two
 
 END = START + 10 * WINDOW_MS  # a wall clock past every trigger of the workload
 

@@ -6,11 +6,15 @@ import json
 import numpy as np
 import pytest
 
-from dpstream.processor.adapters.worker import DpstreamWorker, Ownership, StateLayoutError
+from dpstream.processor.adapters.worker import (
+    DpstreamWorker,
+    Ownership,
+    StateLayoutError,
+)
 from dpstream.processor.config import DpstreamConfig
 from dpstream.processor.engine.pipeline import BoundedRecords
-from tests.conftest import TEST_SECRET, Record
 from dpstream.topics.kafka import DEAD_LETTER_TOPIC, repartition_topic
+from tests.conftest import TEST_SECRET, Record
 
 WINDOW_MS = 40_000
 START = 1_800_000_000_000 - 1_800_000_000_000 % WINDOW_MS

@@ -27,7 +27,11 @@ import threading
 import time
 from typing import Awaitable, Callable, Optional
 
-from dpstream.processor.adapters.worker import CREATE_TIME, LOG_APPEND_TIME, InputWentBackError
+from dpstream.processor.adapters.worker import (
+    CREATE_TIME,
+    LOG_APPEND_TIME,
+    InputWentBackError,
+)
 from dpstream.topics.kafka import client_security
 
 log = logging.getLogger("dpstream.worker")

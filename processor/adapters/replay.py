@@ -53,7 +53,11 @@ from dpstream.processor.engine.budget import (
     open_ledger,
 )
 from dpstream.processor.engine.dynamic_stream import DynamicQueryState
-from dpstream.processor.engine.pipeline import EventColumns, QueryPipeline, check_noise_epoch
+from dpstream.processor.engine.pipeline import (
+    EventColumns,
+    QueryPipeline,
+    check_noise_epoch,
+)
 from dpstream.processor.engine.runner import Engine, Fired, QueryRunner
 from dpstream.processor.mechanisms.noise import NodeNoise, Pseudonymizer
 from dpstream.state.store import PartitionStores, WriteBatch

@@ -82,7 +82,12 @@ from dpstream.processor.engine.pipeline import (
 from dpstream.processor.engine.runner import Fired, QueryRunner
 from dpstream.processor.mechanisms.noise import NodeNoise, Pseudonymizer
 from dpstream.state.changelog import ChangelogStore, restore_from_changelog
-from dpstream.state.store import PartitionStores, Store, WriteBatch, check_state_directory
+from dpstream.state.store import (
+    PartitionStores,
+    Store,
+    WriteBatch,
+    check_state_directory,
+)
 from dpstream.state.tables import WINDOW_OPEN, InputWatermarks, IntegerMark, TextMark
 from dpstream.topics.decoding import decoder_for
 from dpstream.topics.kafka import (

@@ -20,7 +20,11 @@ import numpy as np
 from dpstream.accountant import QueryBudget, plan_query
 from dpstream.processor.bench.report import Progress, machine
 from dpstream.processor.mechanisms.key_selection import KeySelector
-from dpstream.processor.mechanisms.noise import NodeNoise, TreeIdentity, discrete_gaussian
+from dpstream.processor.mechanisms.noise import (
+    NodeNoise,
+    TreeIdentity,
+    discrete_gaussian,
+)
 from dpstream.processor.mechanisms.perturbation import HierarchicalPerturber
 
 #: Benchmarks noise synthetic data only; a one-off random secret per run (never a literal).

@@ -62,7 +62,10 @@ from dpstream.processor.mechanisms.consistency import solve as solve_consistency
 from dpstream.processor.mechanisms.counters import counter_for
 from dpstream.processor.mechanisms.key_selection import KeySelector, SelectionBatch
 from dpstream.processor.mechanisms.noise import TREE_ID_DTYPE, NodeNoise, Pseudonymizer
-from dpstream.processor.mechanisms.perturbation import HierarchicalPerturber, PerturbationBatch
+from dpstream.processor.mechanisms.perturbation import (
+    HierarchicalPerturber,
+    PerturbationBatch,
+)
 from dpstream.state.store import Store, WriteBatch
 from dpstream.state.tables import (
     AMEND_ENTRY,
@@ -74,7 +77,12 @@ from dpstream.state.tables import (
     QueryTables,
     ViewEntry,
 )
-from dpstream.topics.records import encode_json, key_for_output, key_text, release_record
+from dpstream.topics.records import (
+    encode_json,
+    key_for_output,
+    key_text,
+    release_record,
+)
 
 #: initial half-width of a value's domain in the consistency program, in standard deviations of
 #: its noise (Fioretto et al. section 11.2 size domains from the noise; the solver widens them

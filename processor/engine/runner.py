@@ -18,7 +18,11 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
-from dpstream.processor.engine.pipeline import BoundedRecords, EventColumns, QueryPipeline
+from dpstream.processor.engine.pipeline import (
+    BoundedRecords,
+    EventColumns,
+    QueryPipeline,
+)
 from dpstream.state.store import WriteBatch
 
 

@@ -27,8 +27,8 @@ from dpstream.processor.config import QueryConfig
 from dpstream.processor.engine.pipeline import EventColumns, QueryPipeline
 from dpstream.processor.mechanisms.noise import NodeNoise, Pseudonymizer
 from dpstream.state.store import MemoryStore, WriteBatch
-from tests.conftest import TEST_SECRET
 from dpstream.topics.records import key_text
+from tests.conftest import TEST_SECRET
 
 DAY = 86_400_000
 START = 1_795_132_800_000  # a UTC midnight

@@ -18,7 +18,12 @@ from hypothesis import strategies as st
 from dpstream.accountant.plan import plan_fingerprint
 from dpstream.processor.adapters.replay import ReplayError, ReplayRunner
 from dpstream.processor.adapters.worker import DpstreamWorker, Ownership
-from dpstream.processor.config import BudgetConfig, BudgetLimit, DpstreamConfig, level_plans_for
+from dpstream.processor.config import (
+    BudgetConfig,
+    BudgetLimit,
+    DpstreamConfig,
+    level_plans_for,
+)
 from tests.conftest import TEST_SECRET
 from tests.privacy._helpers import (
     BASELINE,

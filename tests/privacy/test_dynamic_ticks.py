@@ -20,7 +20,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dpstream.processor.adapters.worker import DpstreamWorker, Ownership, worker_noise_label
+from dpstream.processor.adapters.worker import (
+    DpstreamWorker,
+    Ownership,
+    worker_noise_label,
+)
 from dpstream.processor.config import DpstreamConfig, DynamicQueryConfig
 from dpstream.processor.engine.dynamic_stream import DynamicQueryState
 from dpstream.processor.mechanisms.noise import NodeNoise, Pseudonymizer

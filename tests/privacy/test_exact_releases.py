@@ -46,7 +46,11 @@ from dpstream.accountant.plan import SAMPLER_TV_BOUND, QueryBudget, plan_query
 from dpstream.processor.adapters.replay import ReplayRunner
 from dpstream.processor.config import DpstreamConfig, QueryConfig
 from dpstream.processor.mechanisms.counters import BinaryTreeCounter
-from dpstream.processor.mechanisms.key_selection import SELECT_KIND, KeySelector, SelectionBatch
+from dpstream.processor.mechanisms.key_selection import (
+    SELECT_KIND,
+    KeySelector,
+    SelectionBatch,
+)
 from dpstream.processor.mechanisms.noise import (
     TREE_ID_DTYPE,
     NodeNoise,
@@ -54,7 +58,10 @@ from dpstream.processor.mechanisms.noise import (
     discrete_gaussian,
     node_ids,
 )
-from dpstream.processor.mechanisms.perturbation import HierarchicalPerturber, PerturbationBatch
+from dpstream.processor.mechanisms.perturbation import (
+    HierarchicalPerturber,
+    PerturbationBatch,
+)
 from dpstream.processor.mechanisms.tree import ABSENT, HonakerForest
 from tests.conftest import TEST_SECRET
 

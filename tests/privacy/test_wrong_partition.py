@@ -19,10 +19,10 @@ from hypothesis import strategies as st
 from dpstream.processor.adapters.worker import DpstreamWorker, Ownership
 from dpstream.processor.config import DpstreamConfig
 from dpstream.processor.engine.pipeline import BoundedRecords
-from tests.conftest import TEST_SECRET, Record
-from tests.privacy._helpers import BASELINE, START, baseline_available, query
 from dpstream.topics import partitioner
 from dpstream.topics.kafka import DEAD_LETTER_TOPIC
+from tests.conftest import TEST_SECRET, Record
+from tests.privacy._helpers import BASELINE, START, baseline_available, query
 
 C = 3
 
