@@ -142,9 +142,10 @@ class Scenario:
         tail(self.broker, topic, out, idle_seconds=3)
         return [json.loads(line) for line in out.getvalue().splitlines()]
 
-    def replay(self) -> list[dict]:
+    def replay(self, label: str | None = None) -> list[dict]:
+        """Replay of the events under the worker's noise label (or ``label``)."""
         config = load_config(self.config)
-        runner = ReplayRunner(config, TEST_SECRET, None, noise_label=worker_noise_label(self.app_id, config))
+        runner = ReplayRunner(config, TEST_SECRET, None, noise_label=label or worker_noise_label(self.app_id, config))
         out = io.StringIO()
         try:
             runner.run(str(self.events), out)

@@ -7,7 +7,6 @@ new run never re-releases a value with the old noise. The broker test checks the
 releases are exactly replay's under the new label, and that they differ from the old run's."""
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import stat
@@ -16,7 +15,6 @@ import sys
 
 import pytest
 
-from dpstream.processor.adapters.replay import ReplayRunner
 from dpstream.processor.adapters.start_over import StartOverError, check_state_dir
 from dpstream.processor.adapters.worker import worker_noise_label
 from dpstream.processor.config import load_config
@@ -75,6 +73,28 @@ def test_reset_deletes_only_a_dpstream_state_directory(tmp_path):
         check_state_dir(state)
 
 
+def first_run(sc, name: str):
+    """A worker of ``sc``'s application over one window of events: its releases equal replay's."""
+    w = sc.worker(name).start()
+    sc.workers.append(w)
+    w.wait_ready()
+    sc.write_events(6_000, users=600, keys=20, lead_s=3)
+    assert sc.produce_events() == 6_000
+    sc.wait_for_window_end()
+    first = sc.replay()
+    sc.assert_published_equal(first)
+    return w, first
+
+
+def fired_all(w, sc, timeout: float = 90) -> None:
+    """Until ``w`` has fired every trigger of the window on each of the 4 repartition partitions."""
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline and w.metric("dpstream_triggers_fired_total", query=sc.query) < sc.triggers * 4:
+        time.sleep(0.3)
+
+
 @pytest.mark.broker
 @pytest.mark.slow
 def test_a_lost_volume_is_refused_then_reset_starts_over_under_a_new_noise_label(tmp_path, broker):
@@ -83,15 +103,7 @@ def test_a_lost_volume_is_refused_then_reset_starts_over_under_a_new_noise_label
     from dpstream.topics.kafka import repartition_topic
 
     with running(tmp_path, broker) as sc:
-        w = sc.worker("one").start()
-        sc.workers.append(w)
-        w.wait_ready()
-        sc.write_events(6_000, users=600, keys=20, lead_s=3)
-        assert sc.produce_events() == 6_000
-        sc.wait_for_window_end()
-        first = sc.replay()
-        assert first
-        sc.assert_published_equal(first)
+        w, first = first_run(sc, "one")
         args = ("reset", "--config", str(sc.config), "--app-id", sc.app_id, "--state-dir", str(w.state_dir),
                 "--broker", broker)
         busy = cli(*args, "--yes")  # a running worker's application is not started over under it
@@ -120,24 +132,10 @@ def test_a_lost_volume_is_refused_then_reset_starts_over_under_a_new_noise_label
         w.log.write_text("")
         w.start()
         w.wait_ready()
-        deadline_fired = sc.triggers * 4
-        import time
-
-        deadline = time.time() + 90
-        while time.time() < deadline and w.metric("dpstream_triggers_fired_total", query=sc.query) < deadline_fired:
-            time.sleep(0.3)
-        config = load_config(sc.config)
-        label = worker_noise_label(sc.app_id, config, restarts=1)
+        fired_all(w, sc)
+        label = worker_noise_label(sc.app_id, load_config(sc.config), restarts=1)
         assert label.endswith(":1.restart1")
-        runner = ReplayRunner(config, TEST_SECRET, None, noise_label=label)
-        import io
-
-        out = io.StringIO()
-        try:
-            runner.run(str(sc.events), out)
-        finally:
-            runner.close()
-        second = [json.loads(line) for line in out.getvalue().splitlines()]
+        second = sc.replay(label)
         published = sc.published(first + second)
         assert canonical(published) == canonical(first) | canonical(second)
         # new noise: the same (window, key, trigger) released again carries another value
@@ -147,41 +145,14 @@ def test_a_lost_volume_is_refused_then_reset_starts_over_under_a_new_noise_label
         assert again and sum(a != b for a, b in again) > len(again) // 2
 
 
-def fired_all(w, sc, timeout: float = 90) -> None:
-    import time
-
-    deadline = time.time() + timeout
-    while time.time() < deadline and w.metric("dpstream_triggers_fired_total", query=sc.query) < sc.triggers * 4:
-        time.sleep(0.3)
-
-
-def replay_as(sc, label: str) -> list[dict]:
-    import io
-
-    runner = ReplayRunner(load_config(sc.config), TEST_SECRET, None, noise_label=label)
-    out = io.StringIO()
-    try:
-        runner.run(str(sc.events), out)
-    finally:
-        runner.close()
-    return [json.loads(line) for line in out.getvalue().splitlines()]
-
-
 @pytest.mark.broker
 @pytest.mark.slow
 def test_a_new_app_id_on_the_same_broker_reads_only_its_own_stage_one_records(tmp_path, broker):
-    """The lost-state refusal names a new --app-id as a way to start over. That application
-    reads the input from its start into a fresh state; had it also read the first application's
-    bounded records (one repartition topic per query name), every user would count twice."""
+    """The lost-state refusal names a new --app-id as a way to start over. That application's
+    fresh state must take in only its own stage 1's records: with one repartition topic per
+    query name it also read the first application's, and released a window it never read."""
     with running(tmp_path, broker) as sc:
-        w = sc.worker("a").start()
-        sc.workers.append(w)
-        w.wait_ready()
-        sc.write_events(6_000, users=600, keys=20, lead_s=3)
-        assert sc.produce_events() == 6_000
-        sc.wait_for_window_end()
-        first = sc.replay()
-        sc.assert_published_equal(first)
+        w, first = first_run(sc, "a")
         w.stop()
 
         # the second application: same query name, its own input topic and events
@@ -194,7 +165,7 @@ def test_a_new_app_id_on_the_same_broker_reads_only_its_own_stage_one_records(tm
         sc.write_events(3_000, users=300, keys=10, lead_s=3, seed=12)
         assert sc.produce_events() == 3_000
         sc.wait_for_window_end()
-        second = replay_as(sc, worker_noise_label(sc.app_id, load_config(sc.config)))
+        second = sc.replay()
         assert second and {r["window_start"] for r in second}.isdisjoint({r["window_start"] for r in first})
         # exactly its own releases: none for the first application's window
         assert canonical(sc.published(first + second)) == canonical(first) | canonical(second)
