@@ -141,7 +141,7 @@ def test_a_deleted_changelog_is_refused_naming_it(sc):
     w.start()
     assert w.proc.wait(90) != 0
     text = cmd_log.read_text()
-    assert "changelog topic" in text and changelog in text and "new epoch" in text
+    assert "changelog topic" in text and changelog in text and "dpstream reset" in text and "budget.epoch" in text
 
 
 def test_group_assignment_refuses_at_least_once_and_static_workers(tmp_path):
