@@ -1161,10 +1161,11 @@ def run_worker(s: WorkerSettings, loglevel: str = "info") -> int:
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     stopped_by = app.dpstream_status.get("stopped_by")
+    # A failure exits at once (os._exit): an executor thread may still be waiting on a broker that
+    # is gone (the monitoring offset commit blocks until its coordinator answers), and the
+    # interpreter's own exit joins those threads, which kept a worker up 40 s after it stopped
     if stopped_by is not None:
-        code, line = stop_line(stopped_by)
-        logging.shutdown()
-        print(line, file=sys.stderr, flush=True)
+        _exit_now(*stop_line(stopped_by))
     elif code:
-        print(f"dpstream worker: stopped: Faust failed (exit code {code}; its log above says why)", file=sys.stderr)
+        _exit_now(code, f"dpstream worker: stopped: Faust failed (exit code {code}; its log above says why)")
     return code
