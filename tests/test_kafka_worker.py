@@ -178,7 +178,7 @@ class Worker:
         except urllib.error.HTTPError as e:
             return e.code, e.read().decode()
 
-    def wait_ready(self, timeout: float = 90) -> "Worker":
+    def wait_ready(self, timeout: float = 120) -> "Worker":
         deadline = time.time() + timeout
         while time.time() < deadline:
             assert self.proc.poll() is None, f"worker exited: {self.log.read_text()[-3000:]}"

@@ -218,7 +218,13 @@ def read_epoch_marks(bootstrap: str, timeout: float = 30.0) -> dict[str, dict]:
     return read_compacted(bootstrap, EPOCH_TOPIC, timeout=timeout)
 
 
-def read_progress(bootstrap: str, app_id: str, timeout: float = 30.0) -> dict[str, dict]:
+#: how long a worker waits to read the progress topic to its end: a previous incarnation's open
+#: transaction (one cut off by a broker outage) holds it back until the coordinator aborts it,
+#: at the latest after the producers' transaction timeout (librdkafka's default, 60 s)
+PROGRESS_READ_TIMEOUT_S = 75.0
+
+
+def read_progress(bootstrap: str, app_id: str, timeout: float = PROGRESS_READ_TIMEOUT_S) -> dict[str, dict]:
     """What the application's workers have delivered (:data:`PROGRESS_TOPIC`), by key without
     the ``<app id>/`` prefix."""
     prefix = f"{app_id}/"
