@@ -1,0 +1,172 @@
+"""One worker process's run: what the Faust agents, timers and pages call.
+
+:class:`WorkerRun` holds what both ways of owning partitions share: the state
+(:class:`dpstream.processor.adapters.worker.DpstreamWorker`), the producers
+(:class:`dpstream.processor.adapters.delivery.RolePublishers`), the batches gathering for the
+stages' agents, the health. Its two kinds: :class:`dpstream.processor.adapters.static_run.StaticRun`
+(``--worker-index``/``--workers``: fixed partitions read with aiokafka) and
+:class:`dpstream.processor.adapters.elastic_run.ElasticRun` (``--assignment group``: partitions
+assigned by a consumer group, state moved through changelogs). Faust itself is only in
+:mod:`dpstream.processor.adapters.faust_app`, which wires these methods to agents and timers.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Awaitable, Callable, Optional
+
+from dpstream.processor.adapters.delivery import RolePublishers
+from dpstream.processor.adapters.health import WorkerHealth
+from dpstream.processor.adapters.metrics import PipelineMetrics
+from dpstream.processor.adapters.stage_batches import StageBatches
+from dpstream.processor.adapters.worker import DpstreamWorker, FiredTrigger
+from dpstream.processor.adapters.worker_startup import WorkerStartup
+from dpstream.topics.kafka import client_security
+
+log = logging.getLogger("dpstream.worker")
+
+
+def log_positions(broker: str, sources) -> dict[tuple[str, int], tuple[int, int, Optional[str]]]:
+    """(log start offset, log end offset, topic id) of each source partition. Topic ids come
+    from DescribeTopics (Apache Kafka); a broker without them gives None."""
+    from confluent_kafka import Consumer, TopicCollection, TopicPartition
+    from confluent_kafka.admin import AdminClient
+
+    topics = sorted({src.topic for src in sources})
+    ids: dict[str, Optional[str]] = {}
+    admin = AdminClient({"bootstrap.servers": broker, **client_security()})  # kept alive until the futures resolve
+    try:
+        futures = admin.describe_topics(TopicCollection(topics))
+        for name, future in futures.items():
+            ids[name] = str(future.result(15).topic_id) or None
+    except Exception as exc:  # noqa: BLE001 - no DescribeTopics (e.g. Tansu): offsets alone
+        log.debug("no topic ids from the broker (%s): checking offsets only", exc)
+        ids = {}
+    consumer = Consumer({"bootstrap.servers": broker, "group.id": "dpstream-log-positions", "enable.auto.commit": False,
+                         **client_security()})
+    try:
+        out = {}
+        for src in sources:
+            low, high = consumer.get_watermark_offsets(TopicPartition(src.topic, src.partition), timeout=15)
+            out[(src.topic, src.partition)] = (low, high, ids.get(src.topic))
+        return out
+    finally:
+        consumer.close()
+
+
+class WorkerRun:
+    """What a worker's run shares, whichever way it owns its partitions (subclasses)."""
+
+    def __init__(self, s, broker: str, metrics: PipelineMetrics, health: WorkerHealth,
+                 send_batch: Callable[[str, list], Awaitable[None]], crash: Callable[[BaseException], Awaitable[None]]):
+        self.s, self.broker, self.metrics, self.health = s, broker, metrics, health
+        self.crash = crash  # stops the worker (faust_app)
+        self.exactly_once = s.delivery == "exactly-once"
+        self.publishers = RolePublishers(broker, s.app_id, s.delivery, s.assignment,
+                                         s.instance_id if s.assignment == "group" else str(s.ownership.index), s.broker_timeout,
+                                         heard=health.heard_from_broker)
+        self.batches = StageBatches(send_batch, s.batch_linger, s.fetch_records)
+        self.worker: Optional[DpstreamWorker] = None
+        self.consumer = None
+
+    # ------------------------------------------------------------------ the consume task
+    async def run(self) -> None:
+        """Open the state, start the producers, then read the owned partitions in batches."""
+        loop = asyncio.get_running_loop()
+        self.worker = await loop.run_in_executor(None, WorkerStartup(self.s, self.broker, self.metrics).open)
+        await loop.run_in_executor(None, self.publishers.start)
+        await self.consume(loop)
+
+    async def consume(self, loop) -> None:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        """The consume task ended: leave (hand partitions over) and close the clients."""
+
+    # ------------------------------------------------------------------ the agents and the timer
+    async def process(self, items, stage: str) -> None:
+        """One dispatched batch of ``stage`` (stage1, stage2, dynamic)."""
+        raise NotImplementedError
+
+    def step(self, stage: str):
+        """The worker's step for a stage's records."""
+        w = self.worker
+        return {"stage1": w.process_input, "stage2": w.process_repartitioned, "dynamic": w.process_dynamic}[stage]
+
+    async def fire(self, now_ms: int) -> None:
+        """The timer: fire every due trigger, decide dynamic ticks."""
+        raise NotImplementedError
+
+    def stage_of(self, key) -> str:
+        w = self.worker
+        return "stage1" if key in w.stage1 else "stage2" if key in w.stage2 else "dynamic"
+
+    # ------------------------------------------------------------------ watching
+    def broker_silence(self) -> float:
+        """s since the broker last answered (health: ``waiting-for-broker``, --broker-timeout)."""
+        return self.health.silence()
+
+    def check_logs(self) -> dict:
+        """Blocking: every source partition's log against the state (raises InputWentBackError);
+        returns the log positions (start, end, topic id) by partition."""
+        sources = self.worker.sources
+        positions = log_positions(self.broker, sources)
+        for src in sources:
+            src.check_log(*positions[(src.topic, src.partition)])
+        return positions
+
+    def high_watermark(self, key) -> Optional[int]:
+        raise NotImplementedError
+
+    def refresh_metrics(self) -> None:
+        worker = self.worker
+        if worker is None:
+            return
+        worker.refresh_metrics()
+        lags = {}
+        for src in worker.sources:
+            high = self.high_watermark((src.topic, src.partition))
+            if high is not None:
+                lags[(src.topic, src.partition)] = max(0, high - src.last_offset - 1)
+        self.metrics.observe_lag(lags)  # a partition that moved away loses its sample
+        for topic, count in worker.owned_counts().items():
+            self.metrics.partitions_owned.labels(topic).set(count)
+
+    async def commit_offsets(self) -> None:
+        """Monitoring offsets for lag tools (static workers; elastic ones commit theirs in their
+        transactions)."""
+
+    def status_data(self) -> dict:
+        """The status page's data (docs/operations.md, "Status page"): the worker's own
+        (:meth:`DpstreamWorker.status`), its health state and how it runs."""
+        s = self.s
+        worker = self.worker
+        data = worker.status(int(time.time() * 1000)) if worker is not None else {"app_id": s.app_id}
+        group = s.assignment == "group"
+        data.update(state=self.health.state, reason=self.health.reason, assignment=s.assignment, delivery=s.delivery,
+                    worker=f"instance {s.instance_id}" if group else f"worker {s.ownership.index} of {s.ownership.workers}",
+                    offsets_group=group_id(s.app_id))
+        return data
+
+    # ------------------------------------------------------------------ static publication
+    async def publish(self, fired: list[FiredTrigger]) -> None:
+        worker = self.worker
+        for f in fired:
+            # exactly once: the releases and the record that they are published, in one transaction
+            await self.publishers.send(worker.release_messages(f) + ([worker.published_message(f)] if self.exactly_once else []))
+            worker.mark_published(f)
+            worker.trigger_fired(f)  # its log line (docs/operations.md, "The trigger log line")
+
+    async def publish_dynamic(self, key) -> None:
+        worker = self.worker
+        # exactly once: the releases and the record of the segments they complete, in one transaction
+        await self.publishers.send(worker.dynamic_releases(key) + (worker.dynamic_published_messages(key) if self.exactly_once else []),
+                                   "dynamic")
+        worker.mark_dynamic_published(key)
+
+
+def group_id(app_id: str) -> str:
+    """The elastic workers' consumer group, and the static workers' monitoring offsets' group
+    (Faust's own consumer uses the app id as its group)."""
+    return f"{app_id}-workers"

@@ -1,0 +1,142 @@
+"""A worker's start: its topics, its input checks and its state (docs/operations.md, "Topics"
+and "Elastic workers").
+
+Order matters: the start-over count in ``dpstream-epochs`` names the repartition and changelog
+topics, so it is read first; then the topics the worker needs are created (or found, when
+another worker of the application created them first), the input topics are checked (their
+timestamps, partition counts), and the state is opened against the epoch mark the application
+left outside the volume.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+from dpstream.processor.adapters.metrics import PipelineMetrics
+from dpstream.processor.adapters.worker import (
+    DpstreamWorker,
+    LostStateError,
+    lost_state_message,
+    worker_epoch,
+)
+from dpstream.topics.kafka import (
+    CHANGELOG_TOPIC_CONFIG,
+    EPOCH_TOPIC,
+    TopicSpec,
+    client_security,
+    create_topics,
+    read_epoch_marks,
+    repartition_topic,
+    restarts_key,
+    timestamp_types,
+    topics_for,
+    write_epoch_mark,
+)
+
+log = logging.getLogger("dpstream.worker")
+
+
+class CreateTimeInputError(RuntimeError):
+    """An input topic's timestamps are its producers' (CreateTime), and --allow-create-time was not given."""
+
+
+class TopicLayoutError(RuntimeError):
+    """The topics on the broker do not fit the config (a missing topic, partition counts)."""
+
+
+def partition_counts(broker: str, topics: set[str]) -> dict[str, int]:
+    from confluent_kafka.admin import AdminClient
+
+    meta = AdminClient({"bootstrap.servers": broker, **client_security()}).list_topics(timeout=15)
+    counts = {}
+    for topic in topics:
+        if topic not in meta.topics or meta.topics[topic].error is not None:
+            raise TopicLayoutError(f"topic {topic!r} does not exist on {broker}")
+        counts[topic] = len(meta.topics[topic].partitions)
+    return counts
+
+
+class WorkerStartup:
+    """Blocking steps of a worker's start (run off the event loop); ``s``: its WorkerSettings."""
+
+    def __init__(self, s, broker: str, metrics: PipelineMetrics):
+        self.s, self.broker, self.metrics = s, broker, metrics
+        self.group = s.assignment == "group"
+
+    def open(self) -> DpstreamWorker:
+        """Create missing topics, check the input topics, open the state (static: the owned
+        partitions'; group: none yet, each is restored as the group assigns it)."""
+        s, broker = self.s, self.broker
+        # the epoch first: the start-over count in dpstream-epochs names the repartition topics
+        create_topics(broker, [t for t in topics_for([]) if t.name == EPOCH_TOPIC])
+        marks = read_epoch_marks(broker)
+        # `dpstream reset` counts start-overs here: each moves the worker to a new noise label
+        restarts = int((marks.get(restarts_key(s.app_id)) or {}).get("count", 0))
+        epoch = worker_epoch(s.config, restarts)
+        create_topics(broker, topics_for(s.config.queries, s.partitions, s.config.dynamic, s.app_id, epoch))
+        inputs = {q.input_topic for q in s.config.queries}
+        dynamic_inputs = {q.input_topic for q in s.config.dynamic}
+        counts = partition_counts(broker, inputs | dynamic_inputs | {repartition_topic(q.name, s.app_id, epoch) for q in s.config.queries})
+        self.check_timestamps(inputs | dynamic_inputs)
+        for topic in dynamic_inputs:
+            if counts[topic] != 1:
+                raise TopicLayoutError(f"dynamic input topic {topic!r} has {counts[topic]} partitions; it needs exactly 1")
+        # existing topics keep their partition counts: use what the broker has
+        repartitions = {n for t, n in counts.items() if t not in inputs | dynamic_inputs}
+        if len(repartitions) > 1:
+            raise TopicLayoutError(f"repartition topics have different partition counts: {sorted(repartitions)}")
+        # what this worker's state belonged to when it last started, kept outside its volume:
+        # an empty state directory under the same epoch is a lost volume, refused (static); a
+        # lost changelog topic, refused (group)
+        mark_key = f"{s.app_id}/group" if self.group else f"{s.app_id}/{s.ownership.index}"
+        previous = marks.get(mark_key)
+        worker = DpstreamWorker(
+            s.config, s.secret, s.state_dir, None if self.group else s.ownership, {t: counts[t] for t in inputs},
+            repartitions.pop() if repartitions else s.partitions, self.metrics, previous_mark=previous, app_id=s.app_id,
+            partitioner=s.partitioner, watermark_delay_ms=s.watermark_delay_ms, restarts=restarts)
+        mark = dict(worker.epoch_mark)
+        if self.group:
+            mark["changelogs"] = self.open_changelogs(worker, counts, previous)
+        if previous is None or {k: previous.get(k) for k in mark} != mark:
+            mark["since_ms"] = int(time.time() * 1000)
+            write_epoch_mark(broker, mark_key, mark)
+        return worker
+
+    def check_timestamps(self, topics: set[str]) -> None:
+        """Input topics must be stamped by the broker (LogAppendTime) unless --allow-create-time."""
+        stamps = timestamp_types(self.broker, topics)
+        for topic in sorted(t for t, kind in stamps.items() if kind != "LogAppendTime"):
+            # the producers' stamps decide lateness: a record reaching the broker more than the
+            # watermark delay after its stamp is late or not depending on how far behind the
+            # worker was, which other users' records influence (docs/privacy.md, "Time")
+            if not self.s.allow_create_time:
+                raise CreateTimeInputError(
+                    f"input topic {topic} has message.timestamp.type={stamps[topic]}: its producers' timestamps would "
+                    f"decide which records are late, and the guarantee would rest on every producer delivering within "
+                    f"the watermark delay. Set it to LogAppendTime (kafka-configs.sh --alter --entity-type topics "
+                    f"--entity-name {topic} --add-config message.timestamp.type=LogAppendTime), or start with "
+                    f"--allow-create-time. See docs/privacy.md, \"Time\"")
+            log.warning("input topic %s has message.timestamp.type=%s (--allow-create-time): its producers' timestamps "
+                        "decide which records are late (docs/operations.md, \"Time and lateness\")", topic, stamps[topic])
+
+    def open_changelogs(self, worker: DpstreamWorker, counts: dict, previous: Optional[dict]) -> dict:
+        """Create the changelog topics (one per source topic, as many partitions) and return their
+        topic ids. A changelog this application epoch already had under another id (deleted,
+        recreated) is refused: its stores' state is gone, and starting afresh would forget spent
+        budget and released values (docs/privacy.md, "Failures")."""
+        from confluent_kafka import TopicCollection
+        from confluent_kafka.admin import AdminClient
+
+        names = {worker.changelog_topic(t): counts.get(t, 1) for t in worker.source_topics()}
+        create_topics(self.broker, [TopicSpec(n, k, CHANGELOG_TOPIC_CONFIG, "changelog") for n, k in names.items()])
+        admin = AdminClient({"bootstrap.servers": self.broker, **client_security()})
+        ids = {name: str(f.result(15).topic_id) for name, f in admin.describe_topics(TopicCollection(sorted(names))).items()}
+        recorded = (previous or {}).get("changelogs") or {}
+        same_epoch = previous is not None and {k: previous.get(k) for k in worker.epoch_mark} == worker.epoch_mark
+        for name, topic_id in ids.items():
+            if same_epoch and recorded.get(name) not in (None, topic_id):
+                raise LostStateError(lost_state_message(
+                    f"changelog topic {name} was recreated (its id is {topic_id}, this application epoch wrote topic id "
+                    f"{recorded[name]}): the state it held is lost", self.s.app_id, self.s.config))
+        return ids
