@@ -39,6 +39,10 @@ CHECKPOINT_MAX_AGE_MS = 12 * 3600 * 1000
 
 Change = tuple[bytes, Optional[bytes]]  # (key, value), value None: deleted
 
+#: keys written since a checkpoint whose previous values a ChangelogStore keeps for a rollback
+#: (a transaction carries a batch's changes: normally a few blobs and marks)
+UNDO_MAX_KEYS = 1_000_000
+
 
 def _encode_seq(seq: int) -> bytes:
     return struct.pack(">Q", seq)
@@ -57,6 +61,10 @@ class ChangelogStore(Store):
         self.inner = inner
         self.sequence = sequence_of(inner)
         self._changes: list[Change] = []
+        #: every key written since the last checkpoint -> its value then (None: absent), so that
+        #: writes whose transaction never committed can be undone (:meth:`rollback`); None once
+        #: more than UNDO_MAX_KEYS keys were written (a rollback then forces a full restore)
+        self._undo: Optional[dict[bytes, Optional[bytes]]] = {}
 
     # -- reads go straight through
     def get(self, key: bytes) -> Optional[bytes]:
@@ -78,8 +86,20 @@ class ChangelogStore(Store):
     def write(self, batch: WriteBatch) -> None:
         self.sequence += 1
         batch.put(SEQUENCE_KEY, _encode_seq(self.sequence))
+        self._remember(batch)
         self.inner.write(batch)
         self._changes.extend(batch.ops.items())
+
+    def _remember(self, batch: WriteBatch) -> None:
+        undo = self._undo
+        if undo is None:
+            return
+        fresh = [key for key in batch.ops if key not in undo]
+        if len(undo) + len(fresh) > UNDO_MAX_KEYS:
+            self._undo = None
+            return
+        if fresh:
+            undo.update(zip(fresh, self.inner.get_many(fresh)))
 
     def delete_range(self, start: bytes, stop: bytes) -> None:
         doomed = [key for key, _ in self.inner.scan(start, stop)]
@@ -97,6 +117,33 @@ class ChangelogStore(Store):
         """The changes up to ``sequence`` are committed on the changelog, the last of them at
         ``offset``: a later owner's writes follow it there (local only, not changelogged)."""
         write_checkpoint(self.inner, Checkpoint(offset, sequence, now_ms))
+        if sequence == self.sequence:
+            self._undo = {}
+
+    def rollback(self) -> bool:
+        """Undo every write since the last checkpoint (their transaction never committed: the
+        changelog does not hold them), so that the store equals its changelog up to the checkpoint
+        again and a later restore reads on from there (docs/operations.md, "Elastic workers").
+        Returns False when that is not possible (too many keys written since): the checkpoint is
+        then dropped, and the next restore rebuilds the store from the changelog's start."""
+        self._changes = []
+        if self._undo is None:
+            batch = WriteBatch()
+            batch.delete(CHECKPOINT_KEY)
+            self.inner.write(batch)
+            self._undo = {}
+            return False
+        if self._undo:
+            batch = WriteBatch()
+            for key, value in self._undo.items():
+                if value is None:
+                    batch.delete(key)
+                else:
+                    batch.put(key, value)
+            self.inner.write(batch)
+            self.sequence = sequence_of(self.inner)
+            self._undo = {}
+        return True
 
 
 @dataclass(frozen=True)

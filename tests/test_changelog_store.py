@@ -76,3 +76,55 @@ def test_a_store_ahead_of_its_committed_changelog_is_told_by_its_sequence():
     assert restore_store(restored, committed) == seq == 1
     assert sequence_of(store.inner) == 2 > seq
     assert restored.get(b"a") == b"1" and restored.get(SEQUENCE_KEY) is not None
+
+
+def committed_then(ops_before, ops_after):
+    """A store whose ``ops_before`` went out in a committed transaction (checkpointed), then
+    ``ops_after`` written locally, their transaction never committed."""
+    from dpstream.state.changelog import restore_start
+
+    store = ChangelogStore(MemoryStore())
+    for kind, arg in ops_before:
+        store.write(WriteBatch().apply(arg)) if kind == "batch" else store.delete_prefix(arg)
+    log, seq = store.take_changes()
+    store.checkpoint(len(log) - 1, seq, now_ms=1_000)
+    at_checkpoint = contents(store.inner)
+    assert restore_start(store.inner, now_ms=2_000) in (0, len(log))  # empty, or incremental from the checkpoint
+    for kind, arg in ops_after:
+        store.write(WriteBatch().apply(arg)) if kind == "batch" else store.delete_prefix(arg)
+    return store, log, at_checkpoint
+
+
+@settings(max_examples=300, deadline=None)
+@given(OPS, OPS)
+def test_a_rollback_brings_the_store_back_to_its_checkpoint(before, after):
+    """Elastic workers give up a batch whose transaction's offsets the group refused
+    (processor/adapters/elastic_run.py, give_up_batch): the writes since the last committed
+    transaction are undone, so the store equals its changelog up to the checkpoint again, its
+    sequence too, and a restore goes on from the checkpoint (incremental), not from the start."""
+    from dpstream.state.changelog import restore_start
+
+    store, log, at_checkpoint = committed_then(before, after)
+    assert store.rollback()
+    assert contents(store.inner) == at_checkpoint
+    rebuilt = MemoryStore()
+    restore_store(rebuilt, log)
+    assert contents(rebuilt) == {k: v for k, v in at_checkpoint.items() if not k.startswith(b"\x00changelog-checkpoint")}
+    assert store.take_changes() == ([], sequence_of(store.inner))  # nothing of the undone writes is sent later
+    if at_checkpoint:
+        assert restore_start(store.inner, now_ms=2_000) == len(log)  # incremental: from after the checkpoint
+    # and it goes on as usual: a new write, a commit
+    store.write(WriteBatch().apply([(b"z", b"9")]))
+    changes, seq = store.take_changes()
+    assert changes[0] == (b"z", b"9") and seq == sequence_of(store.inner)
+
+
+def test_a_rollback_after_too_many_keys_forces_a_full_restore(monkeypatch):
+    """Past UNDO_MAX_KEYS written keys the store stops keeping their old values; a rollback then
+    drops the checkpoint, and the next restore rebuilds the store from the changelog's start."""
+    import dpstream.state.changelog as changelog
+
+    monkeypatch.setattr(changelog, "UNDO_MAX_KEYS", 5)
+    store, log, _ = committed_then([("batch", [(b"a", b"1")])], [("batch", [(bytes([i]), b"x") for i in range(10)])])
+    assert not store.rollback()
+    assert changelog.restore_start(store.inner, now_ms=2_000) is None  # wiped and rebuilt in full

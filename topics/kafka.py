@@ -121,7 +121,7 @@ def read_compacted(bootstrap: str, topic: str, prefix: str = "", timeout: float 
             except KafkaException as exc:  # a topic created a moment ago may have no leader yet
                 waiting = exc.args[0].retriable() or exc.args[0].code() in no_leader_yet
                 if not waiting or time.monotonic() > deadline:
-                    raise
+                    raise kafka_error(f"reading the end offset of topic {topic}", exc) from None
                 time.sleep(0.2)
     finally:
         ends.close()
@@ -138,7 +138,7 @@ def read_compacted(bootstrap: str, topic: str, prefix: str = "", timeout: float 
                 # the end of what can be read now is the last stable offset, which an open
                 # transaction holds back: not necessarily past ``high``, so read on
                 if msg.error().code() != KafkaError._PARTITION_EOF:
-                    raise RuntimeError(f"reading {topic}: {msg.error()}")
+                    raise KafkaOperationError(f"reading topic {topic}: {msg.error().name()}: {msg.error().str()}")
                 msg = None
             if msg is not None:
                 if msg.offset() >= high:
@@ -151,7 +151,7 @@ def read_compacted(bootstrap: str, topic: str, prefix: str = "", timeout: float 
                         values[key] = json.loads(msg.value())
             if consumer.position([TopicPartition(topic, 0)])[0].offset >= high:  # past aborted records and markers too
                 return values
-        raise RuntimeError(f"could not read {topic} to its end offset {high} within {timeout:g} s")
+        raise KafkaOperationError(f"reading topic {topic}: could not read it to its end offset {high} within {timeout:g} s")
     finally:
         consumer.close()
 
@@ -258,37 +258,118 @@ def timestamp_types(bootstrap: str, topics: Iterable[str], timeout: float = 15.0
     for resource, future in futures.items():
         try:
             entry = future.result(timeout).get("message.timestamp.type")
-        except Exception:  # noqa: BLE001 - a broker without DescribeConfigs (e.g. Tansu): unknown
+        except Exception as exc:  # noqa: BLE001 - a broker without DescribeConfigs (e.g. Tansu): unknown
+            err = exc.args[0] if exc.args else None
+            if getattr(err, "code", None) is not None and err.code() not in _UNSUPPORTED:
+                # the input's timestamp type decides lateness (docs/privacy.md, "Time"): never skipped on a passing error
+                raise kafka_error(f"describing the configuration of topic {resource.name}", exc) from None
             continue
         if entry is not None:
             out[resource.name] = entry.value
     return out
 
 
-def create_topics(bootstrap: str, specs: list[TopicSpec], replication: int = 1, timeout: float = 15.0, client_config: dict | None = None) -> list[str]:
-    """Create the topics that do not exist yet; returns the names created."""
+class KafkaOperationError(RuntimeError):
+    """A request to Kafka failed; the message names the operation, the topic and the broker's
+    (or librdkafka's) error."""
+
+
+def kafka_error(operation: str, exc: BaseException) -> KafkaOperationError:
+    """``exc`` (a KafkaException or a future's error) as a :class:`KafkaOperationError` naming
+    ``operation`` (e.g. ``"creating topic t"``)."""
+    err = exc.args[0] if exc.args else exc
+    name = getattr(err, "name", None)
+    text = getattr(err, "str", None)
+    detail = f"{name()}: {text()}" if callable(name) and callable(text) else str(err)
+    return KafkaOperationError(f"{operation}: {detail}")
+
+
+#: s :func:`create_topics` waits for every topic to be usable (in the metadata, a leader for
+#: each partition) after it was created, here or by a worker starting at the same moment
+TOPIC_READY_TIMEOUT_S = 60.0
+
+
+def create_topics(bootstrap: str, specs: list[TopicSpec], replication: int = 1, timeout: float = 15.0,
+                  client_config: dict | None = None, ready_timeout: float = TOPIC_READY_TIMEOUT_S) -> list[str]:
+    """Create the topics that do not exist yet, then wait until every topic of ``specs`` is
+    usable: in the broker's metadata with a leader for each partition. Returns the names created
+    here. Workers started at the same moment create the same topics (the Helm chart starts its
+    pods in parallel): a topic another client created first, or is still creating, is waited for,
+    never an error; any other failure names the operation and the topic."""
+    import time
+
+    from confluent_kafka import KafkaException
     from confluent_kafka.admin import AdminClient, NewTopic
 
     admin = AdminClient({"bootstrap.servers": bootstrap, **client_security(), **(client_config or {})})
-    existing = set(admin.list_topics(timeout=timeout).topics)
+    try:
+        existing = set(admin.list_topics(timeout=timeout).topics)
+    except KafkaException as exc:
+        raise kafka_error(f"listing the topics on {bootstrap}", exc) from None
     missing = [s for s in specs if s.name not in existing]
-    if not missing:
-        return []
-    futures = admin.create_topics([NewTopic(s.name, num_partitions=s.partitions, replication_factor=replication, config=s.config) for s in missing],
-                                  request_timeout=timeout)
     created = []
-    for name, future in futures.items():
+    if missing:
+        futures = admin.create_topics([NewTopic(s.name, num_partitions=s.partitions, replication_factor=replication, config=s.config)
+                                       for s in missing], request_timeout=timeout)
+        for name, future in futures.items():
+            try:
+                future.result(timeout)
+                created.append(name)
+            except KafkaException as exc:  # a concurrent creator is fine
+                if exc.args[0].code() != _TOPIC_ALREADY_EXISTS:
+                    raise kafka_error(f"creating topic {name}", exc) from None
+    deadline = time.monotonic() + ready_timeout
+    waiting = sorted(s.name for s in specs)
+    while waiting:
         try:
-            future.result(timeout)
-            created.append(name)
-        except Exception as exc:  # a concurrent creator is fine
-            if "TOPIC_ALREADY_EXISTS" not in str(exc):
-                raise
+            meta = admin.list_topics(timeout=min(timeout, max(1.0, deadline - time.monotonic())))
+            waiting = [n for n in waiting if not _topic_usable(meta, n)]
+        except KafkaException as exc:
+            if time.monotonic() >= deadline:
+                raise kafka_error(f"waiting for topics {', '.join(waiting)} on {bootstrap}", exc) from None
+        if waiting:
+            if time.monotonic() >= deadline:
+                raise KafkaOperationError(f"waiting for topics {', '.join(waiting)} on {bootstrap}: not in the broker's "
+                                          f"metadata with a leader for every partition after {ready_timeout:g} s")
+            time.sleep(0.1)
     return created
 
 
+#: librdkafka's KafkaError.TOPIC_ALREADY_EXISTS (36), without importing confluent_kafka at module load
+_TOPIC_ALREADY_EXISTS = 36
+#: KafkaError codes of a broker that does not answer a request kind: UNSUPPORTED_VERSION (35),
+#: INVALID_REQUEST (42), _UNSUPPORTED_FEATURE (-165)
+_UNSUPPORTED = (35, 42, -165)
+
+
+def _topic_usable(meta, name: str) -> bool:
+    topic = meta.topics.get(name)
+    return (topic is not None and topic.error is None and len(topic.partitions) > 0
+            and all(p.leader >= 0 and p.error is None for p in topic.partitions.values()))
+
+
 class DeliveryError(RuntimeError):
-    """The broker did not acknowledge a message: the caller must not commit what it covers."""
+    """The broker did not acknowledge a message: the caller must not commit what it covers.
+    ``error``: librdkafka's error (a ``KafkaError``) when one was raised, else None (messages
+    left unacknowledged at a flush's timeout)."""
+
+    def __init__(self, message: str, error=None):
+        super().__init__(message)
+        self.error = error
+
+    @property
+    def code_name(self) -> str:
+        """The error's name (e.g. ``ILLEGAL_GENERATION``, ``_TIMED_OUT``), or ``""``."""
+        return self.error.name() if self.error is not None and hasattr(self.error, "name") else ""
+
+    @property
+    def fatal(self) -> bool:
+        """The producer cannot go on: it must be created anew (librdkafka's fatal errors)."""
+        return bool(self.error is not None and getattr(self.error, "fatal", lambda: False)())
+
+
+#: the step of a transaction that commits consumer offsets (named in its DeliveryError)
+OFFSETS_STEP = "sending the consumer offsets"
 
 
 class KafkaPublisher:
@@ -309,9 +390,13 @@ class KafkaPublisher:
 
         self._errors: list[str] = []
         self._busy = threading.Lock()  # held through each send (a transaction)
+        #: a transactional producer that can no longer be used (a fatal error, or a failed
+        #: transaction it could not abort): its owner creates another with the same id
+        self.broken = False
         #: the offset of the last message acknowledged per (topic, partition), since :meth:`send` began
         self.acknowledged: dict[tuple[str, int], int] = {}
         self.transactional = transactional_id is not None
+        self.transactional_id = transactional_id
         delivery = {"enable.idempotence": True, "transactional.id": transactional_id} if self.transactional else {"enable.idempotence": False}
         self.producer = Producer({"bootstrap.servers": bootstrap, "acks": "all", "linger.ms": 5,
                                   "queue.buffering.max.messages": 1_000_000, "message.max.bytes": 8 * 1024 * 1024,
@@ -344,7 +429,7 @@ class KafkaPublisher:
             raise DeliveryError(f"{left} messages not acknowledged after {timeout:g} s; errors: {errors[:5]}")
 
     def send(self, messages: Iterable[tuple[str, bytes | None, bytes | None, int | None]], timeout: float = 60.0,
-             offsets: list | None = None, group=None) -> None:
+             offsets: list | None = None, group=None, offsets_timeout: float | None = None) -> None:
         """Send ``(topic, value, key, partition)`` messages and wait until they are acknowledged
         (at least once) or committed as one transaction (exactly once). Raises
         :class:`DeliveryError` otherwise: then none of them counts for a ``read_committed``
@@ -353,34 +438,52 @@ class KafkaPublisher:
         ``offsets`` (confluent-kafka ``TopicPartition``s) and ``group`` (the consumer's group
         metadata): consumer offsets committed in the same transaction. The group coordinator
         checks the consumer's generation, so a worker that lost those partitions in a rebalance
-        can no longer commit anything for them (KIP-447; docs/operations.md, "Elastic workers")."""
+        can no longer commit anything for them (KIP-447; docs/operations.md, "Elastic workers").
+        ``offsets_timeout``: how long the coordinator may take to accept them (it holds them while
+        the group rebalances)."""
         with self._busy:
-            self._send(messages, timeout, offsets, group)
+            self._send(messages, timeout, offsets, group, timeout if offsets_timeout is None else min(timeout, offsets_timeout))
+
+    def discard(self) -> None:
+        """Drop what this producer still holds (a broken one, replaced by another with the same
+        transactional id, which fences it)."""
+        try:
+            self.producer.purge(in_queue=True, in_flight=True, blocking=False)
+        except Exception:  # noqa: BLE001 - a fatal producer may refuse even this
+            pass
+        self.broken = True
 
     def wait_idle(self) -> None:
         """Blocking: until no :meth:`send` is running (one its caller stopped waiting for goes on)."""
         with self._busy:
             pass
 
-    def _send(self, messages, timeout: float, offsets, group) -> None:
+    def _send(self, messages, timeout: float, offsets, group, offsets_timeout: float = 60.0) -> None:
         self.acknowledged = {}
+        messages = list(messages)
+        self._topics = sorted({m[0] for m in messages})  # named in a failure
         if not self.transactional:
             for m in messages:
                 self.produce(*m)
             self.flush(timeout)
             return
+        if self.broken:
+            raise DeliveryError("the producer failed before and must be created anew")
         self._call("beginning a transaction", self.producer.begin_transaction)
         try:
             for m in messages:
                 self.produce(*m)
             if offsets:
-                self._call("sending the consumer offsets", lambda: self.producer.send_offsets_to_transaction(offsets, group, timeout))
+                self._call(OFFSETS_STEP, lambda: self.producer.send_offsets_to_transaction(offsets, group, offsets_timeout))
             self._call("committing a transaction", lambda: self.producer.commit_transaction(timeout))
-        except BaseException:
-            try:
-                self.producer.abort_transaction(timeout)
-            except Exception:  # noqa: BLE001 - fenced or fatal: the transaction aborts on the broker anyway
-                pass
+        except BaseException as exc:
+            if isinstance(exc, DeliveryError) and exc.fatal:
+                self.broken = True  # nothing more is possible with it; the broker aborts the transaction
+            else:
+                try:
+                    self.producer.abort_transaction(timeout)
+                except Exception:  # noqa: BLE001 - fenced or fatal: the transaction aborts on the broker anyway
+                    self.broken = True  # its state is unknown (librdkafka refuses the next begin: _STATE)
             raise
         finally:
             self._errors = []
@@ -391,7 +494,10 @@ class KafkaPublisher:
         try:
             action()
         except KafkaException as exc:
-            raise DeliveryError(f"{what}: {exc.args[0] if exc.args else exc}") from None
+            topics = getattr(self, "_topics", None)
+            where = f" (to {', '.join(topics)})" if topics else ""
+            error = exc.args[0] if exc.args else None
+            raise DeliveryError(f"{what}{where}: {error if error is not None else exc}", error) from None
 
 
 SECURITY_ENV = {

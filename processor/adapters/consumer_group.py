@@ -62,7 +62,8 @@ class GroupConsumer:
 
     def __init__(self, broker: str, group_id: str, topics: list[str], loop: asyncio.AbstractEventLoop,
                  on_gain: Callable[[list[Key]], Awaitable[dict[Key, int]]], on_lose: Callable[[list[Key]], Awaitable[None]],
-                 session_timeout: float = 10.0, heartbeat_interval: float = 1.0, fetch_bytes: int = 32 * 1024 * 1024):
+                 session_timeout: float = 10.0, heartbeat_interval: float = 1.0, fetch_bytes: int = 32 * 1024 * 1024,
+                 on_lost: Optional[Callable[[list[Key]], Awaitable[None]]] = None):
         from confluent_kafka import Consumer
 
         self.loop = loop
@@ -70,6 +71,14 @@ class GroupConsumer:
         self._side = None  # see _side_client
         self._side_lock = threading.Lock()
         self.on_gain, self.on_lose = on_gain, on_lose
+        #: partitions taken away without a hand-over (this member was dropped from the group): the
+        #: worker must not send anything for them, another may own them already
+        self.on_lost = on_lost or on_lose
+        #: (topic, partition) -> offset: seeks asked for by the event loop, made by the poll thread
+        #: before its next fetch (librdkafka's consumer is driven from that thread only)
+        self._seeks: dict[Key, int] = {}
+        #: the partitions assigned to this member as of the last fetch (kept by the poll thread)
+        self.assigned: frozenset = frozenset()
         self.stopping = False
         self.failure: Optional[BaseException] = None  # raised by the next fetch
         self.consumer = Consumer({
@@ -88,7 +97,7 @@ class GroupConsumer:
             "receive.message.max.bytes": fetch_bytes + 1024 * 1024,
             **client_security(),
         })
-        self.consumer.subscribe(topics, on_assign=self._assigned, on_revoke=self._revoked, on_lost=self._revoked)
+        self.consumer.subscribe(topics, on_assign=self._assigned, on_revoke=self._revoked, on_lost=self._lost)
         self._metadata = self.consumer.consumer_group_metadata()  # before any poll: no callback runs yet
         self._positions: dict[Key, int] = {}
 
@@ -118,12 +127,44 @@ class GroupConsumer:
         except BaseException as exc:  # noqa: BLE001
             self.failure = exc
 
+    def _lost(self, consumer, partitions) -> None:
+        """The member was dropped from the group (its session timed out, e.g. through a network
+        outage): its partitions are gone without a hand-over. Librdkafka rejoins the group next."""
+        self._refresh_metadata()
+        if self.stopping or not partitions:
+            return
+        keys = [(tp.topic, tp.partition) for tp in partitions]
+        log.warning("this worker was dropped from the consumer group (lost %d partitions): rejoining", len(keys))
+        try:
+            asyncio.run_coroutine_threadsafe(self.on_lost(keys), self.loop).result(LOSE_TIMEOUT_S)
+        except BaseException as exc:  # noqa: BLE001
+            self.failure = exc
+
     # -- reading
+    def seek(self, key: Key, offset: int) -> None:
+        """Read ``key`` from ``offset`` again (made by the poll thread before its next fetch;
+        records fetched before that are for the caller to drop: :meth:`seeking`)."""
+        self._seeks[key] = offset
+
+    def seeking(self, key: Key) -> bool:
+        """A seek of ``key`` is asked for and not made yet."""
+        return key in self._seeks
+
     def _consume(self, max_records: int, timeout: float) -> dict[Key, list[ConsumedRecord]]:
-        from confluent_kafka import KafkaError
+        from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
         out: dict[Key, list[ConsumedRecord]] = {}
+        assigned = {(tp.topic, tp.partition) for tp in self.consumer.assignment()}
+        for key in list(self._seeks):
+            offset = self._seeks.pop(key)  # atomic: a seek asked for meanwhile stays for the next fetch
+            if key in assigned:
+                try:
+                    self.consumer.seek(TopicPartition(*key, offset))
+                except KafkaException as exc:  # e.g. not fetching yet: again before the next fetch
+                    log.debug("seek of %s-%d to %d: %s", *key, offset, exc)
+                    self._seeks.setdefault(key, offset)
         msgs = self.consumer.consume(max_records, timeout)
+        self.assigned = frozenset((tp.topic, tp.partition) for tp in self.consumer.assignment())
         self._refresh_metadata()
         self._positions = {(tp.topic, tp.partition): tp.offset for tp in self.consumer.position(self.consumer.assignment())}
         for msg in msgs:
@@ -198,12 +239,6 @@ class GroupConsumer:
         callback, while a call from another thread waits until the callback has returned (and
         ours waits on the event loop: a deadlock)."""
         self._metadata = self.consumer.consumer_group_metadata()
-
-    async def metadata_after(self, old, timeout: float = 10.0) -> None:
-        """Until the poll thread has read the group metadata again (after a rebalance)."""
-        deadline = time.monotonic() + timeout
-        while self._metadata is old and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
 
     def group_metadata(self):
         """The group metadata (member id, generation) as of the last poll or rebalance callback,

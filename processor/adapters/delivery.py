@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Callable, Optional
 
-from dpstream.topics.kafka import CHANGELOG_MAX_BYTES, DeliveryError, KafkaPublisher
+from dpstream.topics.kafka import CHANGELOG_MAX_BYTES, OFFSETS_STEP, DeliveryError, KafkaPublisher
 
 log = logging.getLogger("dpstream.worker")
 
@@ -22,8 +23,40 @@ ROLES = ("stage1", "stage2", "timer", "dynamic")
 #: (stable offsets, the changelog's end) until the broker aborts it after this long (Kafka
 #: Streams uses 10 s under exactly-once); every transaction must finish within it
 GROUP_TRANSACTION_TIMEOUT_MS = 15_000
-#: times a transaction refused for an old group generation is sent again (elastic workers)
-GENERATION_RETRIES = 5
+#: s the group coordinator may take to accept a transaction's consumer offsets (it holds them
+#: while the group rebalances; elastic workers)
+OFFSETS_TIMEOUT_S = 10.0
+
+
+class OffsetsRefusedError(DeliveryError):
+    """A transaction's consumer offsets were not taken by the group coordinator: this worker is no
+    longer the member that owns them (dropped from the group, its generation gone), or the group
+    is rebalancing. Nothing of the transaction counts, and its partitions may be another worker's
+    now or soon."""
+
+
+#: errors no retry mends: the operator must act
+_PERMANENT = {"TOPIC_AUTHORIZATION_FAILED", "GROUP_AUTHORIZATION_FAILED", "TRANSACTIONAL_ID_AUTHORIZATION_FAILED",
+              "CLUSTER_AUTHORIZATION_FAILED", "_AUTHENTICATION", "SASL_AUTHENTICATION_FAILED", "MSG_SIZE_TOO_LARGE",
+              "_MSG_SIZE_TOO_LARGE", "RECORD_LIST_TOO_LARGE", "INVALID_CONFIG", "_INVALID_ARG", "INVALID_RECORD",
+              "_SSL", "UNSUPPORTED_FOR_MESSAGE_FORMAT"}
+_MEMBERSHIP = {"UNKNOWN_MEMBER_ID", "FENCED_INSTANCE_ID"}
+_GENERATION = {"ILLEGAL_GENERATION", "REBALANCE_IN_PROGRESS"}
+_FENCED = {"_FENCED", "PRODUCER_FENCED", "INVALID_PRODUCER_EPOCH"}
+
+
+def failure_kind(exc: DeliveryError) -> str:
+    """How a failed send is handled: ``membership``, ``generation`` (elastic workers' offsets),
+    ``fenced`` (the producer's epoch moved: a transaction the broker aborted on its timeout, or
+    another incarnation), ``permanent``, or ``transient`` (anything else: retried)."""
+    # the name of the error raised, and the broker's error librdkafka quotes in its text (a
+    # failed offset commit is raised as an abortable error naming ILLEGAL_GENERATION in its text)
+    text = str(exc)
+    names = {exc.code_name} | {n for n in _MEMBERSHIP | _GENERATION if f"({n})" in text or f": {n}" in text}
+    for kind, group in (("membership", _MEMBERSHIP), ("generation", _GENERATION), ("permanent", _PERMANENT), ("fenced", _FENCED)):
+        if names & group:
+            return kind
+    return "transient"
 
 
 class RolePublishers:
@@ -72,27 +105,64 @@ class RolePublishers:
     async def send_locked(self, messages, role: str, offsets=None, consumer=None) -> None:
         """:meth:`send`, the caller holding the role's lock; ``offsets``: consumer offsets committed
         in the same transaction (elastic workers' fencing), with ``consumer`` the group member
-        whose metadata they carry."""
+        whose metadata they carry.
+
+        A failure is not the end of the worker (docs/operations.md, "Health"): the same batch goes
+        again until it is committed, for up to ``--broker-timeout`` (a broker restart, a short
+        outage, a coordinator that moved). A producer librdkafka declares unusable (a fatal error,
+        or a transaction it could not abort) is created anew with the same transactional id, which
+        fences the old one, as Kafka Streams does. Consumer offsets the group coordinator does not
+        take (a rebalance moved the generation or is under way, or this worker is no longer a
+        member) are never retried with the lock held: the rebalance may be waiting for this very
+        lock (the group's callbacks hand partitions over under it), so the caller gets
+        :class:`OffsetsRefusedError` at once and gives the batch up (elastic_run.py). Errors no
+        retry can mend (authorization, a message too large) are raised at once."""
         batch = [(m.topic, m.value, m.key, m.partition) for m in messages]
         if not batch:
             return
         loop = asyncio.get_running_loop()
-        for attempt in range(GENERATION_RETRIES + 1):
+        deadline = time.monotonic() + self.timeout
+        fences = 0
+        backoff = 0.2
+        while True:
             meta = consumer.group_metadata() if offsets else None
             try:
-                await loop.run_in_executor(None, lambda: self.producers[role].send(batch, self.timeout, offsets=offsets, group=meta))
+                await loop.run_in_executor(None, lambda: self.producers[role].send(
+                    batch, self.timeout, offsets=offsets, group=meta, offsets_timeout=OFFSETS_TIMEOUT_S))
                 break
             except DeliveryError as exc:
-                # the group metadata is read by the poll thread (consumer_group.py): a rebalance
-                # may have moved the generation since. The member is still in the group, and no
-                # partition of ours can have moved: its hand-over waits for the lock we hold. So
-                # the transaction (aborted) goes again with the new generation. An unknown member
-                # (dropped from the group: its partitions may be another's now) is never retried
-                if not offsets or "ILLEGAL_GENERATION" not in str(exc) or attempt == GENERATION_RETRIES:
+                kind = failure_kind(exc)
+                if self.producers[role].broken:
+                    fences += kind == "fenced"
+                    if fences > 1:
+                        raise DeliveryError(f"{exc}; fenced again after the producer was created anew: another worker "
+                                            f"runs with transactional id {self.producers[role].transactional_id}", exc.error) from None
+                    await self._renew(role, deadline)
+                if offsets and (kind in ("membership", "generation") or str(exc).startswith(OFFSETS_STEP)):
+                    raise OffsetsRefusedError(str(exc), exc.error) from None
+                if kind == "permanent" or time.monotonic() >= deadline:
                     raise
-                log.info("a rebalance moved the group's generation during a transaction: sending it again")
-                await consumer.metadata_after(meta)
+                log.warning("sending %s's batch failed (%s): sending it again", role, exc)
+                await asyncio.sleep(backoff)
+                backoff = min(2.0, backoff * 2)
         self._heard()
+
+    async def _renew(self, role: str, deadline: float) -> None:
+        """A broken producer replaced by a new one with the same transactional id: its
+        ``init_transactions`` fences the old one and aborts its open transaction."""
+        old = self.producers[role]
+        old.discard()
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                self.producers[role] = await loop.run_in_executor(None, self._transactional, role)
+                log.info("%s's producer was created anew (%s)", role, old.transactional_id)
+                return
+            except DeliveryError as exc:
+                if time.monotonic() >= deadline:
+                    raise
+                log.warning("creating %s's producer anew failed (%s): trying again", role, exc)
+                await asyncio.sleep(1.0)
 
     async def wait_idle(self, role: str) -> None:
         """Until a send its (cancelled) caller left running has finished."""

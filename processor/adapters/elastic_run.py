@@ -11,11 +11,16 @@ import time
 from typing import Optional
 
 from dpstream.processor.adapters.consumer_group import GroupConsumer
+from dpstream.processor.adapters.delivery import OffsetsRefusedError
 from dpstream.processor.adapters.stage_batches import STAGES
 from dpstream.processor.adapters.worker_run import WorkerRun, group_id, log_positions
 from dpstream.topics.kafka import read_changelog
 
 log = logging.getLogger("dpstream.worker")
+
+#: s a partition taken up again after a refused transaction may wait for its changelog's end (a
+#: new owner's open transaction holds it back: then the group is moving it away anyway)
+REGAIN_TIMEOUT_S = 20.0
 
 
 class _AllStageLocks:
@@ -39,6 +44,11 @@ class ElasticRun(WorkerRun):
         self.owned: dict = {}  # (topic, partition) -> (stage, source)
         #: each owned partition's (high watermark, time asked)
         self.highs: dict = {}
+        #: per partition, bumped whenever it is gained, given up or lost: a pending regain
+        #: (:meth:`give_up_batch`) of an older turn is stale
+        self.turns: dict = {}
+        #: held through a gain's or a regain's restores: never two restores of one store at once
+        self.restoring = asyncio.Lock()
 
     # ------------------------------------------------------------------ transactions
     async def transact(self, role: str, sources, messages, offsets: Optional[dict] = None, fence: bool = True) -> None:
@@ -70,8 +80,12 @@ class ElasticRun(WorkerRun):
                        if worker.source_of((topic, partition)) is source and (r := step(topic, partition, records)) is not None]
             for r in results:
                 r.write()
-            await self.transact(stage, [r.source for r in results], [m for r in results for m in r.messages],
-                                {(r.source.topic, r.source.partition): r.last_offset + 1 for r in results})
+            try:
+                await self.transact(stage, [r.source for r in results], [m for r in results for m in r.messages],
+                                    {(r.source.topic, r.source.partition): r.last_offset + 1 for r in results})
+            except OffsetsRefusedError as exc:
+                self.give_up_batch([r.source for r in results], exc)
+                return
             for r in results:
                 r.acknowledge()
 
@@ -93,7 +107,11 @@ class ElasticRun(WorkerRun):
                     if fired is None:
                         break
                     worker.mark_published(fired)
-                    await self.transact("stage2", [source], worker.release_messages(fired))
+                    try:
+                        await self.transact("stage2", [source], worker.release_messages(fired))
+                    except OffsetsRefusedError as exc:
+                        self.give_up_batch([source], exc)  # fired again from the restored state, same values
+                        break
                     worker.trigger_fired(fired)
                 await asyncio.sleep(0)  # one trigger at a time: probes and stage 2 go on
         async with publishers.lock("dynamic"):
@@ -102,7 +120,11 @@ class ElasticRun(WorkerRun):
             for key in due:
                 messages += worker.dynamic_releases(key)
                 worker.mark_dynamic_published(key)
-            await self.transact("dynamic", list(worker.dynamic.values()), messages)
+            sources = list(worker.dynamic.values())
+            try:
+                await self.transact("dynamic", sources, messages)
+            except OffsetsRefusedError as exc:
+                self.give_up_batch(sources, exc)
 
     async def read_to_end(self) -> dict:
         """Each owned input and update partition's high watermark is asked of the broker; one
@@ -140,7 +162,7 @@ class ElasticRun(WorkerRun):
         changelog before the partition is assigned, at the offset the restored state has read to."""
         s, worker = self.s, self.worker
         gc = GroupConsumer(self.broker, group_id(s.app_id), worker.source_topics(), loop, self.gain, self.lose,
-                           s.session_timeout, s.heartbeat_interval)
+                           s.session_timeout, s.heartbeat_interval, on_lost=self.lost)
         self.consumer = gc
         self.health.heard_from_broker()
         self.health.set("ready")
@@ -156,7 +178,9 @@ class ElasticRun(WorkerRun):
                 fetched = await gc.fetch(room, batches.wait_ms() / 1000)
             for key, records in fetched.items():
                 entry = self.owned.get(key)
-                if entry is not None:  # not a partition given up meanwhile
+                # not a partition given up meanwhile, nor one read again from its restored offset
+                # (records fetched before that seek follow a batch that was given up)
+                if entry is not None and not gc.seeking(key):
                     batches.add(entry[0], key, entry[1], records)
             await batches.dispatch()
 
@@ -165,7 +189,15 @@ class ElasticRun(WorkerRun):
             await asyncio.get_running_loop().run_in_executor(None, self.consumer.close)
 
     async def gain(self, keys: list) -> dict:
+        async with self.restoring:
+            return await self._gain(keys)
+
+    async def _gain(self, keys: list) -> dict:
         loop, worker, gc = asyncio.get_running_loop(), self.worker, self.consumer
+        held = {k: self.owned[k][1].last_offset + 1 for k in keys if k in self.owned}  # taken up again already
+        keys = [k for k in keys if k not in held]
+        if not keys:
+            return held
         self.health.set("restoring", f"restoring {len(keys)} gained partitions from their changelogs")
         # a previous owner's last transaction settled first (stable offsets, KIP-447): its
         # changelog records are then below the end the restore reads to
@@ -195,6 +227,7 @@ class ElasticRun(WorkerRun):
                 log.error("%s: the group committed offset %d, but the restored state has read only to %d: its changelog "
                           "lost records", src.name, committed[key], src.last_offset)
             self.owned[key] = (self.stage_of(key), src)
+            self.turns[key] = self.turns.get(key, 0) + 1
         # what opening them wrote (noise and topic-id marks) goes to their changelogs now, so
         # that their stores stay at a checkpoint (an incremental restore when they come back)
         for role in STAGES:
@@ -204,7 +237,7 @@ class ElasticRun(WorkerRun):
         log.info("gained %d partitions: %s", len(keys), ", ".join(f"{t}-{p}" for t, p in keys))
         self.health.heard_from_broker()  # it did, all along the restore
         self.health.set("ready")
-        return offsets
+        return {**offsets, **held}
 
     async def lose(self, keys: list) -> None:
         worker = self.worker
@@ -212,6 +245,7 @@ class ElasticRun(WorkerRun):
             for key in keys:
                 entry = self.owned.pop(key, None)
                 self.batches.drop(key)
+                self.turns[key] = self.turns.get(key, 0) + 1
                 if entry is None:
                     continue
                 source = entry[1]
@@ -228,6 +262,99 @@ class ElasticRun(WorkerRun):
                     log.warning("%s: its last changes were not sent (%s); its next owner restores it in full", source.name, exc)
                 worker.remove_source(*key)
         log.info("gave up %d partitions: %s", len(keys), ", ".join(f"{t}-{p}" for t, p in keys))
+
+    async def lost(self, keys: list) -> None:
+        """Partitions taken away without a hand-over: this worker was dropped from the group
+        (its session timed out). Another worker may own them already, so nothing is sent for
+        them: what their stores wrote since their last committed transaction is undone, and the
+        stores stay on this volume at that checkpoint, for an incremental restore should they
+        come back (state/changelog.py). Librdkafka rejoins the group next."""
+        async with _AllStageLocks(self.publishers):
+            for key in keys:
+                self.turns[key] = self.turns.get(key, 0) + 1
+                self.batches.drop(key)
+                entry = self.owned.pop(key, None)
+                if entry is not None:
+                    entry[1].store.rollback()
+                    self.worker.remove_source(*key)
+        log.info("lost %d partitions: %s", len(keys), ", ".join(f"{t}-{p}" for t, p in keys))
+
+    def give_up_batch(self, sources, exc: BaseException) -> None:
+        """A batch's transaction failed because the group coordinator did not take its consumer
+        offsets (:class:`OffsetsRefusedError`: a rebalance under way or done, this worker dropped
+        from the group). Nothing of it counts: the stores' writes since their checkpoint are
+        undone and the partitions given up here, at once, under the caller's lock, which a
+        rebalance callback may be waiting for. If the group still assigns them to this worker
+        they are taken up again from their changelog (a short, incremental restore) and read
+        again from the restored offset; if not, the group's callbacks hand them to their new
+        owner (docs/operations.md, "Elastic workers")."""
+        worker = self.worker
+        keys = []
+        for src in sources:
+            key = (src.topic, src.partition)
+            if worker.source_of(key) is not src:
+                continue
+            src.store.rollback()
+            self.batches.drop(key)
+            self.owned.pop(key, None)
+            worker.remove_source(*key)
+            keys.append(key)
+        if keys:
+            log.warning("the consumer group did not take the offsets of a transaction for %s (%s): its state goes back to "
+                        "its last commit", ", ".join(f"{t}-{p}" for t, p in keys), exc)
+            turns = {key: self.turns.get(key, 0) for key in keys}
+            asyncio.get_running_loop().create_task(self._regain_or_stop(turns))
+
+    async def _regain_or_stop(self, turns: dict) -> None:
+        try:
+            await self._regain(turns)
+        except Exception as exc:  # noqa: BLE001 - an assigned partition left unread would stall its triggers
+            await self.crash(exc)
+
+    async def _regain(self, turns: dict) -> None:
+        """Take up again partitions given up by :meth:`give_up_batch` that the group still
+        assigns to this worker (and that no rebalance moved since: their turn is unchanged). The
+        restore reads what the changelog holds past the stores' checkpoint (usually nothing), and
+        is tried again while the broker does not answer (the broker watch stops the worker after
+        --broker-timeout)."""
+        loop, worker = asyncio.get_running_loop(), self.worker
+
+        def current() -> list:
+            return [k for k, turn in turns.items()
+                    if self.turns.get(k, 0) == turn and k not in self.owned and k in self.consumer.assigned]
+
+        async with self.restoring:
+            stores: dict = {}
+            while True:
+                keys = [k for k in current() if k not in stores]
+                if not keys:
+                    break
+                now = int(time.time() * 1000)
+                try:
+                    for topic, partition in keys:
+                        changelog = worker.changelog_topic(topic)
+
+                        def reader(start, changelog=changelog, partition=partition):
+                            return read_changelog(self.broker, changelog, partition, start, timeout=REGAIN_TIMEOUT_S)
+
+                        stores[(topic, partition)] = await loop.run_in_executor(
+                            None, lambda t=topic, p=partition: worker.restore(t, p, reader, now))
+                except Exception as exc:  # noqa: BLE001 - the broker may be away: again in a while
+                    log.warning("taking up %s-%d again failed (%s): trying again", topic, partition, exc)
+                    await asyncio.sleep(1.0)
+            async with _AllStageLocks(self.publishers):
+                taken = []
+                for key, store in stores.items():
+                    if key not in current():  # moved meanwhile: its store stays at its checkpoint
+                        worker.stores.release(f"{key[0]}-{key[1]}")
+                        continue
+                    src = worker.add_source(*key, store)
+                    self.consumer.seek(key, src.last_offset + 1)  # first: records fetched before the seek are dropped
+                    self.owned[key] = (self.stage_of(key), src)
+                    self.turns[key] = self.turns.get(key, 0) + 1
+                    taken.append(key)
+        if taken:
+            log.info("took up %d partitions again: %s", len(taken), ", ".join(f"{t}-{p}" for t, p in taken))
 
     def broker_silence(self) -> float:
         """The timer asks the broker for the log ends at every tick (read_to_end): its answers,

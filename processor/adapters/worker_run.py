@@ -22,7 +22,7 @@ from dpstream.processor.adapters.metrics import PipelineMetrics
 from dpstream.processor.adapters.stage_batches import StageBatches
 from dpstream.processor.adapters.worker import DpstreamWorker, FiredTrigger
 from dpstream.processor.adapters.worker_startup import WorkerStartup
-from dpstream.topics.kafka import client_security
+from dpstream.topics.kafka import client_security, kafka_error
 
 log = logging.getLogger("dpstream.worker")
 
@@ -30,7 +30,7 @@ log = logging.getLogger("dpstream.worker")
 def log_positions(broker: str, sources) -> dict[tuple[str, int], tuple[int, int, Optional[str]]]:
     """(log start offset, log end offset, topic id) of each source partition. Topic ids come
     from DescribeTopics (Apache Kafka); a broker without them gives None."""
-    from confluent_kafka import Consumer, TopicCollection, TopicPartition
+    from confluent_kafka import Consumer, KafkaException, TopicCollection, TopicPartition
     from confluent_kafka.admin import AdminClient
 
     topics = sorted({src.topic for src in sources})
@@ -48,7 +48,10 @@ def log_positions(broker: str, sources) -> dict[tuple[str, int], tuple[int, int,
     try:
         out = {}
         for src in sources:
-            low, high = consumer.get_watermark_offsets(TopicPartition(src.topic, src.partition), timeout=15)
+            try:
+                low, high = consumer.get_watermark_offsets(TopicPartition(src.topic, src.partition), timeout=15)
+            except KafkaException as exc:
+                raise kafka_error(f"reading the log offsets of {src.topic}-{src.partition}", exc) from None
             out[(src.topic, src.partition)] = (low, high, ids.get(src.topic))
         return out
     finally:

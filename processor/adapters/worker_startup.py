@@ -26,6 +26,7 @@ from dpstream.topics.kafka import (
     TopicSpec,
     client_security,
     create_topics,
+    kafka_error,
     read_epoch_marks,
     repartition_topic,
     restarts_key,
@@ -131,7 +132,12 @@ class WorkerStartup:
         names = {worker.changelog_topic(t): counts.get(t, 1) for t in worker.source_topics()}
         create_topics(self.broker, [TopicSpec(n, k, CHANGELOG_TOPIC_CONFIG, "changelog") for n, k in names.items()])
         admin = AdminClient({"bootstrap.servers": self.broker, **client_security()})
-        ids = {name: str(f.result(15).topic_id) for name, f in admin.describe_topics(TopicCollection(sorted(names))).items()}
+        ids = {}
+        for name, future in admin.describe_topics(TopicCollection(sorted(names))).items():
+            try:
+                ids[name] = str(future.result(15).topic_id)
+            except Exception as exc:  # noqa: BLE001 - named: the operation and the topic
+                raise kafka_error(f"describing changelog topic {name}", exc) from None
         recorded = (previous or {}).get("changelogs") or {}
         same_epoch = previous is not None and {k: previous.get(k) for k in worker.epoch_mark} == worker.epoch_mark
         for name, topic_id in ids.items():
