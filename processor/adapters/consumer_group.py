@@ -32,7 +32,7 @@ from dpstream.processor.adapters.worker import (
     LOG_APPEND_TIME,
     InputWentBackError,
 )
-from dpstream.topics.kafka import client_security
+from dpstream.topics.kafka import client_security, kafka_error
 
 log = logging.getLogger("dpstream.worker")
 
@@ -212,11 +212,15 @@ class GroupConsumer:
         until every transaction that sent offsets for these partitions has committed or aborted,
         so once it returns, a previous owner's last transaction is settled, its changelog records
         appended and marked, before the new owner reads the changelog to its end."""
-        from confluent_kafka import TopicPartition
+        from confluent_kafka import KafkaException, TopicPartition
 
         # asked by a client of its own, which never joins the group: the member's own client is
         # inside its rebalance callback, and its offset requests wait for that to end
-        got = self._side_client().committed([TopicPartition(*k) for k in keys], timeout=timeout)
+        try:
+            got = self._side_client().committed([TopicPartition(*k) for k in keys], timeout=timeout)
+        except KafkaException as exc:
+            raise kafka_error(f"reading the committed offsets of group {self.group_id} for "
+                              f"{', '.join(f'{t}-{p}' for t, p in keys)}", exc) from None
         return {(tp.topic, tp.partition): tp.offset for tp in got}
 
     def _side_client(self):
