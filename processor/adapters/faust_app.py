@@ -427,10 +427,7 @@ def build_app(s: WorkerSettings) -> faust.App:
             for fired in worker.iter_fire_due(now):  # each published before the next is computed
                 await publish([fired])
             # dynamic queries: every tick the clock has passed is decided, updates or not
-            due, letters = worker.advance_dynamic(now, read_to_end(worker), commit=False)
-            await send(letters, "dynamic")  # the refused deletes' dead letters, then the decisions
-            worker.commit_dynamic()
-            for key in due:
+            for key in worker.advance_dynamic(now, read_to_end(worker)):
                 await publish_dynamic(key)
         except Exception as exc:  # noqa: BLE001
             await crash(exc)
@@ -457,9 +454,8 @@ def build_app(s: WorkerSettings) -> faust.App:
                     worker.trigger_fired(fired)
                 await asyncio.sleep(0)  # one trigger at a time: probes and stage 2 go on
         async with lock("dynamic"):
-            due, letters = worker.advance_dynamic(now, ends)
-            messages = list(letters)
-            for key in due:
+            messages = []
+            for key in worker.advance_dynamic(now, ends):
                 messages += worker.dynamic_releases(key)
                 worker.mark_dynamic_published(key)
             await transact("dynamic", list(worker.dynamic.values()), messages)
