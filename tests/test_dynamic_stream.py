@@ -106,3 +106,26 @@ def test_invalid_updates_and_unit_bound():
     assert st.apply({"item": "a", "op": "insert", "ts": 10_000_000, "user": "v"}, batch, clock_ms=5_000).startswith("future")
     # mechanisms run at epsilon / C (group privacy)
     assert st.counter.plan.epsilon == 0.5
+
+
+def test_a_state_logged_when_absent_deletes_were_refused_does_not_resume():
+    """Before issue 30 a delete of an absent item was refused when its tick was decided. A log
+    written then, recomputed under the new rule, would feed such deletes to nodes already
+    released with the same noise (the difference of two releases of one node would show the
+    delete), so the rule is part of the query's pinned fingerprint and an old state is refused
+    (a new name or state directory starts over). Here the store holds the fingerprint the old
+    code pinned: the same plan and schedule, without the rule."""
+    import pytest
+
+    from dpstream.accountant.plan import plan_fingerprint
+    from dpstream.processor.engine.pipeline import PlanChangedError
+    from dpstream.state.tables import DynamicTables
+
+    q = DynamicQueryConfig(name="plans", items=ITEMS, epsilon=1.0, start=0, tick="5ms")
+    old_schedule = {"items": list(q.items), "start": q.start, "tick": q.tick_ms, "lateness": q.lateness_ms,
+                    "unit_field": q.unit_field, "contribution_bound": q.contribution_bound}
+    store = MemoryStore()
+    DynamicTables(store, q.name).pin_plan(plan_fingerprint([q.plan(), old_schedule]).hex().encode())
+    with pytest.raises(PlanChangedError, match="another plan"):
+        DynamicQueryState(q, NodeNoise(TEST_SECRET), Pseudonymizer(TEST_SECRET), store)
+    make(MemoryStore())  # a fresh state starts

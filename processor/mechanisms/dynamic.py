@@ -265,11 +265,13 @@ class NodeMechanism:
         return self.base - self.q_ins.estimate()
 
     def noise_scales(self) -> Optional[list[float]]:
-        """Discrete Laplace scales of the independent draws in one item's :meth:`answer` (public:
-        the round's budget and the counter's step): the static release's ``1 / eps_r`` and the
-        deletion counter's nodes. A halted node answers 0 with no noise (its items are then
-        missing: a bias, not noise). None for a static release other than :func:`noisy_histogram`,
-        whose noise this does not know."""
+        """Discrete Laplace scales of the independent draws in one item's :meth:`answer`: the
+        static release's ``1 / eps_r`` and the deletion counter's nodes. They depend on the round
+        r (how often the node restarted), on the counter's step and on whether the node halted:
+        decisions taken on the node's noisy size and deletion count, so privatized, not public
+        constants (docs/privacy.md, "Error bars"). A halted node answers 0 with no noise (its items
+        are then missing: a bias, not noise). None for a static release other than
+        :func:`noisy_histogram`, whose noise this does not know."""
         if self.halted:
             return []
         if self.static_release is not noisy_histogram:
@@ -359,8 +361,9 @@ class DynamicRelease:
     #: never used for a decision): live instances per item for the interval tree, inserts minus
     #: deletes for the baseline (the two differ only on a stream that deletes an absent item)
     exact: np.ndarray = field(repr=False, default=None)
-    #: public discrete Laplace scales of the independent draws in each item's count (the same for
-    #: every item; None: unknown): what its confidence interval is computed from
+    #: discrete Laplace scales of the independent draws in each item's count (the same for every
+    #: item; None: unknown): what its confidence interval is computed from. Functions of the budget
+    #: and of privatized decisions (segment closes, node restarts and halts), never of raw data
     noise_scales: Optional[tuple] = None
 
 
