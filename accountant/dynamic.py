@@ -10,12 +10,21 @@ declared delta is not spent (reported as 0). The budget is split between
   parallel composition) makes the whole partitioning eps_p-DP;
 * the counts, ``epsilon_counts = epsilon - epsilon_partition``:
   - ``interval_tree``: a node at level l of the online interval tree gets
-    ``eps(v) = 6 eps_c / (pi^2 l^2)`` (section 4.3; an update touches one node per level, and
-    sum_l 6 / (pi^2 l^2) = 1); within a node, round r of Algorithm 3 gives each of its four
-    mechanisms ``eps_r = 3 eps(v) / (2 pi^2 r^2)`` (4 sum_r eps_r = eps(v)) and
-    ``beta_r = beta / (pi^2 r^2)``;
-  - ``baseline``: two insertion-only counters (inserts, deletes); an update is in exactly one
-    of them, so each gets the whole eps_c (parallel composition).
+    ``eps(v) = 6 eps_c / (pi^2 l^2)`` (section 4.3; an update changes the input of at most one
+    node per level, and sum_l 6 / (pi^2 l^2) = 1); within a node, round r of Algorithm 3 gives
+    each of its four mechanisms ``eps_r = 3 eps(v) / (2 pi^2 r^2)`` (4 sum_r eps_r = eps(v)) and
+    ``beta_r = beta / (pi^2 r^2)``. The node's two deletion counters are calibrated to
+    sensitivity :data:`TREE_DELETION_SENSITIVITY` = 2, its size and histogram to 1;
+  - ``baseline``: two insertion-only counters (inserts, deletes); every update of a declared
+    item is in exactly one of them, so each gets the whole eps_c (parallel composition).
+
+The neighbour relation is one update, added or removed, on any stream (valid or not: a delete
+may name an item that is not present). The partitioner and the baseline take in every update,
+so one update changes their input in exactly one update. The interval tree matches a delete to
+its item's newest live instance, which depends on the other updates; docs/privacy.md, "Dynamic
+counts", proves that one update then changes at most one node per level, and a node's live count
+by one over one window of segments: at most 1 in its size and histogram at a round's start and
+at most 2 (the window's two ends) in its deletion counters' input, hence their sensitivity 2.
 
 The insertion-only counters follow Chan, Shi, Song (the paper's [5], section 2.3): blocks
 [2^b, 2^{b+1}) of steps, each block's total released with eps/2, and inside block b a binary
@@ -59,11 +68,20 @@ def round_beta(beta: float, r: int) -> float:
     return beta / (PI2 * r * r)
 
 
-def counter_scales(eps: float, step: int) -> tuple[float, float]:
-    """Laplace scales of the insertion-only counter at step >= 1 (sensitivity 1): a block
-    total gets scale 2/eps; a node of block b's tree (b + 1 levels) gets 2 (b + 1) / eps."""
+#: L1 sensitivity of the input of an interval-tree node's two deletion counters (Q-Ins and
+#: Lap-Ins of Algorithm 3) to one update of the stream: the window of segments over which the
+#: node's live count differs has two ends, each one deletion more or less (docs/privacy.md,
+#: "Dynamic counts"). The node's noisy size and static histogram see at most 1.
+TREE_DELETION_SENSITIVITY = 2
+
+
+def counter_scales(eps: float, step: int, sensitivity: int = 1) -> tuple[float, float]:
+    """Laplace scales of the insertion-only counter at step >= 1 whose input (the sequence of
+    its increments) changes by at most ``sensitivity`` in L1 between neighbours: a block total
+    gets scale 2 sensitivity / eps; a node of block b's tree (b + 1 levels) gets
+    2 sensitivity (b + 1) / eps."""
     b = step.bit_length() - 1
-    return 2.0 / eps, 2.0 * (b + 1) / eps
+    return 2.0 * sensitivity / eps, 2.0 * sensitivity * (b + 1) / eps
 
 
 def discrete_laplace_tail(scale: float, failure: float) -> int:
@@ -107,6 +125,9 @@ class DynamicPlan:
             "epsilon_partition": self.epsilon_partition, "epsilon_counts": self.epsilon_counts,
             "epsilon_spent": self.epsilon_spent, "delta_spent": self.delta_spent,
             "first_svt_threshold": first,
+            # the interval tree's per-node deletion counters are calibrated to this sensitivity
+            # (a delete's match depends on other updates: docs/privacy.md, "Dynamic counts")
+            "deletion_counter_sensitivity": TREE_DELETION_SENSITIVITY if self.mechanism == "interval_tree" else None,
             "node_epsilon_by_level": [level_epsilon(self.epsilon_counts, lvl) for lvl in range(1, 9)]
             if self.mechanism == "interval_tree" else None,
         }

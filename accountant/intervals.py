@@ -1,9 +1,11 @@
 """Confidence intervals of releases: the half-width a release's noise stays within at the
 documented level (docs/privacy.md, "Error bars").
 
-Every interval is ``noisy value +- half-width``, the half-width a function of the public noise
-distribution of the release's counter only (its scale, step and horizon): post-processing of a
-privatized value, never anything computed from raw data. Half-widths are whole grid steps
+Every interval is ``noisy value +- half-width``, the half-width a function of the noise
+distribution of the release's counter only (its scale, step and horizon), never of raw data: for
+DP-SQLP releases those are public parameters; for dynamic counts they also follow from the
+mechanism's own privatized decisions (below). Either way it is post-processing of privatized
+values. Half-widths are whole grid steps
 (integers for counts), so the bounds are on the same grid as the value. The level is per
 release: :data:`CI_LEVEL` of the releases' intervals contain their true (bounded) values, not all
 of a trigger's at once.
@@ -17,7 +19,12 @@ of a trigger's at once.
   rounded to the nearest whole step, so the interval misses the truth only when the unrounded
   noise is at least ``h + 1/2``: the half step is slack for the discreteness of the noise.
 * Dynamic counts (:func:`discrete_laplace_sum_halfwidth`): the noise is a sum of independent
-  discrete Laplace draws of public scales. Their sum has no closed-form quantile, so the
+  discrete Laplace draws. Their scales are not public constants: they follow from the budget and
+  from the mechanism's privatized decisions - where segments closed (the partitioner's SVT
+  output, hence each counter's step) and, for the interval tree, each read node's current round
+  (its restarts) and whether it halted (both decided from the node's noisy size and deletion
+  count). Functions of DP outputs, so the interval costs nothing, but its width moves with those
+  decisions (docs/privacy.md, "Error bars"). Their sum has no closed-form quantile, so the
   half-width is the smaller of two valid bounds on ``P(|noise| > h)``: a Chernoff bound with the
   exact moment generating function, and a union bound over the draws with each draw's exact tail
   (exact when there is a single draw). Both are upper bounds, so the coverage is at least the

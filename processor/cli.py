@@ -168,8 +168,11 @@ def _human_dynamic_plan(q) -> str:
                                                     else "  (two insertion-only counters: inserts minus deletes)"),
         f"  partitioning       eps_p {plan.epsilon_partition:.4g} (SVT, Algorithm 2); first threshold theta_1 = {d['first_svt_threshold']:.1f} updates",
         f"  counts             eps {plan.epsilon_counts:.4g}" + (
-            "; node eps by level 1..4: " + ", ".join(f"{e:.3g}" for e in d["node_epsilon_by_level"][:4]) if plan.mechanism == "interval_tree" else
-            " for each of the insert and delete counters (an update is in one: parallel composition)"),
+            "; node eps by level 1..4: " + ", ".join(f"{e:.3g}" for e in d["node_epsilon_by_level"][:4])
+            + f"; node deletion counters at sensitivity {d['deletion_counter_sensitivity']} (a delete takes its item's "
+              "newest live copy, which depends on other updates: docs/privacy.md, \"Dynamic counts\")"
+            if plan.mechanism == "interval_tree" else
+            " for each of the insert and delete counters (every update is in one: parallel composition)"),
         f"  total spent        eps {plan.epsilon_spent:.6g}, delta 0 (Laplace only; declared delta {q.delta:g} unused)",
     ]
     return "\n".join(lines)

@@ -303,7 +303,11 @@ class DynamicQueryConfig(BaseModel):
         on one plan (docs/privacy.md, "Windows and budget"): a node's noise recomputed under
         another scale would release two noisy values of one node."""
         schedule = {"items": list(self.items), "start": self.start, "tick": self.tick_ms, "lateness": self.lateness_ms,
-                    "unit_field": self.unit_field, "contribution_bound": self.contribution_bound}
+                    "unit_field": self.unit_field, "contribution_bound": self.contribution_bound,
+                    # every delete is taken in, present or not (docs/privacy.md, "Dynamic counts"): a
+                    # state logged when absent deletes were refused would recompute released nodes
+                    # on other data under the same noise, so it must not resume under this rule
+                    "absent_deletes": "taken_in"}
         return plan_fingerprint([self.plan(), schedule]).hex()
 
     def decided_through(self, clock_ms: int) -> int:

@@ -91,18 +91,41 @@ def test_invalid_updates_and_unit_bound():
     assert st.apply(InvalidRecord("not valid JSON"), batch) == "not valid JSON"
     assert "'ts'" in st.apply({"item": "a", "op": "insert", "ts": "soon", "user": "x"}, batch)
     assert "'user'" in st.apply({"item": "a", "op": "insert", "ts": 1}, batch)
-    # a delete of an absent item is refused when its tick is decided, in tick order: here the
-    # delete's tick (1) comes before the inserts' (2), whatever the arrival order
+    # a delete of an absent item (its tick, 1, comes before the inserts', 2) is taken in like any
+    # update: refusing it would make its fate depend on other units' updates
     assert st.apply({"item": "a", "op": "delete", "ts": 1, "user": "w"}, batch) is None
     for _ in range(3):  # the unit's third update is dropped, not counted
         assert st.apply({"item": "a", "op": "insert", "ts": 6, "user": "x"}, batch) is None
-    refused = st.advance_clock(1_000 + 20, batch)  # ticks of 5 ms, 1 s allowed lateness
-    assert [reason for _, reason in refused] == ["delete of an item that is not present"]
-    assert st.counter.exact.tolist() == [2, 0, 0, 0]
-    assert st.dropped["contribution_bound"] == 1 and st.dropped["malformed"] == 6
+    st.advance_clock(1_000 + 20, batch)  # ticks of 5 ms, 1 s allowed lateness
+    assert st.counter.updates == 3
+    assert st.counter.exact.tolist() == [1, 0, 0, 0]  # the baseline: inserts minus deletes
+    assert st.dropped["contribution_bound"] == 1 and st.dropped["malformed"] == 5
     # time never goes back to a decided tick; an update far ahead of its arrival clock is future
     assert st.apply({"item": "a", "op": "insert", "ts": 3, "user": "z"}, batch).startswith("late")
     assert st.dropped["late"] == 1
     assert st.apply({"item": "a", "op": "insert", "ts": 10_000_000, "user": "v"}, batch, clock_ms=5_000).startswith("future")
     # mechanisms run at epsilon / C (group privacy)
     assert st.counter.plan.epsilon == 0.5
+
+
+def test_a_state_logged_when_absent_deletes_were_refused_does_not_resume():
+    """Before issue 30 a delete of an absent item was refused when its tick was decided. A log
+    written then, recomputed under the new rule, would feed such deletes to nodes already
+    released with the same noise (the difference of two releases of one node would show the
+    delete), so the rule is part of the query's pinned fingerprint and an old state is refused
+    (a new name or state directory starts over). Here the store holds the fingerprint the old
+    code pinned: the same plan and schedule, without the rule."""
+    import pytest
+
+    from dpstream.accountant.plan import plan_fingerprint
+    from dpstream.processor.engine.pipeline import PlanChangedError
+    from dpstream.state.tables import DynamicTables
+
+    q = DynamicQueryConfig(name="plans", items=ITEMS, epsilon=1.0, start=0, tick="5ms")
+    old_schedule = {"items": list(q.items), "start": q.start, "tick": q.tick_ms, "lateness": q.lateness_ms,
+                    "unit_field": q.unit_field, "contribution_bound": q.contribution_bound}
+    store = MemoryStore()
+    DynamicTables(store, q.name).pin_plan(plan_fingerprint([q.plan(), old_schedule]).hex().encode())
+    with pytest.raises(PlanChangedError, match="another plan"):
+        DynamicQueryState(q, NodeNoise(TEST_SECRET), Pseudonymizer(TEST_SECRET), store)
+    make(MemoryStore())  # a fresh state starts

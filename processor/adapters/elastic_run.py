@@ -115,9 +115,8 @@ class ElasticRun(WorkerRun):
                     worker.trigger_fired(fired)
                 await asyncio.sleep(0)  # one trigger at a time: probes and stage 2 go on
         async with publishers.lock("dynamic"):
-            due, letters = worker.advance_dynamic(now, ends)
-            messages = list(letters)
-            for key in due:
+            messages = []
+            for key in worker.advance_dynamic(now, ends):
                 messages += worker.dynamic_releases(key)
                 worker.mark_dynamic_published(key)
             sources = list(worker.dynamic.values())

@@ -417,7 +417,7 @@ class ReplayRunner:
                 clock.save(batch)
             self.store.write(batch)
             chunk.clear()
-            self._advance_dynamic([c.clock for c in self.dynamic_clocks], output, summary, dead_letters)
+            self._advance_dynamic([c.clock for c in self.dynamic_clocks], output, summary)
             clocks = [c.clock for c in self.clocks]
             if self.charges is not None and any(c is not None for c in clocks):
                 self.charges.charge_due(max(c for c in clocks if c is not None))
@@ -480,7 +480,7 @@ class ReplayRunner:
                 self.charges.charge_due(until_ms - 1)
             self.engine.open_due([until_ms - 1] * len(self.pipelines))  # windows that start before the end
             self._publish(self.engine.fire_due([until_ms] * len(self.pipelines)), output, summary)
-            self._advance_dynamic([until_ms] * len(self.dynamic), output, summary, dead_letters)
+            self._advance_dynamic([until_ms] * len(self.dynamic), output, summary)
         else:
             self._publish(self.engine.fire_all(), output, summary)
             # dynamic queries stop at their last update: data-derived, documented (--until is public)
@@ -488,7 +488,7 @@ class ReplayRunner:
             for dyn in self.dynamic:
                 last = max((u.tick for u in dyn.waiting), default=dyn.decided)
                 ends.append(dyn.query.start + last * dyn.query.tick_ms + dyn.query.lateness_ms)
-            self._advance_dynamic(ends, output, summary, dead_letters)
+            self._advance_dynamic(ends, output, summary)
 
     def _progress_line(self, line_no: int, summary: ReplaySummary) -> str:
         return (f"replay: {line_no:,} lines read, {sum(summary.invalid.values()):,} invalid, "
@@ -583,14 +583,12 @@ class ReplayRunner:
             output.flush()
             self.store.write(batch)
 
-    def _advance_dynamic(self, clocks: list, output: TextIO, summary: ReplaySummary, dead_letters) -> None:
+    def _advance_dynamic(self, clocks: list, output: TextIO, summary: ReplaySummary) -> None:
         """Decide every dynamic tick its clock has passed, updates or not; publish."""
         batch = WriteBatch()
         for dyn, clock in zip(self.dynamic, clocks):
-            if clock is None:
-                continue
-            for update, reason in dyn.advance_clock(clock, batch):
-                self._invalid(dyn.query.name, reason, 0, dyn.describe(update), summary, dead_letters)
+            if clock is not None:
+                dyn.advance_clock(clock, batch)
         if len(batch):
             self.store.write(batch)
         self._publish_dynamic(output, summary)

@@ -152,10 +152,7 @@ class StaticRun(WorkerRun):
         for fired in worker.iter_fire_due(now):  # each published before the next is computed
             await self.publish([fired])
         # dynamic queries: every tick the clock has passed is decided, updates or not
-        due, letters = worker.advance_dynamic(now, self.read_to_end(), commit=False)
-        await publishers.send(letters, "dynamic")  # the refused deletes' dead letters, then the decisions
-        worker.commit_dynamic()
-        for key in due:
+        for key in worker.advance_dynamic(now, self.read_to_end()):
             await self.publish_dynamic(key)
 
     def read_to_end(self) -> dict:

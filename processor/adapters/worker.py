@@ -442,7 +442,6 @@ class DpstreamWorker:
         self.partitioner = partitioner
         self.metrics = metrics or PipelineMetrics()
         self.app_id = app_id
-        self._decided: list = []  # tick decisions of advance_dynamic(commit=False) not yet written
         #: since start, for the status page (docs/operations.md, "Status page"): dead letters by
         #: (query, reason category), and each query's last trigger fired here (:meth:`trigger_fired`)
         self.dead_letters: Counter = Counter()
@@ -852,17 +851,18 @@ class DpstreamWorker:
                     messages.append(self._letter(st.query.name, reason, r.value or b"", f"{topic}/{partition}@{r.offset}"))
         return StageOneResult(source, batch, records[-1].offset, messages, read_ms=broker_stamped_max(records))
 
-    def advance_dynamic(self, now_ms: int, read_to_end: Optional[dict[tuple[str, int], int]] = None, commit: bool = True
-                        ) -> tuple[list[tuple[str, int]], list[Message]]:
+    def advance_dynamic(self, now_ms: int, read_to_end: Optional[dict[tuple[str, int], int]] = None
+                        ) -> list[tuple[str, int]]:
         """Decide every dynamic tick the update topic's watermark has passed, updates or not (the
         timer's job): as for triggers, the watermark is the newest broker-stamped timestamp read
         from it (:func:`broker_stamped_max`), or the time it was read to its end (``read_to_end``),
         less the watermark delay, never past the wall clock; so a worker that was down reads the
-        updates of an overdue tick before it decides it (an update is late once its tick is decided). Returns the sources with releases
-        to send (then :meth:`mark_dynamic_published`) and the dead letters of updates refused now
-        (deletes of items absent in tick order). ``commit=False``: the decisions are written by
-        :meth:`commit_dynamic`, once those dead letters were sent."""
-        due, letters = [], []
+        updates of an overdue tick before it decides it (an update is late once its tick is
+        decided). Deciding refuses nothing (every logged update is taken in: docs/privacy.md,
+        "Dynamic counts"). Returns the sources with releases to send (then
+        :meth:`mark_dynamic_published`); the decisions are written at once (a crash before the
+        releases are sent recomputes them from the update log)."""
+        due = []
         ends = read_to_end or {}
         for key, states in self.dynamic_states.items():
             clock = self.dynamic[key].read_watermark(now_ms, ends.get(key), self.watermark_delay_ms)
@@ -870,22 +870,12 @@ class DpstreamWorker:
                 continue  # nothing known about the update topic yet: decide nothing
             batch = WriteBatch()
             for st in states:
-                for update, reason in st.advance_clock(clock, batch, max_ticks=DYNAMIC_TICKS_PER_STEP):
-                    letters.append(self._letter(st.query.name, reason, st.describe(update), f"{key[0]}/{key[1]} log@{update.seq}"))
+                st.advance_clock(clock, batch, max_ticks=DYNAMIC_TICKS_PER_STEP)
             if len(batch):
-                self._decided.append((self.dynamic[key].store, batch))
+                self.dynamic[key].store.write(batch)
             if any(st.pending for st in states):
                 due.append(key)
-        if commit:
-            self.commit_dynamic()
-        return due, letters
-
-    def commit_dynamic(self) -> None:
-        """Write the tick decisions of :meth:`advance_dynamic` (``commit=False``: after its dead
-        letters were sent; a crash before recomputes the same decisions from the update log)."""
-        decided, self._decided = self._decided, []
-        for store, batch in decided:
-            store.write(batch)
+        return due
 
     def dynamic_releases(self, key: tuple[str, int]) -> list[Message]:
         return [Message(st.query.output_topic, encode_json(rec), st.query.name.encode())

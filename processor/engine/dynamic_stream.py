@@ -13,8 +13,9 @@ the clock has passed, with or without updates - the worker's timer calls it with
 replay with its event-time clock and, at the end, its public ``--until``. The logged updates of
 those ticks are fed to :class:`dpstream.processor.mechanisms.dynamic.DynamicCounter` in (tick, arrival) order, so the
 order in which updates of undecided ticks arrived does not matter, and whether a segment's
-release exists never reveals whether later updates exist. A delete of an item that is not
-present at that point in tick order is refused then (dead-lettered, never a negative count).
+release exists never reveals whether later updates exist. Every logged update is fed, a delete of
+an item that is not present included: whether an update is taken in never depends on other
+updates (docs/privacy.md, "Dynamic counts"), so no update is refused when its tick is decided.
 
 Recovery: the counter is a deterministic function of the logged updates, the ticks decided and
 the secret (all noise is a keyed PRF of its position), so its state is not stored: on start the
@@ -41,7 +42,6 @@ from dpstream.topics.records import InvalidRecord, Update, UpdateParser, iso_utc
 
 OPS = {"insert": 1, "delete": 2}
 OP_NAMES = {1: "insert", 2: "delete"}
-ABSENT_DELETE = "delete of an item that is not present"
 
 
 @dataclass(frozen=True)
@@ -54,9 +54,12 @@ class LoggedUpdate:
 
 def dynamic_release_record(query: DynamicQueryConfig, counter: DynamicCounter, release: DynamicRelease) -> dict:
     """One published update of a dynamic query: noisy counts of every declared item, with their
-    confidence intervals (each count +- a half-width computed from the public scales of its
-    discrete Laplace draws only; the total's from the draws of all items: docs/privacy.md,
-    "Error bars") and the time's ISO-8601 twin."""
+    confidence intervals and the time's ISO-8601 twin. Each count's interval is +- a half-width
+    computed from the scales of its discrete Laplace draws only (the total's from the draws of all
+    items), never from data; those scales follow from public parameters and from the mechanism's
+    own privatized decisions (where segments closed, each read node's restart round, whether it
+    halted), so the interval is post-processing and costs nothing, but its width is not a public
+    constant (docs/privacy.md, "Error bars")."""
     plan = counter.plan
     # the counters add integer noise to integer counts (exactly, well below 2^53): integers
     counts = {item: int(v) for item, v in zip(counter.items, release.counts.tolist())}
@@ -101,8 +104,7 @@ class DynamicQueryState:
             self._next_seq = seq + 1
         decided = self.tables.last_decided()
         if decided is not None:
-            released, _ = self._decide(decided)
-            self.pending += [r for r in released if r.segment > self.published]
+            self.pending += [r for r in self._decide(decided) if r.segment > self.published]
 
     def _pin_plan(self) -> None:
         """The state holds counters built under one plan (budget, items, ticks); resuming them
@@ -160,44 +162,32 @@ class DynamicQueryState:
         self.waiting.append(update)
         return None
 
-    def _decide(self, last: int) -> tuple[list[DynamicRelease], list[LoggedUpdate]]:
-        """Feed the waiting updates of ticks <= ``last`` in (tick, arrival) order and decide every
-        tick up to ``last``. Returns the releases and the refused updates (absent deletes)."""
+    def _decide(self, last: int) -> list[DynamicRelease]:
+        """Feed the waiting updates of ticks <= ``last`` in (tick, arrival) order - every one of
+        them: each was judged on its own fields and the clock when it was logged - and decide
+        every tick up to ``last``. Returns the releases."""
         due = sorted((u for u in self.waiting if u.tick <= last), key=lambda u: (u.tick, u.seq))
         self.waiting = [u for u in self.waiting if u.tick > last]
-        releases, refused = [], []
+        releases = []
         for u in due:
-            name = self.query.items[u.item]
-            if u.op == "delete" and self.counter.exact[u.item] <= 0:
-                refused.append(u)
-                continue
-            releases += self.counter.apply(name, u.op, u.tick)
+            releases += self.counter.apply(self.query.items[u.item], u.op, u.tick)
         releases += self.counter.advance_to(last + 1)
-        return releases, refused
+        return releases
 
-    def advance_clock(self, clock_ms: int, batch: WriteBatch, max_ticks: Optional[int] = None) -> list[tuple[LoggedUpdate, str]]:
+    def advance_clock(self, clock_ms: int, batch: WriteBatch, max_ticks: Optional[int] = None) -> None:
         """Decide every tick the clock has passed (:meth:`DynamicQueryConfig.decided_through`),
         data or not - at most ``max_ticks`` of them per call (a query whose public start is long
         past catches up over several calls). Releases of the segments that closed are kept as
-        pending; returns the updates refused now (deletes of absent items), to dead-letter."""
+        pending."""
         if self.refused:
-            return []
+            return
         last = self.query.decided_through(clock_ms)
         if max_ticks is not None:
             last = min(last, self.counter.decided + max_ticks)
         if last <= self.counter.decided:
-            return []
-        releases, refused = self._decide(last)
-        self.pending += releases
-        self.dropped["malformed"] += len(refused)
+            return
+        self.pending += self._decide(last)
         self.tables.put_decided(batch, last)
-        return [(u, ABSENT_DELETE) for u in refused]
-
-    def describe(self, update: LoggedUpdate) -> bytes:
-        """A refused update as a dead letter's body (the update's own fields, no unit)."""
-        q = self.query
-        ts = q.start + (update.tick - 1) * q.tick_ms
-        return f'{{"{q.item_field}":"{q.items[update.item]}","{q.op_field}":"{update.op}","{q.time_field}":{ts}}}'.encode()
 
     def take_pending(self) -> list[dict]:
         """Releases to publish now (logged, not yet marked published), as records."""

@@ -9,6 +9,9 @@ Time is ticks (the paper's timestamps t = 1, 2, ...): each update carries its ti
 updates may share one, and ticks without updates are the paper's empty steps (x_t = bottom), at
 which SVT still draws. Neighbouring streams differ by one update; every other update keeps its
 tick. (:meth:`DynamicCounter.update` gives each update its own new tick, for benchmarks.)
+Any update of a declared item is taken in, whatever the others are: a delete of an item that is
+not present is counted by the partitioner and the baseline's delete counter like any other, and
+the interval tree finds no instance for it (docs/privacy.md, "Dynamic counts").
 The pieces:
 
 * :class:`PrivatePartitioner` - Algorithm 2: SVT instances with thresholds theta_j over the count
@@ -37,6 +40,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from dpstream.accountant.dynamic import (
+    TREE_DELETION_SENSITIVITY,
     DynamicPlan,
     counter_scales,
     discrete_laplace_tail,
@@ -83,15 +87,16 @@ class DynamicNoise:
 
 # ---------------------------------------------------------------------- insertion-only counter
 class InsertionOnlyCounter:
-    """Continual sum of vectors fed once per step (L1 sensitivity 1 per update), eps-DP.
+    """Continual sum of vectors fed once per step, eps-DP when neighbouring inputs (sequences of
+    increments) differ by at most ``sensitivity`` in L1 (1: one update).
 
     Released value at step k = exact prefix sum + the noise of the nodes that cover [1, k]: the
-    noisy totals of the completed blocks [2^b, 2^{b+1}) (scale 2/eps) and the dyadic nodes of the
-    current block's prefix (scale 2 (b + 1) / eps). Node noises are PRF values of the node's
-    position, so the same node always carries the same noise."""
+    noisy totals of the completed blocks [2^b, 2^{b+1}) (scale 2 sensitivity / eps) and the
+    dyadic nodes of the current block's prefix (scale 2 sensitivity (b + 1) / eps). Node noises
+    are PRF values of the node's position, so the same node always carries the same noise."""
 
-    def __init__(self, eps: float, dims: int, noise: DynamicNoise, label: str):
-        self.eps, self.dims, self.noise, self.label = eps, dims, noise, label
+    def __init__(self, eps: float, dims: int, noise: DynamicNoise, label: str, sensitivity: int = 1):
+        self.eps, self.dims, self.noise, self.label, self.sensitivity = eps, dims, noise, label, sensitivity
         self.step = 0
         self.exact = np.zeros(dims, dtype=np.int64)
 
@@ -106,7 +111,7 @@ class InsertionOnlyCounter:
         if k == 0:
             return []
         b = k.bit_length() - 1
-        total_scale, node_scale = counter_scales(self.eps, k)
+        total_scale, node_scale = counter_scales(self.eps, k, self.sensitivity)
         nodes = [(total_scale, f"{self.label}:block{c}") for c in range(b)]
         length, offset = k - (1 << b) + 1, 0
         for level in range(b, -1, -1):
@@ -197,7 +202,10 @@ StaticRelease = Callable[[np.ndarray, float, DynamicNoise, str], np.ndarray]
 
 
 class NodeMechanism:
-    """Algorithm 3 at node v_i (section 4.2), with node budget eps(v) (section 4.3)."""
+    """Algorithm 3 at node v_i (section 4.2), with node budget eps(v) (section 4.3). Its size and
+    static histogram have sensitivity 1; its two deletion counters are calibrated to
+    :data:`TREE_DELETION_SENSITIVITY` (which instance a delete removes depends on other updates:
+    docs/privacy.md, "Dynamic counts")."""
 
     def __init__(self, index: int, level: int, members: dict[int, int], eps_node: float, beta: float, dims: int,
                  noise: DynamicNoise, label: str, static_release: StaticRelease = noisy_histogram):
@@ -219,11 +227,12 @@ class NodeMechanism:
         self.beta_r = round_beta(self.beta, self.r)
         tag = f"{self.label}:r{self.r}"
         self.n_tilde = len(self.members) + float(self.noise.laplace(1.0 / self.eps_r, f"{tag}:size", 1)[0])
-        self.q_ins = InsertionOnlyCounter(self.eps_r, self.dims, self.noise, f"{tag}:q-ins")
-        self.lap_ins = InsertionOnlyCounter(self.eps_r, 1, self.noise, f"{tag}:lap-ins")
+        sens = TREE_DELETION_SENSITIVITY
+        self.q_ins = InsertionOnlyCounter(self.eps_r, self.dims, self.noise, f"{tag}:q-ins", sens)
+        self.lap_ins = InsertionOnlyCounter(self.eps_r, 1, self.noise, f"{tag}:lap-ins", sens)
         if check_termination:
             # gamma of the fresh Lap-Ins counter at its first step, with probability 1 - beta_r
-            probe = InsertionOnlyCounter(self.eps_r, 1, self.noise, f"{tag}:lap-ins")
+            probe = InsertionOnlyCounter(self.eps_r, 1, self.noise, f"{tag}:lap-ins", sens)
             probe.step = 1
             if self.n_tilde < 2 * probe.bound(self.beta_r):
                 self.halted = True  # line 23: answer 0 from now on
@@ -256,11 +265,13 @@ class NodeMechanism:
         return self.base - self.q_ins.estimate()
 
     def noise_scales(self) -> Optional[list[float]]:
-        """Discrete Laplace scales of the independent draws in one item's :meth:`answer` (public:
-        the round's budget and the counter's step): the static release's ``1 / eps_r`` and the
-        deletion counter's nodes. A halted node answers 0 with no noise (its items are then
-        missing: a bias, not noise). None for a static release other than :func:`noisy_histogram`,
-        whose noise this does not know."""
+        """Discrete Laplace scales of the independent draws in one item's :meth:`answer`: the
+        static release's ``1 / eps_r`` and the deletion counter's nodes. They depend on the round
+        r (how often the node restarted), on the counter's step and on whether the node halted:
+        decisions taken on the node's noisy size and deletion count, so privatized, not public
+        constants (docs/privacy.md, "Error bars"). A halted node answers 0 with no noise (its items
+        are then missing: a bias, not noise). None for a static release other than
+        :func:`noisy_histogram`, whose noise this does not know."""
         if self.halted:
             return []
         if self.static_release is not noisy_histogram:
@@ -346,9 +357,13 @@ class DynamicRelease:
     segment: int
     position: int  # the tick at which the segment closed (an SVT output)
     counts: np.ndarray  # noisy count per item
-    exact: np.ndarray = field(repr=False, default=None)  # true counts, for benchmarks only (never published)
-    #: public discrete Laplace scales of the independent draws in each item's count (the same for
-    #: every item; None: unknown): what its confidence interval is computed from
+    #: the noiseless counts the mechanism estimates, for benchmarks and tests only (never published,
+    #: never used for a decision): live instances per item for the interval tree, inserts minus
+    #: deletes for the baseline (the two differ only on a stream that deletes an absent item)
+    exact: np.ndarray = field(repr=False, default=None)
+    #: discrete Laplace scales of the independent draws in each item's count (the same for every
+    #: item; None: unknown): what its confidence interval is computed from. Functions of the budget
+    #: and of privatized decisions (segment closes, node restarts and halts), never of raw data
     noise_scales: Optional[tuple] = None
 
 
@@ -369,7 +384,7 @@ class DynamicCounter:
         self.partitioner = PrivatePartitioner(plan.epsilon_partition, plan.beta, self.noise)
         self.live: dict[int, Instance] = {}
         self.stacks: dict[int, list[int]] = defaultdict(list)  # item -> live instance ids, newest last
-        self.exact = np.zeros(self.dims, dtype=np.int64)
+        self.exact = np.zeros(self.dims, dtype=np.int64)  # see DynamicRelease.exact: never decides anything
         self.segment = 1
         self._inserted: list[int] = []
         self._deleted: list[int] = []
@@ -388,23 +403,25 @@ class DynamicCounter:
             self.deletes = InsertionOnlyCounter(eps, self.dims, self.noise, "baseline:deletes")
 
     def check(self, item: str, op: str, tick: Optional[int] = None) -> Optional[str]:
-        """Why an update is invalid (None if valid): unknown item, unknown op, absent item, or a
-        tick already decided (late)."""
+        """Why an update is invalid (None if valid): unknown item, unknown op, or a tick already
+        decided (late). Each depends on the update alone (and the public clock), never on other
+        updates: a delete of an item that is not present is valid (docs/privacy.md, "Dynamic
+        counts")."""
         if tick is not None and (tick <= self.decided or tick < self.tick):
             return "late: its time is before an already decided tick"
         if item not in self.index:
             return "field 'item' is not in the query's declared items"
         if op not in ("insert", "delete"):
             return "field 'op' must be 'insert' or 'delete'"
-        if op == "delete" and self.exact[self.index[item]] <= 0:
-            return "delete of an item that is not present"
         return None
 
     def apply(self, item: str, op: str, tick: int) -> list[DynamicRelease]:
         """Apply one valid update at ``tick`` (>= 1; ticks must not go back). Ticks before it are
         decided first - including empty ones, where SVT still draws (section 2.4: x_t = bottom) -
         and the releases of the segments that closed are returned. The paper's time model:
-        an update's tick is its own, so adding or removing one update moves no other."""
+        an update's tick is its own, so adding or removing one update moves no other; and every
+        valid update is taken in, so adding or removing one changes what the partitioner and the
+        baseline take in by exactly that update."""
         reason = self.check(item, op, tick)
         if reason is not None:
             raise InvalidUpdate(reason)
@@ -448,15 +465,26 @@ class DynamicCounter:
             self._ins_counts[x] += 1
             self.exact[x] += 1
         else:
-            iid = self.stacks[x].pop()  # newest copy: any interval representation is fine (section 4)
-            inst = self.live.pop(iid)
-            if inst.segment == self.segment:
-                self._inserted.remove(iid)  # inserted and deleted in one segment: discarded
-            else:
-                self._deleted.append((iid, inst.segment))
-            self._del_counts[x] += 1
-            self.exact[x] -= 1
+            self._del_counts[x] += 1  # the baseline counts every delete, present or not
+            if self.stacks[x]:
+                self._match_delete(x)
+            elif self.plan.mechanism == "baseline":
+                self.exact[x] -= 1  # inserts minus deletes: below zero only on an invalid stream
+            # else: no live instance, the interval tree has nothing to delete
         self.updates += 1
+
+    def _match_delete(self, x: int) -> None:
+        """A delete of item x takes x's newest live instance (LIFO). Any interval representation
+        is fine for the paper's accuracy (section 4); LIFO is the one whose dependence on other
+        updates docs/privacy.md, "Dynamic counts", bounds: one update more or less moves a single
+        extra instance to ever older instances, so each node sees one window of difference."""
+        iid = self.stacks[x].pop()
+        inst = self.live.pop(iid)
+        if inst.segment == self.segment:
+            self._inserted.remove(iid)  # inserted and deleted in one segment: discarded
+        else:
+            self._deleted.append((iid, inst.segment))
+        self.exact[x] -= 1
 
     def _close(self, tick: int) -> DynamicRelease:
         j = self.segment

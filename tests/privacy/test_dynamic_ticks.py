@@ -164,7 +164,7 @@ def drain_worker(w: DpstreamWorker, now_ms: int, publish: bool = True) -> list[d
     """The timer: advance until the clock's ticks are all decided; collect (and publish) releases."""
     out = []
     while True:
-        due, _ = w.advance_dynamic(now_ms, read_to_end=dict.fromkeys(w.dynamic, now_ms))  # the update topic read to its end
+        due = w.advance_dynamic(now_ms, read_to_end=dict.fromkeys(w.dynamic, now_ms))  # the update topic read to its end
         done = all(st.decided >= st.query.decided_through(now_ms) for sts in w.dynamic_states.values() for st in sts)
         if publish or done:
             # unpublished releases stay pending (and are offered again) until marked published:
@@ -321,7 +321,7 @@ def test_worker_reads_the_updates_of_overdue_ticks_before_it_decides_them(tmp_pa
     try:
         log_updates(w, recs[:200])
         # back after the outage: the wall clock is long past every tick, nothing more read yet
-        due, _ = w.advance_dynamic(end)
+        due = w.advance_dynamic(end)
         got = [json.loads(m.value) for key in due for m in w.dynamic_releases(key)]
         for key in due:
             w.mark_dynamic_published(key)
