@@ -101,11 +101,20 @@ def plan_start_over(config: DpstreamConfig, app_id: str, state_dir: Optional[str
     path = Path(state_dir) if state_dir is not None else None
     if path is not None:
         check_state_dir(path)
+    from dpstream.processor.adapters.kafka_tools import last_reason, wait_for_broker
+    from dpstream.topics.kafka import KafkaSettingError
+
+    try:  # the client's own settings' failure at once, naming the setting (docs/operations.md, "Kafka security")
+        answered = wait_for_broker(broker, timeout)
+    except KafkaSettingError as exc:
+        raise StartOverError(f"reset: connecting to {broker}: {exc}") from None
+    if not answered:
+        raise StartOverError(f"--broker: no Kafka broker answered at {broker} within {timeout:g} s{last_reason()}")
     admin = AdminClient({"bootstrap.servers": broker, **client_security()})
     try:
         existing = set(admin.list_topics(timeout=timeout).topics)
     except Exception as exc:  # noqa: BLE001 (librdkafka's KafkaException: one line, not a traceback)
-        raise StartOverError(f"--broker: no Kafka broker answered at {broker} within {timeout:g} s ({exc})") from None
+        raise StartOverError(f"--broker: listing the topics at {broker}: {exc}") from None
     group = f"{app_id}-workers"
     # elastic workers are members of <app>-workers; a static worker's Faust consumer joins <app>
     for name, described in admin.describe_consumer_groups([group, app_id]).items():
