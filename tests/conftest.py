@@ -133,6 +133,7 @@ def secure_broker(tmp_path_factory) -> SecureBroker:
 
     port = _three_free_ports()
     script = str(ROOT / "scripts" / "broker")
+    run_dir = Path(os.environ.get("DPSTREAM_BROKER_DIR", ROOT / ".broker"))  # as scripts/broker has it
     proc = subprocess.run([script, "start-secure", str(port)], capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         message = f"SECURED TEST BROKER COULD NOT START (scripts/broker start-secure {port}):\n{proc.stdout}{proc.stderr}"
@@ -140,7 +141,7 @@ def secure_broker(tmp_path_factory) -> SecureBroker:
             pytest.fail(message)
         pytest.skip(message)
     try:
-        c = json.loads((ROOT / ".broker" / f"secure-{port}" / "client.json").read_text())
+        c = json.loads((run_dir / f"secure-{port}" / "client.json").read_text())
         other = tmp_path_factory.mktemp("other-ca")
         subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-noenc", "-days", "2", "-subj", "/CN=another CA",
                         "-keyout", str(other / "ca.key"), "-out", str(other / "ca.pem")], check=True, capture_output=True)
@@ -149,6 +150,12 @@ def secure_broker(tmp_path_factory) -> SecureBroker:
                            sasl_mechanism=c["sasl_mechanism"], other_ca=str(other / "ca.pem"))
     finally:
         subprocess.run([script, "stop", str(port)], capture_output=True)
+        import shutil
+
+        # its data, certificates and passwords (the log stays, for a failure's reader)
+        shutil.rmtree(run_dir / f"kafka-{port}-data", ignore_errors=True)
+        shutil.rmtree(run_dir / f"secure-{port}", ignore_errors=True)
+        (run_dir / f"kafka-{port}.properties").unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------- markers (pyproject.toml: broker, slow, statistical)
