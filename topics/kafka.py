@@ -492,6 +492,9 @@ def setting_error(error, settings: dict | None = None) -> "KafkaSettingError | N
         return KafkaSettingError(f"TLS: cannot read {what} {path} as PEM ({reason(m.group(2))}); {_check(key)}")
     if "sasl.username and sasl.password must be set" in text:
         return KafkaSettingError(f"SASL needs a username and a password; {_check('sasl.username', 'sasl.password')}")
+    if re.search(r"mechanism handshake failed.*supported mechanisms: *(\(after|$)", text):  # the broker offers none
+        return KafkaSettingError(f"SASL refused: the listener at --broker takes no SASL ({reason(text)}); "
+                                 f"{_check('security.protocol')}")
     if "Unsupported hash function" in text or "mechanism handshake failed" in text or "Unsupported SASL mechanism" in text:
         return KafkaSettingError(f"SASL mechanism refused: {reason(text)}; {_check('sasl.mechanisms')}")
     if code == KafkaError._AUTHENTICATION or "SASL authentication error" in text:
@@ -505,7 +508,9 @@ def setting_error(error, settings: dict | None = None) -> "KafkaSettingError | N
         return KafkaSettingError(f"TLS: the broker refused this client's certificate (the listener requires one its CA "
                                  f"signed): {reason(text)}; {_check('ssl.certificate.location', 'ssl.key.location')} "
                                  f"(and {setting_name('security.protocol')} against the listener in --broker)")
-    if code == KafkaError._SSL or "SSL handshake failed" in text:
+    # other TLS failures, but not a connection cut in the handshake: a broker going away does that
+    if (code == KafkaError._SSL or "SSL handshake failed" in text) and not re.search(
+            r"Disconnected|closed by peer|reset by peer|unexpected eof|SSL_ERROR_SYSCALL|timed out", text, re.I):
         return KafkaSettingError(f"TLS handshake with the broker failed: {reason(text)}; "
                                  f"{_check('security.protocol', 'ssl.ca.location', 'ssl.certificate.location')}")
     if code == KafkaError._INVALID_ARG:  # any other client that cannot be created: its settings
