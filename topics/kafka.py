@@ -461,60 +461,80 @@ def setting_error(error, settings: dict | None = None) -> "KafkaSettingError | N
     ``error_cb`` as ``_AUTHENTICATION``, a broker certificate the CA did not sign as ``_SSL``
     (certificate verify failed), a client certificate the broker refused as ``_TRANSPORT`` with
     the broker's TLS alert (bad certificate, certificate required, ...)."""
-    import os
-    import re
-
     from confluent_kafka import KafkaError
 
     settings = client_security() if settings is None else settings
     code = error.code() if hasattr(error, "code") else None
     text = _redacted(error.str() if hasattr(error, "str") else str(error), settings)
+    found = _creation_error(text, settings) or _connection_error(code, text)
+    if found is None and code == KafkaError._INVALID_ARG:  # any other client that cannot be created: its settings
+        found = f"invalid Kafka client settings: {_reason(text)}; check the DPSTREAM_KAFKA_* variables"
+    return KafkaSettingError(found) if found else None
 
-    def reason(t: str) -> str:  # librdkafka's text without the client, the connection's name and its timing
-        t = re.sub(r"^Failed to create [a-z ]+: ", "", t)
-        t = re.sub(r"^\S+/(bootstrap|\d+): ", "", t)
-        return re.sub(r" \(after \d+ms in state \w+\)$", "", t)
+
+def _reason(text: str) -> str:
+    """librdkafka's text without the client, the connection's name and its timing."""
+    import re
+
+    text = re.sub(r"^Failed to create [a-z ]+: ", "", text)
+    text = re.sub(r"^\S+/(bootstrap|\d+): ", "", text)
+    return re.sub(r" \(after \d+ms in state \w+\)$", "", text)
+
+
+def _creation_error(text: str, settings: dict) -> str | None:
+    """What a client that cannot be created says of its settings (a value, a file)."""
+    import os
+    import re
 
     if m := re.search(r'Invalid value "(.*?)" for configuration property "([^"]+)"', text):
         key = m.group(2)
         value = "" if key in SECRET_SETTINGS else f" {m.group(1)!r}"
-        return KafkaSettingError(f"invalid Kafka client setting: {key}{value} is not a valid value; {_check(key)}")
+        return f"invalid Kafka client setting: {key}{value} is not a valid value; {_check(key)}"
     if m := re.search(r"(ssl\.(?:ca|certificate|key|crl)\.location) failed: (.*)", text):
         key = m.group(1)
         path = settings.get(key, "")
         what = {"ssl.ca.location": "the CA certificate", "ssl.certificate.location": "the client certificate",
                 "ssl.key.location": "the client's private key", "ssl.crl.location": "the CRL"}[key]
         if path and not os.path.exists(path):
-            return KafkaSettingError(f"TLS: {what} file {path} does not exist; {_check(key)}")
+            return f"TLS: {what} file {path} does not exist; {_check(key)}"
         if key == "ssl.key.location":
-            return KafkaSettingError(f"TLS: cannot read {what} {path} (not a PEM key, or encrypted with another password: "
-                                     f"{reason(m.group(2))}); {_check(key, 'ssl.key.password')}")
-        return KafkaSettingError(f"TLS: cannot read {what} {path} as PEM ({reason(m.group(2))}); {_check(key)}")
+            return (f"TLS: cannot read {what} {path} (not a PEM key, or encrypted with another password: "
+                    f"{_reason(m.group(2))}); {_check(key, 'ssl.key.password')}")
+        return f"TLS: cannot read {what} {path} as PEM ({_reason(m.group(2))}); {_check(key)}"
     if "sasl.username and sasl.password must be set" in text:
-        return KafkaSettingError(f"SASL needs a username and a password; {_check('sasl.username', 'sasl.password')}")
+        return f"SASL needs a username and a password; {_check('sasl.username', 'sasl.password')}"
+    if "Unsupported hash function" in text:
+        return f"SASL mechanism not known: {_reason(text)}; {_check('sasl.mechanisms')}"
+    return None
+
+
+def _connection_error(code, text: str) -> str | None:
+    """What the broker's refusal of a connection says of the client's settings (credentials,
+    certificates); None for a broker away or going away."""
+    import re
+
+    from confluent_kafka import KafkaError
+
     if re.search(r"mechanism handshake failed.*supported mechanisms: *(\(after|$)", text):  # the broker offers none
-        return KafkaSettingError(f"SASL refused: the listener at --broker takes no SASL ({reason(text)}); "
-                                 f"{_check('security.protocol')}")
-    if "Unsupported hash function" in text or "mechanism handshake failed" in text or "Unsupported SASL mechanism" in text:
-        return KafkaSettingError(f"SASL mechanism refused: {reason(text)}; {_check('sasl.mechanisms')}")
+        return f"SASL refused: the listener at --broker takes no SASL ({_reason(text)}); {_check('security.protocol')}"
+    if "mechanism handshake failed" in text or "Unsupported SASL mechanism" in text:
+        return f"SASL mechanism refused: {_reason(text)}; {_check('sasl.mechanisms')}"
     if code == KafkaError._AUTHENTICATION or "SASL authentication error" in text:
-        return KafkaSettingError(f"Kafka authentication failed: {reason(text)}; {_check('sasl.username', 'sasl.password')} "
-                                 f"(and {setting_name('sasl.mechanisms')})")
+        return (f"Kafka authentication failed: {_reason(text)}; {_check('sasl.username', 'sasl.password')} "
+                f"(and {setting_name('sasl.mechanisms')})")
     if "certificate verify failed" in text:
-        return KafkaSettingError(f"TLS: the broker's certificate could not be verified (not signed by the CA in "
-                                 f"{setting_name('ssl.ca.location')}, or not issued for the address in --broker): "
-                                 f"{reason(text).split(': broker certificate could not be verified')[0]}; {_check('ssl.ca.location')}")
+        return (f"TLS: the broker's certificate could not be verified (not signed by the CA in "
+                f"{setting_name('ssl.ca.location')}, or not issued for the address in --broker): "
+                f"{_reason(text).split(': broker certificate could not be verified')[0]}; {_check('ssl.ca.location')}")
     if any(f"alert {a}" in text for a in _CERTIFICATE_ALERTS):
-        return KafkaSettingError(f"TLS: the broker refused this client's certificate (the listener requires one its CA "
-                                 f"signed): {reason(text)}; {_check('ssl.certificate.location', 'ssl.key.location')} "
-                                 f"(and {setting_name('security.protocol')} against the listener in --broker)")
+        return (f"TLS: the broker refused this client's certificate (the listener requires one its CA signed): "
+                f"{_reason(text)}; {_check('ssl.certificate.location', 'ssl.key.location')} "
+                f"(and {setting_name('security.protocol')} against the listener in --broker)")
     # other TLS failures, but not a connection cut in the handshake: a broker going away does that
     if (code == KafkaError._SSL or "SSL handshake failed" in text) and not re.search(
             r"Disconnected|closed by peer|reset by peer|unexpected eof|SSL_ERROR_SYSCALL|timed out", text, re.I):
-        return KafkaSettingError(f"TLS handshake with the broker failed: {reason(text)}; "
-                                 f"{_check('security.protocol', 'ssl.ca.location', 'ssl.certificate.location')}")
-    if code == KafkaError._INVALID_ARG:  # any other client that cannot be created: its settings
-        return KafkaSettingError(f"invalid Kafka client settings: {reason(text)}; check the DPSTREAM_KAFKA_* variables")
+        return (f"TLS handshake with the broker failed: {_reason(text)}; "
+                f"{_check('security.protocol', 'ssl.ca.location', 'ssl.certificate.location')}")
     return None
 
 
