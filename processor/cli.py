@@ -478,8 +478,11 @@ def cmd_produce(args: argparse.Namespace) -> int:
     from dpstream.topics.kafka import INPUT_TOPIC_CONFIG, TopicSpec, create_topics
 
     # a topic the broker would auto-create has CreateTime, which the worker refuses: create it as the worker would
-    create_topics(broker, [TopicSpec(args.topic, args.partitions, INPUT_TOPIC_CONFIG)], timeout=args.timeout,
-                  client_config={"logger": kt.RDKAFKA_LOG})
+    try:
+        create_topics(broker, [TopicSpec(args.topic, args.partitions, INPUT_TOPIC_CONFIG)], timeout=args.timeout,
+                      client_config={"logger": kt.RDKAFKA_LOG})
+    except Exception as exc:  # noqa: BLE001 - librdkafka's KafkaException (not authorized, a timeout): one line
+        raise kt.KafkaToolError(f"produce: creating topic {args.topic} on {broker}: {exc.args[0] if exc.args else exc}") from None
     started = time.perf_counter()
     report = kt.TimeReport(time_field, queries)
     if args.input is None:

@@ -74,6 +74,90 @@ def broker() -> str:
         subprocess.run([str(ROOT / "scripts" / "broker"), "stop", str(BROKER_PORT)], capture_output=True)
 
 
+# ---------------------------------------------------------------- the secured test broker (scripts/broker start-secure)
+
+
+@dataclass
+class SecureBroker:
+    """An Apache Kafka broker of its own with a SASL_SSL (SCRAM-SHA-512) listener and an SSL
+    listener requiring client certificates (scripts/broker start-secure; its client.json)."""
+
+    sasl_ssl: str  # host:port of the SASL_SSL listener
+    ssl: str  # host:port of the SSL listener (client certificate required)
+    ca: str  # the CA (PEM) that signed the broker's and the client's certificates
+    certificate: str  # the client's certificate (PEM)
+    key: str  # its private key (PEM, encrypted with key_password)
+    key_password: str
+    username: str
+    password: str
+    sasl_mechanism: str
+    other_ca: str  # a CA that signed nothing of this broker's
+
+    def env(self, listener: str) -> dict[str, str]:
+        """The DPSTREAM_KAFKA_* variables of a client of ``listener`` ("sasl_ssl" or "ssl")."""
+        if listener == "sasl_ssl":
+            return {"DPSTREAM_KAFKA_SECURITY_PROTOCOL": "SASL_SSL", "DPSTREAM_KAFKA_SASL_MECHANISM": self.sasl_mechanism,
+                    "DPSTREAM_KAFKA_SASL_USERNAME": self.username, "DPSTREAM_KAFKA_SASL_PASSWORD": self.password,
+                    "DPSTREAM_KAFKA_SSL_CA_LOCATION": self.ca}
+        return {"DPSTREAM_KAFKA_SECURITY_PROTOCOL": "SSL", "DPSTREAM_KAFKA_SSL_CA_LOCATION": self.ca,
+                "DPSTREAM_KAFKA_SSL_CERTIFICATE_LOCATION": self.certificate, "DPSTREAM_KAFKA_SSL_KEY_LOCATION": self.key,
+                "DPSTREAM_KAFKA_SSL_KEY_PASSWORD": self.key_password}
+
+
+def _three_free_ports() -> int:
+    """A port P with P, P + 1 and P + 2 free (the secured broker's two listeners and its controller)."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port + 2 > 65535:
+            continue
+        try:
+            for p in (port + 1, port + 2):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no three consecutive free ports")
+
+
+@pytest.fixture(scope="session")
+def secure_broker(tmp_path_factory) -> SecureBroker:
+    """A secured Apache Kafka of the session's own, started (and stopped at the end) by the
+    project's script on free ports. Skips with a loud message only when it cannot start here;
+    fails in CI."""
+    import json
+
+    port = _three_free_ports()
+    script = str(ROOT / "scripts" / "broker")
+    run_dir = Path(os.environ.get("DPSTREAM_BROKER_DIR", ROOT / ".broker"))  # as scripts/broker has it
+    proc = subprocess.run([script, "start-secure", str(port)], capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        message = f"SECURED TEST BROKER COULD NOT START (scripts/broker start-secure {port}):\n{proc.stdout}{proc.stderr}"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    try:
+        c = json.loads((run_dir / f"secure-{port}" / "client.json").read_text())
+        other = tmp_path_factory.mktemp("other-ca")
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-noenc", "-days", "2", "-subj", "/CN=another CA",
+                        "-keyout", str(other / "ca.key"), "-out", str(other / "ca.pem")], check=True, capture_output=True)
+        yield SecureBroker(sasl_ssl=c["sasl_ssl"], ssl=c["ssl"], ca=c["ca"], certificate=c["certificate"], key=c["key"],
+                           key_password=c["key_password"], username=c["username"], password=c["password"],
+                           sasl_mechanism=c["sasl_mechanism"], other_ca=str(other / "ca.pem"))
+    finally:
+        subprocess.run([script, "stop", str(port)], capture_output=True)
+        import shutil
+
+        # its data, certificates and passwords (the log stays, for a failure's reader)
+        shutil.rmtree(run_dir / f"kafka-{port}-data", ignore_errors=True)
+        shutil.rmtree(run_dir / f"secure-{port}", ignore_errors=True)
+        (run_dir / f"kafka-{port}.properties").unlink(missing_ok=True)
+
+
 # ---------------------------------------------------------------- markers (pyproject.toml: broker, slow, statistical)
 #: many-sample checks of noise distributions and calibration, tolerances stated in each test
 STATISTICAL = (
@@ -96,6 +180,7 @@ STATISTICAL = (
 #: are all slow too: 23-72 s each)
 SLOW = (
     "tests/test_kafka_worker.py",
+    "tests/test_kafka_security.py",
     "tests/test_elastic_workers.py",
     "tests/test_status_page.py::test_status_page_in_a_browser_trigger_log_lines_and_committed_offsets",
     "tests/test_helm_chart.py::test_dashboard_and_alert_metrics_are_served_by_a_running_worker",
@@ -111,10 +196,10 @@ SLOW = (
 
 def pytest_collection_modifyitems(config, items):
     """Markers from what a test uses, so a new test cannot forget them: ``broker`` for any test
-    using the broker fixture; ``statistical`` and ``slow`` from the lists above."""
+    using the broker or secure_broker fixture; ``statistical`` and ``slow`` from the lists above."""
     for item in items:
         base = item.nodeid.split("[")[0]
-        if "broker" in getattr(item, "fixturenames", ()):
+        if {"broker", "secure_broker"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.broker)
         if base in STATISTICAL:
             item.add_marker(pytest.mark.statistical)

@@ -64,7 +64,8 @@ CUSTOM = {
         "bootstrapServers": "kafka-0.kafka:9093,kafka-1.kafka:9093",
         "security": {"protocol": "SASL_SSL"},
         "sasl": {"mechanism": "SCRAM-SHA-512", "existingSecret": "kafka-credentials", "usernameKey": "user", "passwordKey": "pass"},
-        "tls": {"existingSecret": "kafka-ca", "caKey": "ca.pem"},
+        "tls": {"existingSecret": "kafka-ca", "caKey": "ca.pem", "certificateKey": "client.pem", "keyKey": "client.key",
+                "keyPasswordKey": "client.key.password"},
     },
     "noiseKey": {"existingSecret": "prod-noise", "secretKey": "secret.bin"},
     "podDisruptionBudget": {"enabled": False},
@@ -302,6 +303,12 @@ def test_creating_the_noise_secret_from_values_is_opt_in_and_consistent():
     ({"kafka": {"security": {"protocol": "SASL_SSL"}}}, "kafka.sasl.existingSecret is required"),
     ({"kafka": {"security": {"protocol": "SASL_PLAINTEXT"}, "sasl": {"existingSecret": "c"}}}, "kafka.sasl.mechanism is required"),
     ({"kafka": {"tls": {"existingSecret": "ca"}}}, "needs kafka.security.protocol SSL or SASL_SSL"),
+    ({"kafka": {"security": {"protocol": "SSL"}, "tls": {"existingSecret": "ca", "certificateKey": "c.pem"}}},
+     "certificateKey and kafka.tls.keyKey go together"),
+    ({"kafka": {"security": {"protocol": "SSL"}, "tls": {"certificateKey": "c.pem", "keyKey": "c.key"}}},
+     "which is empty"),
+    ({"kafka": {"security": {"protocol": "SSL"}, "tls": {"existingSecret": "ca", "keyPasswordKey": "p"}}},
+     "keyPasswordKey is the password of kafka.tls.keyKey"),
     ({"queries": {"queries": None}}, "queries must be a mapping with a 'queries' list"),  # null removes the default list
     ({"assignment": "static", "replicas": 2, "queries": {"budget": {"principal": "query", "default": {"max_epsilon": 60}}}},
      "queries.budget.start is required with replicas 2"),
@@ -354,7 +361,8 @@ def test_kafka_security_settings_become_client_env_vars():
     env = env_of(worker(docs)[2])
     assert env["DPSTREAM_KAFKA_SECURITY_PROTOCOL"]["value"] == "PLAINTEXT"
     assert not {"DPSTREAM_KAFKA_SASL_MECHANISM", "DPSTREAM_KAFKA_SASL_USERNAME", "DPSTREAM_KAFKA_SASL_PASSWORD",
-                "DPSTREAM_KAFKA_SSL_CA_LOCATION"} & env.keys()
+                "DPSTREAM_KAFKA_SSL_CA_LOCATION", "DPSTREAM_KAFKA_SSL_CERTIFICATE_LOCATION", "DPSTREAM_KAFKA_SSL_KEY_LOCATION",
+                "DPSTREAM_KAFKA_SSL_KEY_PASSWORD"} & env.keys()
 
     _, docs = rendered("custom")
     _, pod, container = worker(docs)
@@ -367,6 +375,15 @@ def test_kafka_security_settings_become_client_env_vars():
     ca = mount(container, "kafka-tls")
     assert ca["readOnly"] is True
     assert env["DPSTREAM_KAFKA_SSL_CA_LOCATION"]["value"] == f"{ca['mountPath']}/ca.pem"
+    # a client certificate (a listener with ssl.client.auth=required): its files from the same
+    # Secret, the key readable by the pod's group only; the key's password never in the manifest
+    assert env["DPSTREAM_KAFKA_SSL_CERTIFICATE_LOCATION"]["value"] == f"{ca['mountPath']}/client.pem"
+    assert env["DPSTREAM_KAFKA_SSL_KEY_LOCATION"]["value"] == f"{ca['mountPath']}/client.key"
+    assert env["DPSTREAM_KAFKA_SSL_KEY_PASSWORD"]["valueFrom"] == {"secretKeyRef": {"name": "kafka-ca",
+                                                                                    "key": "client.key.password"}}
+    items = {i["key"]: i for i in volume(pod, "kafka-tls")["secret"]["items"]}
+    assert set(items) == {"ca.pem", "client.pem", "client.key"}
+    assert items["client.key"]["mode"] == 0o440 and "mode" not in items["client.pem"]
 
 
 # --- metrics and availability -------------------------------------------------------------------

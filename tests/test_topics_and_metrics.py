@@ -1,4 +1,5 @@
 """Topic declarations and the metrics registry (no broker needed)."""
+import pytest
 from prometheus_client import generate_latest
 
 from dpstream.processor.adapters.metrics import PipelineMetrics
@@ -59,6 +60,89 @@ def test_kafka_security_settings_come_from_the_environment_for_every_client():
     assert (aio["security_protocol"], aio["sasl_mechanism"], aio["sasl_plain_username"]) == ("SASL_PLAINTEXT", "SCRAM-SHA-512", "svc")
     assert type(_faust_credentials(conf)).__name__ == "SASLCredentials"
     assert client_security({}) == {} and aiokafka_security({}) == {} and _faust_credentials({}) is None
+
+
+#: librdkafka 2.x's words, as it said them against scripts/broker start-secure (docs/operations.md,
+#: "Kafka security"), and the variable each must name; None: a broker away, waited for
+LIBRDKAFKA_SAYS = [
+    ("sasl_ssl://127.0.0.1:29092/bootstrap: SASL authentication error: Authentication failed during authentication due "
+     "to invalid credentials with SASL mechanism SCRAM-SHA-512 (after 313ms in state AUTH_REQ)", "DPSTREAM_KAFKA_SASL_PASSWORD"),
+    ("sasl_ssl://127.0.0.1:29092/bootstrap: SASL SCRAM-SHA-256 mechanism handshake failed: Broker: Unsupported SASL "
+     "mechanism: broker's supported mechanisms: SCRAM-SHA-512 (after 301ms in state AUTH_HANDSHAKE)", "DPSTREAM_KAFKA_SASL_MECHANISM"),
+    ("sasl_plaintext://127.0.0.1:19092/bootstrap: SASL SCRAM-SHA-512 mechanism handshake failed: Broker: Request not valid "
+     "in current SASL state: broker's supported mechanisms:  (after 8ms in state AUTH_HANDSHAKE)", "DPSTREAM_KAFKA_SECURITY_PROTOCOL"),
+    ("sasl_ssl://127.0.0.1:29092/bootstrap: SSL handshake failed: error:0A000086:SSL routines::certificate verify failed: "
+     "broker certificate could not be verified, verify that ssl.ca.location is correctly configured or root CA "
+     "certificates are installed (install ca-certificates package) (after 6ms in state SSL_HANDSHAKE)",
+     "DPSTREAM_KAFKA_SSL_CA_LOCATION"),
+    ("ssl://127.0.0.1:29093/bootstrap: Receive failed: error:0A000412:SSL routines::ssl/tls alert bad certificate: SSL "
+     "alert number 42 (after 0ms in state APIVERSION_QUERY)", "DPSTREAM_KAFKA_SSL_CERTIFICATE_LOCATION"),
+    ('Invalid value "SASL_SSLL" for configuration property "security.protocol"', "DPSTREAM_KAFKA_SECURITY_PROTOCOL"),
+    ("Failed to create admin client: ssl.ca.location failed: error:05880020:x509 certificate routines::BIO lib",
+     "DPSTREAM_KAFKA_SSL_CA_LOCATION"),
+    ("Failed to create admin client: ssl.key.location failed: error:0A080009:SSL routines::PEM lib", "DPSTREAM_KAFKA_SSL_KEY_PASSWORD"),
+    ("Failed to create producer: sasl.username and sasl.password must be set", "DPSTREAM_KAFKA_SASL_USERNAME"),
+    ("Failed to create admin client: Unsupported hash function: SCRAM-SHA-51 (try SCRAM-SHA-512)", "DPSTREAM_KAFKA_SASL_MECHANISM"),
+    # the broker away, or going away: waited for, never a setting's failure
+    ("127.0.0.1:1/bootstrap: Connect to ipv4#127.0.0.1:1 failed: Connection refused (after 0ms in state CONNECT)", None),
+    ("ssl://127.0.0.1:19092/bootstrap: SSL handshake failed: Disconnected: SSL connection closed by peer: connecting to a "
+     "PLAINTEXT broker listener? (after 11ms in state SSL_HANDSHAKE)", None),
+    ("sasl_ssl://127.0.0.1:29092/bootstrap: Disconnected: SSL connection closed by peer (after 0ms in state UP)", None),
+    ("1/1 brokers are down", None),
+]
+
+
+@pytest.mark.parametrize("text, variable", LIBRDKAFKA_SAYS)
+def test_librdkafka_errors_of_the_clients_settings_name_the_variable(text, variable):
+    from dpstream.topics.kafka import setting_error
+
+    error = setting_error(text, {"ssl.key.location": __file__} if "ssl.key" in text else {})  # a file that is there
+    if variable is None:
+        assert error is None
+    else:
+        assert error is not None and variable in str(error), error
+
+
+def test_a_settings_error_never_shows_a_password():
+    from dpstream.topics.kafka import setting_error
+
+    settings = {"sasl.password": "hunter2-secret", "ssl.key.password": "k3y-secret"}
+    for text in ('Invalid value "hunter2-secret" for configuration property "sasl.password"',
+                 'Invalid value "k3y-secret" for configuration property "ssl.key.password"',
+                 "SASL authentication error: hunter2-secret k3y-secret"):
+        said = str(setting_error(text, settings))
+        assert "hunter2" not in said and "k3y" not in said, said
+
+
+def test_aiokafka_and_faust_take_the_client_certificate_and_name_a_missing_file(tmp_path):
+    """The worker's aiokafka consumer and Faust's client use the same CA, certificate and
+    (encrypted) key as librdkafka; a file they cannot use names its variable."""
+    import ssl
+    import subprocess
+
+    from dpstream.processor.adapters.faust_app import _faust_credentials
+    from dpstream.topics.kafka import KafkaSettingError, aiokafka_security, client_security
+
+    def openssl(*args):
+        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=tmp_path)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-noenc", "-days", "2", "-subj", "/CN=ca", "-keyout", "ca.key", "-out", "ca.pem")
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-days", "2", "-subj", "/CN=client", "-passout", "pass:pw-123",
+            "-keyout", "client.key", "-out", "client.pem")
+    env = {"DPSTREAM_KAFKA_SECURITY_PROTOCOL": "SSL", "DPSTREAM_KAFKA_SSL_CA_LOCATION": str(tmp_path / "ca.pem"),
+           "DPSTREAM_KAFKA_SSL_CERTIFICATE_LOCATION": str(tmp_path / "client.pem"),
+           "DPSTREAM_KAFKA_SSL_KEY_LOCATION": str(tmp_path / "client.key"), "DPSTREAM_KAFKA_SSL_KEY_PASSWORD": "pw-123"}
+    conf = client_security(env)
+    assert conf["ssl.certificate.location"].endswith("client.pem") and conf["ssl.key.password"] == "pw-123"
+    context = aiokafka_security(conf)["ssl_context"]
+    assert isinstance(context, ssl.SSLContext) and [c["subject"] for c in context.get_ca_certs()] == [((("commonName", "ca"),),)]
+    credentials = _faust_credentials(conf)
+    assert type(credentials).__name__ == "SSLCredentials" and credentials.context is not None
+    with pytest.raises(KafkaSettingError, match="DPSTREAM_KAFKA_SSL_KEY_PASSWORD") as wrong:
+        aiokafka_security({**conf, "ssl.key.password": "not-pw"})
+    assert "not-pw" not in str(wrong.value)
+    with pytest.raises(KafkaSettingError, match="DPSTREAM_KAFKA_SSL_CERTIFICATE_LOCATION"):
+        aiokafka_security({**conf, "ssl.certificate.location": str(tmp_path / "missing.pem")})
 
 
 def test_budget_remaining_comes_from_the_ledger_only():

@@ -506,7 +506,13 @@ SECURITY_ENV = {
     "DPSTREAM_KAFKA_SASL_USERNAME": "sasl.username",
     "DPSTREAM_KAFKA_SASL_PASSWORD": "sasl.password",
     "DPSTREAM_KAFKA_SSL_CA_LOCATION": "ssl.ca.location",  # PEM file of the broker's CA
+    # a client certificate, for listeners that require one (ssl.client.auth=required)
+    "DPSTREAM_KAFKA_SSL_CERTIFICATE_LOCATION": "ssl.certificate.location",  # PEM file of the client's certificate
+    "DPSTREAM_KAFKA_SSL_KEY_LOCATION": "ssl.key.location",  # PEM file of its private key
+    "DPSTREAM_KAFKA_SSL_KEY_PASSWORD": "ssl.key.password",  # the key's password, if it is encrypted
 }
+#: settings whose values are never printed, not even in an error naming them
+SECRET_SETTINGS = ("sasl.password", "ssl.key.password")
 
 
 def client_security(environ=None) -> dict:
@@ -518,15 +524,184 @@ def client_security(environ=None) -> dict:
     return {key: environ[var] for var, key in SECURITY_ENV.items() if environ.get(var)}
 
 
+class KafkaSettingError(RuntimeError):
+    """A Kafka client's own settings failed, not the broker's presence: the broker refused the
+    credentials or the TLS handshake, a file the settings name cannot be used, a value is not
+    valid. Waiting for the broker cannot help; the message names the failure and the setting to
+    check (its environment variable), never a password (docs/operations.md, "Kafka security")."""
+
+
+def setting_name(key: str) -> str:
+    """A librdkafka property as the operator sets it: its environment variable (SECURITY_ENV)."""
+    for var, prop in SECURITY_ENV.items():
+        if prop == key:
+            return var
+    return key
+
+
+def _check(*keys: str) -> str:
+    names = [setting_name(k) for k in keys]
+    return "check " + (" and ".join(names) if len(names) <= 2 else ", ".join(names[:-1]) + " and " + names[-1])
+
+
+def _redacted(text: str, settings: dict) -> str:
+    for key in SECRET_SETTINGS:
+        if settings.get(key):
+            text = text.replace(str(settings[key]), "***")
+    return text
+
+
+#: TLS alerts a broker sends when it refuses the client's certificate (or its absence)
+_CERTIFICATE_ALERTS = ("bad certificate", "certificate required", "unknown ca", "certificate unknown", "certificate expired",
+                       "certificate revoked", "unsupported certificate", "access denied")
+
+
+def setting_error(error, settings: dict | None = None) -> "KafkaSettingError | None":
+    """librdkafka's error (a ``KafkaError``, or its text) as a :class:`KafkaSettingError` when it
+    is one of the client's settings' (authentication, TLS, an invalid value), else None: a broker
+    that is not there (yet) is waited for, these are not (docs/operations.md, "Kafka security").
+
+    What librdkafka 2.x says, as seen against scripts/broker start-secure: a client that cannot be
+    created raises ``_INVALID_ARG`` with ``Invalid value "V" for configuration property "P"`` or
+    ``P failed: <OpenSSL error>`` (a file of ssl.*.location); refused credentials come to
+    ``error_cb`` as ``_AUTHENTICATION``, a broker certificate the CA did not sign as ``_SSL``
+    (certificate verify failed), a client certificate the broker refused as ``_TRANSPORT`` with
+    the broker's TLS alert (bad certificate, certificate required, ...)."""
+    from confluent_kafka import KafkaError
+
+    settings = client_security() if settings is None else settings
+    code = error.code() if hasattr(error, "code") else None
+    text = _redacted(error.str() if hasattr(error, "str") else str(error), settings)
+    found = _creation_error(text, settings) or _connection_error(code, text)
+    if found is None and code == KafkaError._INVALID_ARG:  # any other client that cannot be created: its settings
+        found = f"invalid Kafka client settings: {_reason(text)}; check the DPSTREAM_KAFKA_* variables"
+    return KafkaSettingError(found) if found else None
+
+
+def _reason(text: str) -> str:
+    """librdkafka's text without the client, the connection's name and its timing."""
+    import re
+
+    text = re.sub(r"^Failed to create [a-z ]+: ", "", text)
+    text = re.sub(r"^\S+/(bootstrap|\d+): ", "", text)
+    return re.sub(r" \(after \d+ms in state \w+\)$", "", text)
+
+
+def _creation_error(text: str, settings: dict) -> str | None:
+    """What a client that cannot be created says of its settings (a value, a file)."""
+    import os
+    import re
+
+    if m := re.search(r'Invalid value "(.*?)" for configuration property "([^"]+)"', text):
+        key = m.group(2)
+        value = "" if key in SECRET_SETTINGS else f" {m.group(1)!r}"
+        return f"invalid Kafka client setting: {key}{value} is not a valid value; {_check(key)}"
+    if m := re.search(r"(ssl\.(?:ca|certificate|key|crl)\.location) failed: (.*)", text):
+        key = m.group(1)
+        path = settings.get(key, "")
+        what = {"ssl.ca.location": "the CA certificate", "ssl.certificate.location": "the client certificate",
+                "ssl.key.location": "the client's private key", "ssl.crl.location": "the CRL"}[key]
+        if path and not os.path.exists(path):
+            return f"TLS: {what} file {path} does not exist; {_check(key)}"
+        if key == "ssl.key.location":
+            return (f"TLS: cannot read {what} {path} (not a PEM key, or encrypted with another password: "
+                    f"{_reason(m.group(2))}); {_check(key, 'ssl.key.password')}")
+        return f"TLS: cannot read {what} {path} as PEM ({_reason(m.group(2))}); {_check(key)}"
+    if "sasl.username and sasl.password must be set" in text:
+        return f"SASL needs a username and a password; {_check('sasl.username', 'sasl.password')}"
+    if "Unsupported hash function" in text:
+        return f"SASL mechanism not known: {_reason(text)}; {_check('sasl.mechanisms')}"
+    return None
+
+
+def _connection_error(code, text: str) -> str | None:
+    """What the broker's refusal of a connection says of the client's settings (credentials,
+    certificates); None for a broker away or going away."""
+    import re
+
+    from confluent_kafka import KafkaError
+
+    if re.search(r"mechanism handshake failed.*supported mechanisms: *(\(after|$)", text):  # the broker offers none
+        return f"SASL refused: the listener at --broker takes no SASL ({_reason(text)}); {_check('security.protocol')}"
+    if "mechanism handshake failed" in text or "Unsupported SASL mechanism" in text:
+        return f"SASL mechanism refused: {_reason(text)}; {_check('sasl.mechanisms')}"
+    if code == KafkaError._AUTHENTICATION or "SASL authentication error" in text:
+        return (f"Kafka authentication failed: {_reason(text)}; {_check('sasl.username', 'sasl.password')} "
+                f"(and {setting_name('sasl.mechanisms')})")
+    if "certificate verify failed" in text:
+        return (f"TLS: the broker's certificate could not be verified (not signed by the CA in "
+                f"{setting_name('ssl.ca.location')}, or not issued for the address in --broker): "
+                f"{_reason(text).split(': broker certificate could not be verified')[0]}; {_check('ssl.ca.location')}")
+    if any(f"alert {a}" in text for a in _CERTIFICATE_ALERTS):
+        return (f"TLS: the broker refused this client's certificate (the listener requires one its CA signed): "
+                f"{_reason(text)}; {_check('ssl.certificate.location', 'ssl.key.location')} "
+                f"(and {setting_name('security.protocol')} against the listener in --broker)")
+    # other TLS failures, but not a connection cut in the handshake: a broker going away does that
+    if (code == KafkaError._SSL or "SSL handshake failed" in text) and not re.search(
+            r"Disconnected|closed by peer|reset by peer|unexpected eof|SSL_ERROR_SYSCALL|timed out", text, re.I):
+        return (f"TLS handshake with the broker failed: {_reason(text)}; "
+                f"{_check('security.protocol', 'ssl.ca.location', 'ssl.certificate.location')}")
+    return None
+
+
+class SettingErrors:
+    """A librdkafka ``error_cb`` keeping the first error that is a setting's
+    (:func:`setting_error`); librdkafka reports refused credentials and TLS failures only
+    there, and retries them as if the broker were away."""
+
+    def __init__(self, settings: dict | None = None):
+        self.settings = client_security() if settings is None else settings
+        self.first: KafkaSettingError | None = None
+
+    def __call__(self, error) -> None:
+        if self.first is None:
+            self.first = setting_error(error, self.settings)
+
+    def raise_first(self) -> None:
+        if self.first is not None:
+            raise self.first
+
+
+def open_client(kind, config: dict):
+    """``kind(config)`` (a confluent-kafka Producer, Consumer or AdminClient); a client its
+    settings do not allow to be created raises :class:`KafkaSettingError`."""
+    from confluent_kafka import KafkaException
+
+    try:
+        return kind(config)
+    except KafkaException as exc:
+        error = setting_error(exc.args[0] if exc.args else exc, config)
+        if error is None:
+            raise
+        raise error from None
+
+
+def _ssl_context(settings: dict):
+    """Python's TLS context for aiokafka and Faust from the same settings: the CA, and the
+    client certificate and key if given. A file that cannot be used raises :class:`KafkaSettingError`."""
+    import os
+    import ssl
+
+    from aiokafka.helpers import create_ssl_context
+
+    for key in ("ssl.ca.location", "ssl.certificate.location", "ssl.key.location"):
+        if settings.get(key) and not os.path.exists(settings[key]):
+            raise KafkaSettingError(f"TLS: the file {settings[key]} does not exist; {_check(key)}")
+    try:
+        return create_ssl_context(cafile=settings.get("ssl.ca.location"), certfile=settings.get("ssl.certificate.location"),
+                                  keyfile=settings.get("ssl.key.location"), password=settings.get("ssl.key.password"))
+    except (ssl.SSLError, OSError, ValueError) as exc:
+        raise KafkaSettingError(f"TLS: cannot use the CA, certificate or key files ({_redacted(str(exc), settings)}); "
+                                f"{_check('ssl.ca.location', 'ssl.certificate.location', 'ssl.key.location', 'ssl.key.password')}") from None
+
+
 def aiokafka_security(settings: dict) -> dict:
     """The same settings as aiokafka keyword arguments (the worker's input consumer)."""
     if not settings:
         return {}
-    from aiokafka.helpers import create_ssl_context
-
     out = {"security_protocol": settings.get("security.protocol", "PLAINTEXT")}
     if "SSL" in out["security_protocol"]:
-        out["ssl_context"] = create_ssl_context(cafile=settings.get("ssl.ca.location"))
+        out["ssl_context"] = _ssl_context(settings)
     if "SASL" in out["security_protocol"]:
         out["sasl_mechanism"] = settings.get("sasl.mechanisms", "PLAIN")
         out["sasl_plain_username"] = settings.get("sasl.username")

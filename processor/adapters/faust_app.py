@@ -20,7 +20,6 @@ the broker watch: docs/operations.md, "Health".
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import os
 import socket
@@ -331,13 +330,12 @@ def build_app(s: WorkerSettings) -> faust.App:
 
 
 def _faust_credentials(settings: dict):
-    """Faust's own client (its app consumer and producer) with the same security settings."""
+    """Faust's own client (its app consumer and producer) with the same security settings
+    (the CA, and a client certificate when given)."""
     protocol = settings.get("security.protocol", "PLAINTEXT")
     if protocol == "PLAINTEXT":
         return None
-    from aiokafka.helpers import create_ssl_context
-
-    ssl = create_ssl_context(cafile=settings.get("ssl.ca.location")) if "SSL" in protocol else None
+    ssl = aiokafka_security(settings).get("ssl_context")
     if "SASL" in protocol:
         return faust.SASLCredentials(username=settings.get("sasl.username"), password=settings.get("sasl.password"),
                                      mechanism=settings.get("sasl.mechanisms", "PLAIN"), ssl_context=ssl)
@@ -369,12 +367,12 @@ class _FaustNoise(logging.Filter):
 
 
 def preflight(s: WorkerSettings) -> None:
-    """Before Faust starts (its own failures are stack dumps): the web port is free, and a broker
-    answers within ``--broker-timeout``. Raises :class:`WorkerRefusal`."""
-    from confluent_kafka import KafkaException
-    from confluent_kafka.admin import AdminClient
-
-    from dpstream.processor.adapters.kafka_tools import RDKAFKA_LOG, last_reason
+    """Before Faust starts (its own failures are stack dumps): the web port is free, the Kafka
+    clients' settings work (credentials, TLS files, values: refused at once, naming the setting;
+    docs/operations.md, "Kafka security"), and a broker answers within ``--broker-timeout``.
+    Raises :class:`WorkerRefusal`."""
+    from dpstream.processor.adapters.kafka_tools import last_reason, protocol_hint, wait_for_broker
+    from dpstream.topics.kafka import KafkaSettingError
 
     with socket.socket(socket.AF_INET6 if ":" in s.web_host else socket.AF_INET) as probe:
         try:
@@ -384,21 +382,20 @@ def preflight(s: WorkerSettings) -> None:
             raise WorkerRefusal(f"--web-port {s.web_port}: cannot listen on {s.web_host}:{s.web_port} ({exc.strerror}): another "
                                 f"worker on this machine? Give each its own --web-port") from None
     broker = broker_address(s.broker)
-    admin = AdminClient({"bootstrap.servers": broker, "logger": RDKAFKA_LOG, **client_security()})
-    deadline = time.monotonic() + s.broker_timeout
-    for attempt in itertools.count():
-        try:
-            admin.list_topics(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
-            admin.poll(0)  # librdkafka's log lines go to RDKAFKA_LOG (left queued, it prints that it drops them)
-            return
-        except KafkaException:
-            admin.poll(0)  # librdkafka's log lines: the reason
-            if time.monotonic() >= deadline:
-                raise WorkerRefusal(f"no Kafka broker answered at {broker} within {s.broker_timeout:g} s (--broker-timeout)"
-                                    f"{last_reason()}; start one (scripts/broker start) or pass --broker HOST:PORT") from None
-            if attempt == 0:
-                log.warning("no Kafka broker answers at %s yet%s; waiting up to %g s (--broker-timeout)", broker, last_reason(),
-                            s.broker_timeout)
+
+    def waiting() -> None:
+        log.warning("no Kafka broker answers at %s yet%s; waiting up to %g s (--broker-timeout)", broker, last_reason(),
+                    s.broker_timeout)
+
+    try:
+        answered = wait_for_broker(broker, s.broker_timeout, waiting)
+        # aiokafka's and Faust's clients read the same files with Python's ssl, not librdkafka's
+        aiokafka_security(client_security())
+    except KafkaSettingError as exc:
+        raise WorkerRefusal(f"connecting to {broker}: {exc}") from None
+    if not answered:
+        raise WorkerRefusal(f"no Kafka broker answered at {broker} within {s.broker_timeout:g} s (--broker-timeout)"
+                            f"{last_reason()}; start one (scripts/broker start) or pass --broker HOST:PORT{protocol_hint()}")
 
 
 def _quiet_worker(app: faust.App, loglevel: str):

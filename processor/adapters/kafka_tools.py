@@ -13,7 +13,7 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Optional, Sequence, TextIO
+from typing import Callable, Iterable, Iterator, Optional, Sequence, TextIO
 
 from dpstream.topics.records import MAX_FIELD_CHARS
 
@@ -31,7 +31,8 @@ DOC = 'docs/operations.md, "Trying it with a file"'
 
 class KafkaToolError(RuntimeError):
     """A failure of ``produce`` or ``tail`` said in one line, which the CLI prints without a
-    traceback and exits with :attr:`exit_code` (2: the command's input; 1: the broker)."""
+    traceback and exits with :attr:`exit_code` (2: the command's input or the Kafka client's
+    settings, which a retry cannot mend; 1: the broker)."""
 
     def __init__(self, message: str, exit_code: int = 1):
         super().__init__(message)
@@ -71,25 +72,74 @@ def last_reason() -> str:
 
 def no_broker(command: str, bootstrap: str, timeout: float) -> KafkaToolError:
     return KafkaToolError(f"{command}: no Kafka broker answered at {bootstrap} within {timeout:g} s{last_reason()}; start one "
-                          f"(scripts/broker start) or pass --broker HOST:PORT")
+                          f"(scripts/broker start) or pass --broker HOST:PORT{protocol_hint()}")
 
 
-def check_broker(command: str, bootstrap: str, timeout: float = BROKER_WAIT_S) -> None:
-    """One metadata round trip within ``timeout``, or :class:`KafkaToolError`."""
+def protocol_hint() -> str:
+    """A client speaking another protocol than the listener's (plaintext to TLS, TLS to SASL)
+    is only ever disconnected, as by a broker going away: when librdkafka's last word is a
+    disconnection, say which setting chooses the protocol."""
+    from dpstream.topics.kafka import client_security
+
+    if "Disconnected" not in last_reason():
+        return ""
+    protocol = client_security().get("security.protocol", "PLAINTEXT")
+    return f"; something disconnected: is DPSTREAM_KAFKA_SECURITY_PROTOCOL ({protocol}) the listener's protocol?"
+
+
+#: s each metadata request of :func:`wait_for_broker` waits; refused credentials or a failed TLS
+#: handshake reach the error callback within one (a third of a second, measured)
+ATTEMPT_S = 1.0
+#: s without an answer before :func:`wait_for_broker` says it is waiting (a settings failure is
+#: said instead, alone, if it comes first)
+WAITING_S = 3.0
+
+
+def wait_for_broker(bootstrap: str, timeout: float, waiting: Optional[Callable[[], None]] = None) -> bool:
+    """Metadata round trips until the broker answers (True) or ``timeout`` s pass (False; then
+    :func:`last_reason` has librdkafka's last word). ``waiting`` is called once after
+    :data:`WAITING_S` s without an answer. A failure of the client's own settings (credentials,
+    TLS, an invalid value) raises :class:`~dpstream.topics.kafka.KafkaSettingError` at once:
+    librdkafka would retry it for ever as if the broker were away (docs/operations.md, "Kafka security")."""
     from confluent_kafka import KafkaException
     from confluent_kafka.admin import AdminClient
 
-    from dpstream.topics.kafka import client_security
+    from dpstream.topics.kafka import SettingErrors, client_security, open_client, setting_error
 
-    admin = AdminClient({"bootstrap.servers": bootstrap, "logger": RDKAFKA_LOG, **client_security()})
+    errors = SettingErrors()
+    admin = open_client(AdminClient, {"bootstrap.servers": bootstrap, "logger": RDKAFKA_LOG, "error_cb": errors,
+                                      **client_security()})
+    started = time.monotonic()
+    deadline = started + timeout
+    while True:
+        try:
+            admin.list_topics(timeout=max(0.1, min(ATTEMPT_S, deadline - time.monotonic())))
+            admin.poll(0)  # serves librdkafka's log lines to RDKAFKA_LOG (left queued, it prints that it drops them)
+            return True
+        except KafkaException as exc:
+            admin.poll(0)  # serves the error callback and the log lines: the reason
+            errors.raise_first()
+            direct = setting_error(exc.args[0]) if exc.args else None
+            if direct is not None:
+                raise direct from None
+        now = time.monotonic()
+        if now >= deadline:
+            return False
+        if waiting is not None and now - started >= WAITING_S:
+            waiting()
+            waiting = None
+
+
+def check_broker(command: str, bootstrap: str, timeout: float = BROKER_WAIT_S) -> None:
+    """The broker answers within ``timeout``, or :class:`KafkaToolError`: exit code 2 for the
+    client's own settings (said at once), 1 for no answer."""
+    from dpstream.topics.kafka import KafkaSettingError
+
     try:
-        admin.list_topics(timeout=timeout)
-    except KafkaException:
-        failed = True
-    else:
-        failed = False
-    admin.poll(0)  # serves librdkafka's log lines to RDKAFKA_LOG (the reason; left queued, it prints that it drops them)
-    if failed:
+        answered = wait_for_broker(bootstrap, timeout)
+    except KafkaSettingError as exc:
+        raise KafkaToolError(f"{command}: connecting to {bootstrap}: {exc}", 2) from None
+    if not answered:
         raise no_broker(command, bootstrap, timeout)
 
 
@@ -259,7 +309,7 @@ def produce(broker: str, topic: str, lines: Iterator[bytes], user_field: str = "
     refuses records. ``report``: each event's time judged as it is sent (:class:`TimeReport`)."""
     from confluent_kafka import Producer
 
-    from dpstream.topics.kafka import client_security
+    from dpstream.topics.kafka import KafkaSettingError, client_security, open_client
 
     errors: list[str] = []
     acked = [time.monotonic()]
@@ -270,14 +320,17 @@ def produce(broker: str, topic: str, lines: Iterator[bytes], user_field: str = "
         else:
             acked[0] = time.monotonic()
 
-    producer = Producer({"bootstrap.servers": broker, **PRODUCER_DEFAULTS, "logger": RDKAFKA_LOG, **client_security(),
-                         **(client_config or {})})
+    try:
+        producer = open_client(Producer, {"bootstrap.servers": broker, **PRODUCER_DEFAULTS, "logger": RDKAFKA_LOG,
+                                          **client_security(), **(client_config or {})})
+    except KafkaSettingError as exc:
+        raise KafkaToolError(f"produce: connecting to {broker}: {exc}", 2) from None
 
     def give_up(left: int) -> KafkaToolError:
         producer.purge()
         producer.flush(0)
         return KafkaToolError(f"produce: the broker at {broker} acknowledged nothing for {timeout:g} s{last_reason()}; {left:,} "
-                              f"of {sent:,} records sent were not acknowledged")
+                              f"of {sent:,} records sent to {topic} were not acknowledged")
 
     sent = 0
     now_ms = int(time.time() * 1000)
@@ -305,7 +358,7 @@ def produce(broker: str, topic: str, lines: Iterator[bytes], user_field: str = "
             raise give_up(left)
     if errors:
         producer.purge()
-        raise KafkaToolError(f"produce: the broker refused {len(errors):,} of {sent:,} records (first: {errors[0]})")
+        raise KafkaToolError(f"produce: the broker refused {len(errors):,} of {sent:,} records sent to {topic} (first: {errors[0]})")
     return sent
 
 
@@ -329,6 +382,7 @@ def tail(broker: str, topic: str, out: TextIO = sys.stdout, idle_seconds: Option
 
     started = time.monotonic()
     wait = BROKER_WAIT_S if idle_seconds is None else min(BROKER_WAIT_S, max(idle_seconds, 1.0))
+    check_broker("tail", broker, wait)  # the client's own settings' failure at once (exit code 2), no broker in one line
     consumer = Consumer({"bootstrap.servers": broker, "group.id": "dpstream-tail", "enable.auto.commit": False,
                          "logger": RDKAFKA_LOG, **client_security()})
     try:
@@ -358,7 +412,7 @@ def tail(broker: str, topic: str, out: TextIO = sys.stdout, idle_seconds: Option
             for msg in msgs:
                 if msg.error():
                     if msg.error().code() != KafkaError._PARTITION_EOF:
-                        raise KafkaToolError(f"tail: {msg.error()}")
+                        raise KafkaToolError(f"tail: reading {topic}-{msg.partition()}: {msg.error()}")
                     continue
                 out.write(msg.value().decode() + "\n")
                 seen += 1

@@ -101,11 +101,12 @@ def plan_start_over(config: DpstreamConfig, app_id: str, state_dir: Optional[str
     path = Path(state_dir) if state_dir is not None else None
     if path is not None:
         check_state_dir(path)
+    _check_broker(broker, timeout)
     admin = AdminClient({"bootstrap.servers": broker, **client_security()})
     try:
         existing = set(admin.list_topics(timeout=timeout).topics)
     except Exception as exc:  # noqa: BLE001 (librdkafka's KafkaException: one line, not a traceback)
-        raise StartOverError(f"--broker: no Kafka broker answered at {broker} within {timeout:g} s ({exc})") from None
+        raise StartOverError(f"--broker: listing the topics at {broker}: {exc}") from None
     group = f"{app_id}-workers"
     # elastic workers are members of <app>-workers; a static worker's Faust consumer joins <app>
     for name, described in admin.describe_consumer_groups([group, app_id]).items():
@@ -116,8 +117,8 @@ def plan_start_over(config: DpstreamConfig, app_id: str, state_dir: Optional[str
         if members:
             raise StartOverError(f"application {app_id!r} still has {len(members)} worker(s) running (consumer group "
                                  f"{name}): stop them first (kubectl scale statefulset ... --replicas 0, or stop the processes)")
-    marks = read_compacted(broker, EPOCH_TOPIC, f"{app_id}/", timeout=timeout) if EPOCH_TOPIC in existing else {}
-    progress = read_compacted(broker, PROGRESS_TOPIC, f"{app_id}/", timeout=timeout) if PROGRESS_TOPIC in existing else {}
+    marks = _read_records(broker, EPOCH_TOPIC, app_id, timeout) if EPOCH_TOPIC in existing else {}
+    progress = _read_records(broker, PROGRESS_TOPIC, app_id, timeout) if PROGRESS_TOPIC in existing else {}
     count = int((marks.get(restarts_key(app_id)) or {}).get("count", 0))
     prefix = changelog_topic(app_id, "", "").rstrip("-")  # "<app>-": the changelogs of every epoch of the app
     # this run's repartition topics (the next run's have new names: worker_epoch)
@@ -128,6 +129,28 @@ def plan_start_over(config: DpstreamConfig, app_id: str, state_dir: Optional[str
         topics |= {q.output_topic for q in config.queries} | {q.output_topic for q in config.dynamic}
     return StartOverPlan(app_id, path, sorted(topics & existing), group,
                          sorted(k for k in marks if k != restarts_key(app_id)), sorted(progress), count + 1)
+
+
+def _check_broker(broker: str, timeout: float) -> None:
+    """The broker answers; the client's own settings' failure is said at once, naming the
+    setting (docs/operations.md, "Kafka security")."""
+    from dpstream.processor.adapters.kafka_tools import last_reason, wait_for_broker
+    from dpstream.topics.kafka import KafkaSettingError
+
+    try:
+        answered = wait_for_broker(broker, timeout)
+    except KafkaSettingError as exc:
+        raise StartOverError(f"reset: connecting to {broker}: {exc}") from None
+    if not answered:
+        raise StartOverError(f"--broker: no Kafka broker answered at {broker} within {timeout:g} s{last_reason()}")
+
+
+def _read_records(broker: str, topic: str, app_id: str, timeout: float) -> dict[str, dict]:
+    """The application's records in one of the small compacted topics; a failure names the topic."""
+    try:
+        return read_compacted(broker, topic, f"{app_id}/", timeout=timeout)
+    except Exception as exc:  # noqa: BLE001 (librdkafka's KafkaException, a read cut short: one line, not a traceback)
+        raise StartOverError(f"reset: reading {topic} at {broker}: {exc.args[0] if exc.args else exc}") from None
 
 
 def start_over(plan: StartOverPlan, broker: str, timeout: float = 30.0) -> None:

@@ -83,6 +83,16 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if and .Values.kafka.tls.existingSecret (not (has $protocol (list "SSL" "SASL_SSL"))) }}
 {{- fail (printf "kafka.tls.existingSecret needs kafka.security.protocol SSL or SASL_SSL, not %s" $protocol) }}
 {{- end }}
+{{- $tls := .Values.kafka.tls }}
+{{- if ne (empty $tls.certificateKey) (empty $tls.keyKey) }}
+{{- fail "kafka.tls.certificateKey and kafka.tls.keyKey go together (a client certificate and its private key)" }}
+{{- end }}
+{{- if and (or $tls.certificateKey $tls.keyPasswordKey) (not $tls.existingSecret) }}
+{{- fail "kafka.tls.certificateKey, keyKey and keyPasswordKey name keys in kafka.tls.existingSecret, which is empty" }}
+{{- end }}
+{{- if and $tls.keyPasswordKey (not $tls.keyKey) }}
+{{- fail "kafka.tls.keyPasswordKey is the password of kafka.tls.keyKey, which is empty" }}
+{{- end }}
 {{- if .Values.noiseKey.create }}
 {{- if .Values.noiseKey.existingSecret }}
 {{- fail "noiseKey.create and noiseKey.existingSecret are exclusive: give the name of a Secret you created, or (not recommended) a value to create one from" }}
