@@ -44,7 +44,7 @@ from dpstream.processor.adapters.worker_run import group_id  # noqa: F401 - the 
 from dpstream.processor.adapters.worker_startup import CreateTimeInputError, TopicLayoutError
 from dpstream.processor.config import DpstreamConfig
 from dpstream.state.store import check_state_directory
-from dpstream.topics.kafka import client_security
+from dpstream.topics.kafka import aiokafka_security, client_security
 
 log = logging.getLogger("dpstream.worker")
 
