@@ -20,7 +20,6 @@ from dpstream.processor.config import DpstreamConfig, QueryConfig
 from tests.conftest import TEST_LABEL, TEST_SECRET, TEST_SECRET_HEX
 
 ROOT = Path(__file__).resolve().parents[2]
-BASELINE = Path(os.environ.get("DPSTREAM_BASELINE", "/work/baseline"))
 HOUR = 3_600_000
 DAY = 86_400_000
 START = 1_795_132_800_000  # a UTC midnight
@@ -112,13 +111,10 @@ def secret_file(tmp_path) -> Path:
 
 
 def run_cli(code_root: Path, args: list[str], tmp_path, timeout: float = 120) -> subprocess.CompletedProcess:
-    """``python -m dpstream.processor.cli ARGS`` with the given code on PYTHONPATH (main or baseline)."""
+    """``python -m dpstream.processor.cli ARGS`` with the given code on PYTHONPATH."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DPSTREAM_")}
     env["PYTHONPATH"] = str(code_root)
     env["DPSTREAM_NOISE_KEY_FILE"] = str(secret_file(tmp_path))
     return subprocess.run([sys.executable, "-m", "dpstream.processor.cli", *args], cwd=str(code_root), env=env,
                           capture_output=True, text=True, timeout=timeout)
 
-
-def baseline_available() -> bool:
-    return (BASELINE / "processor" / "replay.py").exists()

@@ -211,7 +211,7 @@ def hl_schedule(mode: str, shape: str) -> tuple[list[list[Delivery]], dict[int, 
                                   "H early, L in a later slot"])
 def test_hl_attack_counts_the_user_once_per_round(mode, shape):
     """H/L attack: records alternating between later triggers (H) and trigger S - 1 (L) must not
-    make the attacker new to one round more than once. OLD code (/work/baseline, C = 4, 8
+    make the attacker new to one round more than once. OLD code (before fb16e4b, C = 4, 8
     records): "H in one trigger": round count 4 at S for this one user (predecessors 0, 3, 2, 3,
     2, 3, 2, 3: every H after an L looked new); "H across the round": 4 after trigger 6; both in
     every mode but "H early, L in a later slot" (no interleaving: 1). "Same round": the old code

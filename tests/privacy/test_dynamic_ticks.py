@@ -5,7 +5,7 @@ clock has passed is decided, with or without updates (the worker's timer with th
 replay with its event-time clock and, at the end, --until); so whether a segment's release exists
 for ticks <= t never depends on updates after t. Recovery re-feeds the update log and re-decides
 the stored decided tick: identical releases. The old code decided a tick only when a newer update
-arrived (shown on /work/baseline below).
+arrived.
 
 Releases are SVT outputs: what must not depend on later data is the set of (segment, tick)
 releases at ticks <= t, and their values (the same updates meet the same PRF noise).
@@ -16,7 +16,6 @@ import json
 from typing import Optional
 
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -31,11 +30,8 @@ from dpstream.processor.mechanisms.noise import NodeNoise, Pseudonymizer
 from dpstream.state.store import RocksDBStore, WriteBatch
 from tests.conftest import TEST_LABEL, TEST_SECRET, Record
 from tests.privacy._helpers import (
-    BASELINE,
     START,
-    baseline_available,
     replay,
-    run_cli,
     write_jsonl,
 )
 
@@ -286,23 +282,6 @@ def test_state_recovery_with_interleaved_clock_and_updates(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.skipif(not baseline_available(), reason="the old code is not checked out at /work/baseline")
-def test_baseline_release_existence_depended_on_a_later_update(tmp_path):
-    cfgfile = tmp_path / "q.yaml"
-    cfgfile.write_text(f"dynamic:\n  - {{name: plans, items: [a, b, c], epsilon: 1.0, start: {START}, tick: 1s}}\n")
-    base = updates(1, 301, burst_at=300, burst=1000)
-    trail = {"item": "a", "op": "insert", "ts": START + 3000 * TICK}
-    ticks = {}
-    for name, rows in (("without", base), ("with", base + [trail])):
-        inp = write_jsonl(tmp_path / f"{name}.jsonl", rows)
-        out = tmp_path / f"{name}.out"
-        proc = run_cli(BASELINE, ["replay", "--config", str(cfgfile), "--input", str(inp), "--output", str(out), "--quiet"],
-                       tmp_path)
-        assert proc.returncode == 0, proc.stderr
-        ticks[name] = [json.loads(line)["tick"] for line in out.read_text().splitlines()]
-    assert 301 in ticks["with"] and 301 not in ticks["without"], "the old leak: the burst's release needed a later update"
-
-
 def test_worker_reads_the_updates_of_overdue_ticks_before_it_decides_them(tmp_path):
     """Issue 15's lost release, for dynamic counts: a worker back from an outage must not decide
     overdue ticks on the wall clock before reading their updates (which would refuse them all as

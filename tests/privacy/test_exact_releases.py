@@ -369,7 +369,7 @@ def _product_releases(trigger: int, S: int) -> np.ndarray:
 
 
 def _old_float_releases(trigger: int, S: int) -> np.ndarray:
-    """The OLD formula (/work/baseline processor/mechanisms/tree.py + perturbation.py): float Honaker
+    """The OLD formula (before fe0a4c7: processor/mechanisms/tree.py + perturbation.py): float Honaker
     weights, a float noise sum accumulated level by level from 0, then ``(S + noise) *
     resolution`` with no rounding. Checked bit for bit against the baseline's own
     HonakerForest on 200,000 random combinations while writing this test."""

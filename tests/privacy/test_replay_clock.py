@@ -32,16 +32,13 @@ from hypothesis import strategies as st
 
 from dpstream.processor.config import DpstreamConfig
 from tests.privacy._helpers import (
-    BASELINE,
     DAY,
     HOUR,
     START,
     YEAR,
-    baseline_available,
     events,
     query,
     replay,
-    run_cli,
     write_jsonl,
 )
 
@@ -319,30 +316,6 @@ def test_regression_a_far_future_record_is_the_second_user_of_a_gap_jump(tmp_pat
 
 
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.skipif(not baseline_available(), reason="the old code is not checked out at /work/baseline")
-@pytest.mark.parametrize("where", ["start", "middle"])
-def test_baseline_one_far_future_record_made_everyone_late(tmp_path, where):
-    """The old bug on the old code: the clock was the running maximum of event times."""
-    cfgfile = tmp_path / "q.yaml"
-    cfgfile.write_text("queries:\n  - {name: clicks, window: 1d, triggers: 24, contribution_bound: 4, epsilon: 6.0, "
-                       "delta: 1.0e-9, allowed_lateness: 1m}\n")
-    base = day_of_data()
-    x = {"user_id": "x", "key": "k0", "ts": base[-1]["ts"] + YEAR}
-    rows = list(base)
-    rows.insert(0 if where == "start" else len(rows) // 2, x)
-    counts = {}
-    for name, data in (("without", base), ("with", rows)):
-        inp = write_jsonl(tmp_path / f"{name}.jsonl", data)
-        out = tmp_path / f"{name}.out"
-        proc = run_cli(BASELINE, ["replay", "--config", str(cfgfile), "--input", str(inp), "--output", str(out), "--quiet"],
-                       tmp_path)
-        assert proc.returncode == 0, proc.stderr
-        counts[name] = (len(out.read_text().splitlines()), proc.stderr)
-    assert counts["without"][0] > 0
-    assert "late" in counts["with"][1], "the old code dropped the others as late"
-    assert counts["with"][0] < counts["without"][0]
-
-
 # ---------------------------------------------------------------------------------------------
 @st.composite
 def messy_streams(draw):
