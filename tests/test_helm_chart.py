@@ -14,10 +14,10 @@ from __future__ import annotations
 import base64
 import copy
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
-import tomllib
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent

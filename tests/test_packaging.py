@@ -7,10 +7,10 @@ import json
 import os
 import subprocess
 import sys
+import tomllib
 import zipfile
 
 import pytest
-import tomllib
 
 import dpstream
 from tests.conftest import ROOT, TEST_SECRET_HEX
