@@ -58,7 +58,12 @@ def test_two_queries_on_one_topic_add_up_exactly_per_day_and_30_days(tmp_path, c
     # by hand: 24 hourly windows and 1 daily window in a UTC day; 720 and 30 in 30 days
     assert events["epsilon"]["1d"] == pytest.approx(24 * 0.5 + 1 * 1.0, rel=1e-9)
     assert events["epsilon"]["30d"] == pytest.approx(720 * 0.5 + 30 * 1.0, rel=1e-9)
-    assert events["delta"]["1d"] == pytest.approx(24 * 1e-10 + 2e-10, rel=1e-6)
+    # each window is charged its plan's delta_spent: under gdp with the tree the exact discrete
+    # curve's delta, at most the declared one (docs/privacy.md, "Accounting")
+    spent = {q["name"]: q["delta_spent"] for q in doc["queries"]}
+    assert spent["hourly"] <= 1e-10 and spent["daily"] <= 2e-10
+    assert events["delta"]["1d"] == pytest.approx(24 * spent["hourly"] + spent["daily"], rel=1e-12)
+    assert events["delta"]["1d"] == pytest.approx(24 * 1e-10 + 2e-10, rel=1e-3)
     # 24 hours from any time: 25 hourly windows, 2 daily ones
     assert events["epsilon_any_span"]["1d"] == pytest.approx(25 * 0.5 + 2 * 1.0, rel=1e-9)
     assert events["per_window"]["epsilon"] == pytest.approx(1.5, rel=1e-9)
