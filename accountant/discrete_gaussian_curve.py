@@ -309,26 +309,74 @@ def _merge(x: Atoms, y: Atoms) -> Atoms:
 
 def _grid_merge(parts: list[Atoms]) -> Atoms:
     """Composition of ``parts`` on one loss grid (connect the dots, then direct convolutions)."""
-    span = sum(float(p.loss.max() - p.loss.min()) for p in parts)
-    step = max(MIN_GRID_STEP, span / MAX_GRID_POINTS)
-    lo, w = 0, np.ones(1)
-    deficit = 0.0
+    # the merged losses spread over about +-TAIL_SIGMAS of their standard deviation (each part's
+    # own range is wider than its share of that): the grid step is set by the merged spread
+    variance = 0.0
     for p in parts:
-        plo, pw = _split_onto_grid(p.loss, p.mass, step)
-        lo, w = lo + plo, np.convolve(w, pw)
-        deficit += p.deficit
-        # drop the negligible ends (their mass counts into delta)
-        csum = np.cumsum(w)
-        start = int(np.searchsorted(csum, PRUNE_MASS, side="right"))
-        rcsum = np.cumsum(w[::-1])
-        stop = len(w) - int(np.searchsorted(rcsum, PRUNE_MASS, side="right"))
-        if start > 0 or stop < len(w):
-            deficit += (float(csum[start - 1]) if start else 0.0) + (float(rcsum[len(w) - stop - 1]) if stop < len(w) else 0.0)
-            lo, w = lo + start, w[start:stop]
+        total = float(np.sum(p.mass))
+        mean = float(np.dot(p.mass, p.loss)) / total
+        variance += float(np.dot(p.mass, (p.loss - mean) ** 2)) / total
+    step = max(MIN_GRID_STEP, 2.0 * TAIL_SIGMAS * math.sqrt(variance) / MAX_GRID_POINTS)
+    grids = [_trimmed(*_split_onto_grid(p.loss, p.mass, step), p.deficit) for p in parts]
+    # convolve pairwise, smallest first (a balanced order: fewer operations than one by one)
+    while len(grids) > 1:
+        grids.sort(key=lambda g: len(g[1]))
+        (alo, a, ad), (blo, b, bd) = grids[0], grids[1]
+        grids = grids[2:] + [_trimmed(alo + blo, _convolve_grids(a, b), ad + bd)]
+    lo, w, deficit = grids[0]
     return _pruned(Atoms((np.arange(len(w)) + lo) * step, w, deficit * (1.0 + FLOAT_SLACK)))
 
 
-@lru_cache(maxsize=8)
+def _convolve_grids(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The direct convolution of two grid distributions. A part whose own lattice is coarser than
+    the grid has its mass on few grid points (two per atom); the shifted copies of the other
+    array, one per such point, are then far fewer operations than the dense product."""
+    nz_a, nz_b = np.flatnonzero(a), np.flatnonzero(b)
+    if len(nz_b) * len(a) < len(nz_a) * len(b):
+        a, b, nz_a = b, a, nz_b
+    if len(nz_a) * (len(b) + 2000) >= len(a) * len(b):
+        return _dense_convolve(a, b)
+    out = np.zeros(len(a) + len(b) - 1)
+    for i in nz_a:
+        out[i: i + len(b)] += a[i] * b
+    return out
+
+
+#: np.convolve slows down some 20-fold once its operands outgrow the cache: long ones go in blocks
+_BLOCK = 2048
+
+
+def _dense_convolve(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    if len(a) <= _BLOCK and len(b) <= _BLOCK:
+        return np.convolve(a, b)
+    out = np.zeros(len(a) + len(b) - 1)
+    for i in range(0, len(a), _BLOCK):
+        for j in range(0, len(b), _BLOCK):
+            part = np.convolve(a[i: i + _BLOCK], b[j: j + _BLOCK])
+            out[i + j: i + j + len(part)] += part
+    return out
+
+
+def _trimmed(lo: int, w: np.ndarray, deficit: float) -> tuple[int, np.ndarray, float]:
+    """Drop negligible masses of a grid distribution (their mass counts into the deficit): the
+    ends, and any point below ``PRUNE_MASS`` (which also keeps products clear of subnormal
+    numbers, whose arithmetic is some 20 times slower)."""
+    small = w < PRUNE_MASS
+    if small.any():
+        deficit += float(np.sum(w[small])) * (1.0 + FLOAT_SLACK)
+        w = np.where(small, 0.0, w)
+    csum = np.cumsum(w)
+    start = int(np.searchsorted(csum, PRUNE_MASS, side="right"))
+    rcsum = np.cumsum(w[::-1])
+    stop = len(w) - int(np.searchsorted(rcsum, PRUNE_MASS, side="right"))
+    if start > 0:
+        deficit += float(csum[start - 1])
+    if stop < len(w):
+        deficit += float(rcsum[len(w) - stop - 1])
+    return lo + start, w[start:stop], deficit
+
+
+@lru_cache(maxsize=16)
 def _composition(parts: tuple) -> _Composition:
     atoms = [part_atoms(*p) for p in parts]
     if not atoms:
@@ -338,10 +386,12 @@ def _composition(parts: tuple) -> _Composition:
     rest = [a for i, a in enumerate(atoms) if i != inner_index]
     outer = Atoms(np.zeros(1), np.ones(1), 0.0)
     rest.sort(key=lambda a: len(a.loss))
-    while rest and len(outer.loss) * len(rest[0].loss) <= MAX_EXACT_ATOMS:
+    while rest and (len(outer.loss) == 1 or len(outer.loss) * len(rest[0].loss) <= MAX_EXACT_ATOMS):
         outer = _merge(outer, rest.pop(0))
     if rest:
         outer = _grid_merge([outer] + rest)
+    by_loss = np.argsort(outer.loss, kind="stable")  # sorted queries: a faster searchsorted
+    outer = Atoms(outer.loss[by_loss], outer.mass[by_loss], outer.deficit)
     order = np.argsort(-inner.loss, kind="stable")
     loss, mass = inner.loss[order], inner.mass[order]
     q = mass * np.exp(np.minimum(-loss, _EXP_CAP))

@@ -24,6 +24,14 @@ Two compositions are offered:
   CKS conversion gives (eps, delta). ``key_selection_share`` splits rho. The per-part
   (eps, delta) in the report are what each part satisfies on its own; they add up to more than
   the total because composing in zCDP is tighter than adding epsilons.
+* ``gdp``: the Gaussian parts compose exactly in Gaussian DP (mu^2 adds; Dong, Roth and Su
+  2022) and one conversion gives (eps, delta) of the continuous Gaussian. With the binary tree
+  that is only the starting point: the noise is the *discrete* Gaussian on the data's own
+  grid, whose curve lies up to ~11% above the continuous one at small C T, so the sigmas grow
+  by a common factor until the exact discrete curve of the worst-case user
+  (dpstream.accountant.discrete_gaussian_curve; :func:`worst_case_parts`) meets the delta, and
+  the spent (eps, delta) are read off that curve (docs/privacy.md, "Accounting"). The BLT puts
+  its noise on a lattice much finer than the data and keeps the margin ``GDP_DISCRETE_MARGIN``.
 * ``basic``: the paper's section 5 split: eps_k = share * eps, eps_m = (1 - share) * eps,
   delta_k = 2 delta / 3 (half of it for the beta term), delta_m = delta / 3; each part
   calibrated separately and the totals added.
@@ -74,11 +82,12 @@ TARGET_SAMPLER_SIGMA = 4096.0
 DEFAULT_BETA_DELTA_SHARE = 1.0 / 3.0
 
 
-#: GDP calibrates the continuous Gaussian's privacy curve; our noise is the discrete Gaussian,
-#: whose exact curve (dp-accounting's PLD of the worst-case user, tests/test_gdp_accounting.py)
-#: is within 1e-5 (relative) of it at our scales. The GDP solve targets delta_conversion times
-#: (1 - this margin), so the discrete mechanism's delta stays within the declared one
-#: (docs/privacy.md, "Accounting").
+#: GDP calibrates the continuous Gaussian's privacy curve; our noise is the discrete Gaussian.
+#: The GDP solve targets delta_conversion times (1 - this margin). For the BLT, whose noise lives
+#: on a lattice far finer than the data (2^16 points per sigma), the discrete curve is within
+#: 1e-5 (relative) of the continuous one and the margin covers it. For the binary tree, whose
+#: noise is on the data's grid, the solve is only the starting point: the exact discrete curve
+#: decides (``_calibrate_discrete``; docs/privacy.md, "Accounting").
 GDP_DISCRETE_MARGIN = 1e-3
 GDP_CONVERSION = "mu-GDP -> (eps, delta): Dong-Roth-Su 2022 Cor. 2.13 (exact for Gaussian parts)"
 #: ``composition: gdp`` with an exact counter (the binary tree): the sigmas start from the GDP
@@ -89,6 +98,8 @@ GDP_CONVERSION = "mu-GDP -> (eps, delta): Dong-Roth-Su 2022 Cor. 2.13 (exact for
 #: the curve by up to about 1e-5 (relative), and a plan should pass such independent checks. It
 #: costs about 1e-5 in sigma.
 DISCRETE_CHECK_MARGIN = 1e-4
+#: The exact accountant's truncations leave up to ~1e-35 of mass it counts in full; smaller deltas are refused.
+MIN_DISCRETE_DELTA = 1e-30
 EXACT_DISCRETE_CONVERSION = ("exact privacy curve of the worst-case user's discrete Gaussians (dpstream.accountant."
                              "discrete_gaussian_curve), sigmas from mu-GDP (Dong-Roth-Su 2022 Cor. 2.13) grown until it holds")
 
@@ -376,6 +387,10 @@ def _calibrate_discrete(budget: QueryBudget, h: int, sigmas: list, parts: list, 
     until it does not (plans already within keep their sigmas). Returns the sigmas, the parts
     (rho and per-part epsilons from the discrete curves), rho, epsilon_spent and delta_spent."""
     C, kinds, eps = budget.contribution_bound, columns_of(budget), budget.epsilon
+    if delta_conv < MIN_DISCRETE_DELTA:
+        raise BudgetError("delta", f"{budget.delta!r} leaves {delta_conv:.3g} for the Gaussian parts, below {MIN_DISCRETE_DELTA:g}: "
+                                   f"too small for the exact discrete accountant of composition 'gdp' with counter 'tree' "
+                                   f"(use composition: zcdp, or a larger delta)")
 
     def level_parts(sigma_k, column_sigmas):
         steps = [resolution if kind == VALUE else 1.0 for kind in kinds]
@@ -390,18 +405,18 @@ def _calibrate_discrete(budget: QueryBudget, h: int, sigmas: list, parts: list, 
     sigmas = [(sigma_k * scale, [sigma * scale for sigma in cols]) for sigma_k, cols in sigmas]
     if any(sigma_k > MAX_SAMPLER_SIGMA for sigma_k, _ in sigmas):
         raise BudgetError("contribution_bound", "key-selection noise is beyond the sampler's range")
+    # the pair the ledger charges is one point of the exact curve: delta at the declared epsilon,
+    # and the smallest epsilon with that delta (the declared one, to 1e-12)
+    every = everything(sigmas)
+    delta_gauss = discrete_gaussian_delta(every, eps)
+    eps_spent = min(eps, discrete_gaussian_epsilon(every, delta_gauss))
     share, new_parts = budget.key_selection_share, []
     for (rho_k, rho_m, _, delta_k, _, delta_m, beta), (sigma_k, cols), s in zip(parts, sigmas, _level_shares(budget)):
         selection, perturbation = level_parts(sigma_k, cols)
         new_parts.append((rho_k / scale ** 2, rho_m / scale ** 2,
                           discrete_gaussian_epsilon(selection, share * s * delta_conv), delta_k,
                           discrete_gaussian_epsilon(perturbation, (1.0 - share) * s * delta_conv), delta_m, beta))
-    # the pair the ledger charges is one point of the exact curve: delta at the declared epsilon,
-    # and the smallest epsilon with that delta (the declared one, to 1e-12)
-    every = everything(sigmas)
-    delta_gauss = discrete_gaussian_delta(every, eps)
-    return (sigmas, new_parts, rho / scale ** 2, min(eps, discrete_gaussian_epsilon(every, delta_gauss)),
-            delta_gauss + delta_other)
+    return sigmas, new_parts, rho / scale ** 2, eps_spent, delta_gauss + delta_other
 
 
 def plan_query(budget: QueryBudget) -> PrivacyPlan:
