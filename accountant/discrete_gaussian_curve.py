@@ -288,16 +288,16 @@ class _Composition:
         return self.evaluate(eps)[0]
 
     def evaluate(self, eps: float) -> tuple[float, float]:
-        """(the bound on delta(eps), P[L >= eps] as computed): the derivative of delta in
-        ``u = e^eps`` is ``(delta - P[L >= eps]) / u``."""
+        """(the bound on delta(eps), ``-u d/du`` of it at ``u = e^eps``): the bound is a sum of
+        ``max(0, a - u e^{-l} q)`` over the outer atoms, convex and decreasing in u."""
         e = eps - self.outer_loss  # the inner part must lose at least this
         count = np.searchsorted(self.inner_desc, -e, side="right")  # inner losses >= e
-        p = self.inner_p[count]
-        a = p * (1.0 + FLOAT_SLACK)
-        q = self.inner_q[count] * (1.0 - FLOAT_SLACK)
-        inner = np.maximum(a - np.exp(np.minimum(e, _EXP_CAP)) * q, 0.0)
-        delta = min(1.0, float(np.dot(self.outer_mass, inner)) * (1.0 + FLOAT_SLACK) + self.deficit)
-        return delta, float(np.dot(self.outer_mass, p))
+        a = self.inner_p[count] * (1.0 + FLOAT_SLACK)
+        eq = np.exp(np.minimum(e, _EXP_CAP)) * (self.inner_q[count] * (1.0 - FLOAT_SLACK))
+        inner = a - eq
+        positive = inner > 0
+        delta = min(1.0, float(np.dot(self.outer_mass[positive], inner[positive])) * (1.0 + FLOAT_SLACK) + self.deficit)
+        return delta, float(np.dot(self.outer_mass[positive], eq[positive])) * (1.0 + FLOAT_SLACK)
 
 
 def _merge(x: Atoms, y: Atoms) -> Atoms:
@@ -408,35 +408,60 @@ def _delta(parts: tuple, eps: float) -> float:
 
 @lru_cache(maxsize=4096)
 def _epsilon(parts: tuple, delta: float) -> float:
-    """Newton's method in ``u = e^eps``: delta is convex and decreasing in u (a sum of
-    ``(1 - u e^-L)_+``), so from any point below the root every step stays below it and
-    converges (quadratically near it). The start is the continuous Gaussian curve's epsilon at
-    the same mu, stepped down until it is below the root. A last step up verifies."""
+    """Newton's method in ``u = e^eps`` (the bound is convex and decreasing in u, so from below
+    the root each step stays below it, up to the float slack), then bisection of the last
+    bracket to 1e-13: the value returned is the upper end, verified. The start is the
+    continuous Gaussian curve's epsilon at the same mu, stepped down until it is below."""
     from dpstream.accountant.calibration import gdp_epsilon
 
     curve = _composition(parts)
     if curve.delta(0.0) <= delta:
         return 0.0
     mu = math.sqrt(sum(n * d * d / (s * s) for s, d, n in parts))
-    eps = gdp_epsilon(mu, delta) if 0 < delta < 1 else 0.0
-    d, above = curve.evaluate(eps)
-    while d <= delta and eps > 0:
-        eps = max(0.0, eps * 0.99 - 1e-3)
-        d, above = curve.evaluate(eps)
-    for _ in range(200):
-        slope = above - d  # -(d delta / d u) * u >= 0
-        if d <= delta or slope <= 0:
+    hi = math.inf  # the smallest eps seen with delta(eps) <= target
+    eps = gdp_epsilon(mu, delta) if 0 < delta < 1 else 1.0
+    d, slope = curve.evaluate(eps)
+    down = 1e-4 * eps + 1e-9
+    while d <= delta:  # above the root: step down, further each time
+        hi, eps, down = eps, max(0.0, eps - down), down * 10.0
+        d, slope = curve.evaluate(eps)
+    lo = eps  # delta(lo) > target
+    for _ in range(100):
+        if slope <= 0:
             break
         new = eps + math.log1p((d - delta) / slope)
-        if new - eps <= 1e-13 * max(1.0, eps):
+        if new <= eps or new >= hi:
             break
-        eps = new
-        d, above = curve.evaluate(eps)
-    # eps is at or just below the root: step up to the first eps that verifies
-    hi, grow = eps * (1.0 + 1e-12) + 1e-15, 1e-12
-    while curve.delta(hi) > delta:
-        grow *= 4.0
-        hi = eps * (1.0 + grow) + grow
+        d, slope = curve.evaluate(new)
+        if d <= delta:  # past the root (the float slack bends the curve a little): bracketed
+            hi = new
+            break
+        converged = new - eps <= 1e-14 * max(1.0, new)
+        lo = eps = new
+        if converged:
+            break
+    # Newton ends within a hair of the root: probe just below hi, then just above lo, each with
+    # growing steps, and bisect what is left
+    step = 1e-13 * max(1.0, hi if math.isfinite(hi) else lo)
+    while math.isfinite(hi) and hi - step > lo:
+        if curve.delta(hi - step) > delta:
+            lo = hi - step
+            break
+        hi, step = hi - step, step * 8.0
+    step = 1e-13 * max(1.0, lo)
+    while not math.isfinite(hi):  # grow until verified
+        if curve.delta(lo + step) <= delta:
+            hi = lo + step
+        else:
+            lo, step = lo + step, step * 4.0
+            if lo > 1e6:
+                return math.inf
+    while hi - lo > 1e-13 * max(1.0, hi):
+        mid = 0.5 * (lo + hi)
+        if curve.delta(mid) <= delta:
+            hi = mid
+        else:
+            lo = mid
     return hi
 
 

@@ -84,7 +84,7 @@ DEFAULT_BETA_DELTA_SHARE = 1.0 / 3.0
 
 #: GDP calibrates the continuous Gaussian's privacy curve; our noise is the discrete Gaussian.
 #: The GDP solve targets delta_conversion times (1 - this margin). For the BLT, whose noise lives
-#: on a lattice far finer than the data (2^16 points per sigma), the discrete curve is within
+#: on a lattice far finer than the data (sigma is 2^15 to 2^16 lattice steps), the discrete curve is within
 #: 1e-5 (relative) of the continuous one and the margin covers it. For the binary tree, whose
 #: noise is on the data's grid, the solve is only the starting point: the exact discrete curve
 #: decides (``_calibrate_discrete``; docs/privacy.md, "Accounting").
