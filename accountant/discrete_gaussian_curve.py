@@ -470,33 +470,37 @@ def scaled_parts(parts: Iterable[Sequence], scale: float) -> tuple[tuple[float, 
     return canonical_parts((float(s) * scale, d, n) for s, d, n in parts)
 
 
-def discrete_gaussian_scale(parts: Iterable[Sequence], eps: float, delta: float) -> float:
-    """The smallest common factor ``s >= 1`` (to about 1e-7 relative) by which every sigma of
-    ``parts`` must grow for ``discrete_gaussian_delta(scaled parts, eps) <= delta``; 1.0 when the
-    parts already meet it. The value returned is verified."""
-    return _scale(canonical_parts(parts), float(eps), float(delta))
+def discrete_gaussian_scale(parts: Iterable[Sequence], eps: float, delta: float, aim: float = 1.0) -> float:
+    """1.0 when ``discrete_gaussian_delta(parts, eps) <= delta``; otherwise the smallest common
+    factor ``s > 1`` (to about 1e-7 relative) by which every sigma of ``parts`` must grow for the
+    delta to be at most ``aim * delta`` (``aim <= 1``: room for a check with a coarser
+    accountant). The value returned is verified."""
+    if not 0 < aim <= 1:
+        raise ValueError(f"aim must be in (0, 1], got {aim!r}")
+    return _scale(canonical_parts(parts), float(eps), float(delta), float(aim))
 
 
-#: the scale is solved for this fraction of delta, so that a plan is tight to about this much
+#: the scale is solved for this fraction of the delta aimed at, so that a plan is tight to about this much
 SCALE_TARGET = 1.0 - 1e-7
 
 
 @lru_cache(maxsize=1024)
-def _scale(parts: tuple, eps: float, delta: float) -> float:
+def _scale(parts: tuple, eps: float, delta: float, aim: float) -> float:
     """First a fixed-point step on the ratio of the discrete curve to the continuous Gaussian
     curve of the same mu (mu^2 = sum n D^2 / sigma^2, Dong-Roth-Su 2022; at scale s it is exact
     in mu / s) until the root is bracketed, then regula falsi (Illinois) on log delta within the
     bracket: delta is continuous in the scale but, with few coarse atoms, steep. Every scale
-    returned has been evaluated and found within delta."""
+    returned has been evaluated and found within ``aim * delta``."""
     from dpstream.accountant.calibration import gdp_delta, gdp_mu
 
     def excess(scale: float) -> float:  # log(delta(scale) / target), decreasing in scale
         found = _delta(scaled_parts(parts, scale), eps)
         return math.log(found / target) if found > 0 else -math.inf
 
-    target = delta * SCALE_TARGET
     if _delta(parts, eps) <= delta:
         return 1.0
+    delta *= aim
+    target = delta * SCALE_TARGET
     mu = math.sqrt(sum(n * d * d / (s * s) for s, d, n in parts))
     lo, f_lo = 1.0, excess(1.0)  # lo: too small a scale (f > 0)
     hi = f_hi = None

@@ -93,10 +93,10 @@ GDP_CONVERSION = "mu-GDP -> (eps, delta): Dong-Roth-Su 2022 Cor. 2.13 (exact for
 #: ``composition: gdp`` with an exact counter (the binary tree): the sigmas start from the GDP
 #: solve above and grow by a common factor until the exact curve of the discrete Gaussians
 #: meets delta_conversion; epsilon_spent and delta_spent are read off that curve
-#: The exact discrete curve is solved for (1 - this) times delta_conversion (plans below that keep
-#: their sigmas): a PLD accountant with a loss grid of 1e-4 (dp-accounting's default) overestimates
-#: the curve by up to about 1e-5 (relative), and a plan should pass such independent checks. It
-#: costs about 1e-5 in sigma.
+#: A plan the exact discrete curve has to widen is solved for (1 - this) times delta_conversion
+#: (plans within delta_conversion keep their sigmas): a PLD accountant with a loss grid of 1e-4
+#: (dp-accounting's default) overestimates the curve by up to about 1e-5 (relative), and a plan
+#: should pass such independent checks. It costs about 1e-5 in sigma.
 DISCRETE_CHECK_MARGIN = 1e-4
 #: The exact accountant's truncations leave up to ~1e-35 of mass it counts in full; smaller deltas are refused.
 MIN_DISCRETE_DELTA = 1e-30
@@ -401,7 +401,7 @@ def _calibrate_discrete(budget: QueryBudget, h: int, sigmas: list, parts: list, 
     def everything(level_sigmas):
         return [p for sk, cols in level_sigmas for part in level_parts(sk, cols) for p in part]
 
-    scale = discrete_gaussian_scale(everything(sigmas), eps, delta_conv * (1.0 - DISCRETE_CHECK_MARGIN))
+    scale = discrete_gaussian_scale(everything(sigmas), eps, delta_conv, aim=1.0 - DISCRETE_CHECK_MARGIN)
     sigmas = [(sigma_k * scale, [sigma * scale for sigma in cols]) for sigma_k, cols in sigmas]
     if any(sigma_k > MAX_SAMPLER_SIGMA for sigma_k, _ in sigmas):
         raise BudgetError("contribution_bound", "key-selection noise is beyond the sampler's range")

@@ -172,6 +172,11 @@ def test_tree_plan_under_gdp_stays_within_delta_on_the_discrete_curve(C, T, eps,
     widened = plan.sigma_key_selection > gdp_solve_sigma_k(plan) * (1 + 1e-12)
     if widened:
         assert found >= plan.delta_conversion * (1 - DISCRETE_CHECK_MARGIN - 2e-4)
+    else:  # only a plan beyond delta_conversion on the exact curve is widened
+        assert plan.sigma_key_selection == pytest.approx(gdp_solve_sigma_k(plan), rel=1e-12)
+    # the GDP solve splits mu^2 equally: sigma_m = C sqrt(2 h) / mu = sqrt(C) sigma_k
+    start = [(gdp_solve_sigma_k(plan), 1, C * plan.tree_height), (gdp_solve_sigma_k(plan) * math.sqrt(C), C, plan.tree_height)]
+    assert widened == (discrete_gaussian_delta(start, eps) > plan.delta_conversion)
     # the spent pair is a point of that curve: delta at the declared epsilon (plus the
     # thresholding and sampler terms), and the declared epsilon
     exact = discrete_gaussian_delta(worst_case_user([plan]), eps)
