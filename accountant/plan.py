@@ -24,6 +24,14 @@ Two compositions are offered:
   CKS conversion gives (eps, delta). ``key_selection_share`` splits rho. The per-part
   (eps, delta) in the report are what each part satisfies on its own; they add up to more than
   the total because composing in zCDP is tighter than adding epsilons.
+* ``gdp``: the Gaussian parts compose exactly in Gaussian DP (mu^2 adds; Dong, Roth and Su
+  2022) and one conversion gives (eps, delta) of the continuous Gaussian. With the binary tree
+  that is only the starting point: the noise is the *discrete* Gaussian on the data's own
+  grid, whose curve lies up to ~11% above the continuous one at small C T, so the sigmas grow
+  by a common factor until the exact discrete curve of the worst-case user
+  (dpstream.accountant.discrete_gaussian_curve; :func:`worst_case_parts`) meets the delta, and
+  the spent (eps, delta) are read off that curve (docs/privacy.md, "Accounting"). The BLT puts
+  its noise on a lattice much finer than the data and keeps the margin ``GDP_DISCRETE_MARGIN``.
 * ``basic``: the paper's section 5 split: eps_k = share * eps, eps_m = (1 - share) * eps,
   delta_k = 2 delta / 3 (half of it for the beta term), delta_m = delta / 3; each part
   calibrated separately and the totals added.
@@ -49,6 +57,11 @@ from dpstream.accountant.calibration import (
     gdp_mu,
     tail_multiplier,
 )
+from dpstream.accountant.discrete_gaussian_curve import (
+    discrete_gaussian_delta,
+    discrete_gaussian_epsilon,
+    discrete_gaussian_scale,
+)
 from dpstream.accountant.counters import (
     BINARY_TREE,
     LATTICE_TARGET_SIGMA,
@@ -69,13 +82,26 @@ TARGET_SAMPLER_SIGMA = 4096.0
 DEFAULT_BETA_DELTA_SHARE = 1.0 / 3.0
 
 
-#: GDP calibrates the continuous Gaussian's privacy curve; our noise is the discrete Gaussian,
-#: whose exact curve (dp-accounting's PLD of the worst-case user, tests/test_gdp_accounting.py)
-#: is within 1e-5 (relative) of it at our scales. The GDP solve targets delta_conversion times
-#: (1 - this margin), so the discrete mechanism's delta stays within the declared one
-#: (docs/privacy.md, "Accounting").
+#: GDP calibrates the continuous Gaussian's privacy curve; our noise is the discrete Gaussian.
+#: The GDP solve targets delta_conversion times (1 - this margin). For the BLT, whose noise lives
+#: on a lattice far finer than the data (sigma is 2^15 to 2^16 lattice steps), the discrete curve is within
+#: 1e-5 (relative) of the continuous one and the margin covers it. For the binary tree, whose
+#: noise is on the data's grid, the solve is only the starting point: the exact discrete curve
+#: decides (``_calibrate_discrete``; docs/privacy.md, "Accounting").
 GDP_DISCRETE_MARGIN = 1e-3
 GDP_CONVERSION = "mu-GDP -> (eps, delta): Dong-Roth-Su 2022 Cor. 2.13 (exact for Gaussian parts)"
+#: ``composition: gdp`` with an exact counter (the binary tree): the sigmas start from the GDP
+#: solve above and grow by a common factor until the exact curve of the discrete Gaussians
+#: meets delta_conversion; epsilon_spent and delta_spent are read off that curve
+#: A plan the exact discrete curve has to widen is solved for (1 - this) times delta_conversion
+#: (plans within delta_conversion keep their sigmas): a PLD accountant with a loss grid of 1e-4
+#: (dp-accounting's default) overestimates the curve by up to about 1e-5 (relative), and a plan
+#: should pass such independent checks. It costs about 1e-5 in sigma.
+DISCRETE_CHECK_MARGIN = 1e-4
+#: The exact accountant's truncations leave up to ~1e-35 of mass it counts in full; smaller deltas are refused.
+MIN_DISCRETE_DELTA = 1e-30
+EXACT_DISCRETE_CONVERSION = ("exact privacy curve of the worst-case user's discrete Gaussians (dpstream.accountant."
+                             "discrete_gaussian_curve), sigmas from mu-GDP (Dong-Roth-Su 2022 Cor. 2.13) grown until it holds")
 
 #: what one record adds to a perturbed column (dpstream.processor.mechanisms.aggregates): 1, or its value
 ONE, VALUE = "one", "value"
@@ -313,6 +339,92 @@ def _level_shares(budget: QueryBudget) -> tuple[float, ...]:
     return tuple(float(s) for s in budget.level_shares)
 
 
+def _user_parts(C: int, h: int, per_key_bound: Optional[int], weights: Optional[tuple], sigma_k: float,
+                columns) -> tuple[tuple, tuple]:
+    """(key selection parts, perturbation parts) of the worst-case user of one level of the binary
+    tree, each ``(sigma, shift, copies)`` in integer units (dpstream.accountant.discrete_gaussian_curve).
+    ``columns``: per perturbed column, (sigma in grid units, one record's bound in grid units).
+
+    Key selection: each of the user's keys adds its weight (1 without weights) to one leaf of
+    its round tree, moving one read node per level: ``h`` copies per key. Perturbation: all of
+    the user's records in one node per level, the shift ``C B`` on ``h`` nodes; with c_k = 1 (the
+    only per-key bound accepted) at most ``B`` on each of C keys' nodes, ``C h`` copies of ``B``.
+    Concentrating the shift is the worst pattern (docs/privacy.md, "Accounting"; checked over
+    every split in tests/test_gdp_accounting.py)."""
+    if weights is not None:
+        counts: dict[int, int] = {}
+        for w in weights:
+            if w:
+                counts[w] = counts.get(w, 0) + 1
+        selection = tuple((sigma_k, w, n * h) for w, n in sorted(counts.items()))
+    else:
+        selection = ((sigma_k, 1, C * h),)
+    if per_key_bound is not None and per_key_bound < C:
+        perturbation = tuple((units, per_key_bound * bound, (C // per_key_bound) * h) for units, bound in columns)
+    else:
+        perturbation = tuple((units, C * bound, h) for units, bound in columns)
+    return selection, perturbation
+
+
+def worst_case_parts(plan: PrivacyPlan) -> tuple[tuple, tuple]:
+    """(key selection parts, perturbation parts) of the worst-case user for one level's plan of
+    the binary tree, read from the plan's own fields (sigmas in integer units, shifts from C,
+    the grid and the per-key bound): what ``composition: gdp`` charges on the exact discrete
+    curve. The query's parts are those of all its levels' plans."""
+    if plan.columns is None:
+        columns = ((plan.sigma_perturbation_units, plan.clamp_units),)
+    else:
+        columns = tuple((units, int(math.floor(plan.clamp / step)) if kind == VALUE else 1) for kind, _, units, step in plan.columns)
+    return _user_parts(plan.contribution_bound, plan.tree_height, plan.per_key_bound, plan.selection_weights,
+                       plan.sigma_key_selection, columns)
+
+
+def _calibrate_discrete(budget: QueryBudget, h: int, sigmas: list, parts: list, resolution: float, rho: float,
+                        delta_conv: float, delta_other: float):
+    """``composition: gdp`` on the binary tree: the GDP solve (with its margin) is the starting
+    point; if the exact discrete curve of the worst-case user (every level, column, weight and
+    per-key bound) exceeds ``delta_conv`` at epsilon, every sigma grows by one common factor
+    until it does not. Returns the widened sigmas, the parts (rho and per-part epsilons from the
+    discrete curves), rho, epsilon_spent and delta_spent read off the exact curve; None for a plan
+    already within (it keeps everything)."""
+    C, kinds, eps = budget.contribution_bound, columns_of(budget), budget.epsilon
+    if delta_conv < MIN_DISCRETE_DELTA:
+        raise BudgetError("delta", f"{budget.delta!r} leaves {delta_conv:.3g} for the Gaussian parts, below {MIN_DISCRETE_DELTA:g}: "
+                                   f"too small for the exact discrete accountant of composition 'gdp' with counter 'tree' "
+                                   f"(use composition: zcdp, or a larger delta)")
+
+    def level_parts(sigma_k, column_sigmas):
+        steps = [resolution if kind == VALUE else 1.0 for kind in kinds]
+        columns = [(sigma / step, int(math.floor(budget.clamp / step)) if kind == VALUE else 1)
+                   for kind, sigma, step in zip(kinds, column_sigmas, steps)]
+        return _user_parts(C, h, budget.per_key_bound, budget.selection_weights, sigma_k, columns)
+
+    def everything(level_sigmas):
+        return [p for sk, cols in level_sigmas for part in level_parts(sk, cols) for p in part]
+
+    scale = discrete_gaussian_scale(everything(sigmas), eps, delta_conv, aim=1.0 - DISCRETE_CHECK_MARGIN)
+    if scale == 1.0:
+        # within delta on the exact curve already: the plan stays as the GDP solve made it (same
+        # sigmas, reported spend and fingerprint; its delta_spent, the declared delta less the
+        # margin's rounding, bounds the exact one from above)
+        return None
+    sigmas = [(sigma_k * scale, [sigma * scale for sigma in cols]) for sigma_k, cols in sigmas]
+    if any(sigma_k > MAX_SAMPLER_SIGMA for sigma_k, _ in sigmas):
+        raise BudgetError("contribution_bound", "key-selection noise is beyond the sampler's range")
+    # the pair the ledger charges is one point of the exact curve: delta at the declared epsilon,
+    # and the smallest epsilon with that delta (the declared one, to 1e-12)
+    every = everything(sigmas)
+    delta_gauss = discrete_gaussian_delta(every, eps)
+    eps_spent = min(eps, discrete_gaussian_epsilon(every, delta_gauss))
+    share, new_parts = budget.key_selection_share, []
+    for (rho_k, rho_m, _, delta_k, _, delta_m, beta), (sigma_k, cols), s in zip(parts, sigmas, _level_shares(budget)):
+        selection, perturbation = level_parts(sigma_k, cols)
+        new_parts.append((rho_k / scale ** 2, rho_m / scale ** 2,
+                          discrete_gaussian_epsilon(selection, share * s * delta_conv), delta_k,
+                          discrete_gaussian_epsilon(perturbation, (1.0 - share) * s * delta_conv), delta_m, beta))
+    return sigmas, new_parts, rho / scale ** 2, eps_spent, delta_gauss + delta_other
+
+
 def plan_query(budget: QueryBudget) -> PrivacyPlan:
     """Calibrate a query. Raises :class:`BudgetError` naming the field when it cannot be met.
 
@@ -459,6 +571,15 @@ def _plan_levels(budget: QueryBudget) -> tuple[PrivacyPlan, ...]:
     # one value grid for all levels: every record goes to every level with the same grid value
     value_sigmas = [sig for _, cols in sigmas for kind, sig in zip(kinds, cols) if kind == VALUE]
     resolution = _choose_resolution(budget, min(value_sigmas) if value_sigmas else 1.0)
+    conversion = PrivacyPlan.conversion
+    if budget.composition == "gdp":
+        conversion = GDP_CONVERSION
+        if not counter.lattice:
+            # the exact discrete Gaussian curve of the worst-case user (docs/privacy.md, "Accounting")
+            widened = _calibrate_discrete(budget, h, sigmas, parts, resolution, rho, delta_conv, delta_beta + delta_sampler)
+            if widened is not None:
+                sigmas, parts, rho, eps_spent, delta_spent = widened
+                conversion = EXACT_DISCRETE_CONVERSION
     plans = []
     for level, ((rho_k, rho_m, eps_k, delta_k, eps_m, delta_m, beta), (sigma_k, column_sigmas), s) in enumerate(
             zip(parts, sigmas, shares), 1):
@@ -515,8 +636,13 @@ def _plan_levels(budget: QueryBudget) -> tuple[PrivacyPlan, ...]:
             per_key_bound=budget.per_key_bound,
             perturbation_steps="release" if budget.perturbation_steps == "release" else None,
             selection_weights=tuple(budget.selection_weights) if budget.selection_weights is not None else None,
-            conversion=GDP_CONVERSION if budget.composition == "gdp" else PrivacyPlan.conversion,
+            conversion=conversion,
         ))
+    if budget.composition == "gdp" and not counter.lattice:
+        # never return an unverified plan: the curve at the plans' own fields
+        found = discrete_gaussian_delta([p for plan in plans for part in worst_case_parts(plan) for p in part], eps)
+        if not found <= delta_conv:
+            raise ArithmeticError(f"the discrete Gaussian calibration failed its check: delta {found!r} > {delta_conv!r}")
     return tuple(plans)
 
 

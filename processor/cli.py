@@ -10,6 +10,7 @@ import time
 from typing import Sequence
 
 from dpstream.accountant import PrivacyPlan
+from dpstream.accountant.plan import EXACT_DISCRETE_CONVERSION
 from dpstream.processor.config import (
     ConfigError,
     QueryConfig,
@@ -122,9 +123,11 @@ def _human_plan(query: QueryConfig, plan: PrivacyPlan) -> str:
         f"query {query.name}: ({plan.epsilon:g}, {plan.delta:g})-DP per user and window "
         f"({query.window}, T={T} triggers, C={C} records per user, L={plan.clamp:g})",
         f"  composition        {plan.composition}"
-        + {"zcdp": "  (key selection and perturbation add in zCDP; one optimal CKS conversion)",
-           "gdp": "  (key selection and perturbation add exactly in Gaussian DP, mu^2; one GDP conversion)"}.get(
-               plan.composition, "  (paper's split, parts added)"),
+        + ("  (the exact privacy curve of the worst-case user's discrete Gaussians, all parts composed; sigmas from "
+           "Gaussian DP, grown until that curve meets delta)" if plan.conversion == EXACT_DISCRETE_CONVERSION else
+           {"zcdp": "  (key selection and perturbation add in zCDP; one optimal CKS conversion)",
+            "gdp": "  (key selection and perturbation add exactly in Gaussian DP, mu^2; one GDP conversion)"}.get(
+               plan.composition, "  (paper's split, parts added)")),
         (f"  tree height h      {plan.tree_height} levels read by some output (floor(lg {T}) + 1)" if plan.counter is None else
          f"  counter            {plan.counter}: squared sensitivity of one increment h = {plan.counter_sensitivity_sq:.4f} "
          f"(plus the lattice rounding slack)"),
