@@ -45,6 +45,7 @@ from dpstream.processor.adapters.worker import (
     lost_state_message,
     worker_epoch,
 )
+from dpstream.processor.adapters.worker_run import agree_run
 from dpstream.processor.config import DpstreamConfig
 from dpstream.state.store import check_state_directory
 from dpstream.topics.kafka import (
@@ -545,6 +546,9 @@ def build_app(s: WorkerSettings) -> faust.App:
         marks = await loop.run_in_executor(None, lambda: read_epoch_marks(broker))
         # `dpstream reset` counts start-overs here: each moves the worker to a new noise label
         restarts = int((marks.get(restarts_key(s.app_id)) or {}).get("count", 0))
+        # the run nonce of the noise label, the same for every worker of the application; a
+        # fresh start over releases of a window still open is refused (worker_run.py)
+        run = await loop.run_in_executor(None, lambda: agree_run(broker, s, marks, restarts))
         epoch = worker_epoch(s.config, restarts)
         specs = topics_for(s.config.queries, s.partitions, s.config.dynamic, s.app_id, epoch)
         await loop.run_in_executor(None, lambda: create_topics(broker, specs))
@@ -581,7 +585,8 @@ def build_app(s: WorkerSettings) -> faust.App:
         worker = await loop.run_in_executor(None, lambda: DpstreamWorker(
             s.config, s.secret, s.state_dir, None if group else s.ownership, {t: counts[t] for t in inputs},
             repartitions.pop() if repartitions else s.partitions, metrics, previous_mark=previous, app_id=s.app_id,
-            partitioner=s.partitioner, watermark_delay_ms=s.watermark_delay_ms, restarts=restarts))
+            partitioner=s.partitioner, watermark_delay_ms=s.watermark_delay_ms, restarts=restarts, run_nonce=run.nonce))
+        log.info(run.log_line(worker.noise.label))
         status["worker"] = worker
         mark = dict(worker.epoch_mark)
         if group:
