@@ -20,9 +20,18 @@ from types import SimpleNamespace
 import pytest
 
 from dpstream.processor.adapters.replay import ReplayRunner
-from dpstream.processor.adapters.worker import RUN_FILE, LostStateError, Ownership, StateLayoutError, run_fields
+from dpstream.processor.adapters.worker import (
+    LAYOUT_FILE,
+    RUN_FILE,
+    LostStateError,
+    Ownership,
+    StateLayoutError,
+    epoch_mark,
+    run_fields,
+)
 from dpstream.processor.adapters.worker_run import (
     LiveOutputError,
+    RunChoice,
     agree_run,
     find_live_release,
     legacy_run,
@@ -31,6 +40,7 @@ from dpstream.processor.adapters.worker_run import (
     runs_of,
 )
 from dpstream.processor.config import DpstreamConfig
+from dpstream.processor.mechanisms.noise import NodeNoise
 from dpstream.topics.kafka import EPOCH_TOPIC, KafkaPublisher, TopicSpec, create_topics, read_compacted, write_epoch_mark
 from dpstream.topics.records import RUN_FIELDS, encode_json, release_record
 from tests.conftest import TEST_SECRET
@@ -217,6 +227,22 @@ def test_workers_starting_at_once_agree_on_one_run_and_a_kept_state_restores_it(
         agree_run(broker, settings(tmp_path, app, "other", 1, 4), marks, 0)
     with pytest.raises(LostStateError, match="can no longer be told"):
         agree_run(broker, settings(tmp_path, app, "empty", 2, 4), marks, 0)
+
+
+@pytest.mark.broker
+def test_an_application_begun_before_run_nonces_keeps_its_label(tmp_path, broker):
+    """dpstream 0.1.0 wrote epoch marks without a run, and state directories without a run file:
+    the application goes on under its label (worker:<app id>:<epoch>), the same for every worker."""
+    app = f"run-{uuid.uuid4().hex[:8]}"
+    write_epoch_mark(broker, f"{app}/0", {**epoch_mark(config(), NodeNoise(TEST_SECRET), 0), "since_ms": 1})  # as 0.1.0 did
+    marks = read_compacted(broker, EPOCH_TOPIC, f"{app}/")
+    assert agree_run(broker, settings(tmp_path, app, "s0", 0, 2), marks, 0) == RunChoice("", "legacy")
+    (tmp_path / "s1").mkdir()
+    (tmp_path / "s1" / LAYOUT_FILE).write_text("{}")  # a state directory 0.1.0 wrote
+    marks = read_compacted(broker, EPOCH_TOPIC, f"{app}/")
+    assert agree_run(broker, settings(tmp_path, app, "s1", 1, 2), marks, 0) == RunChoice("", "kept")
+    other_secret = {f"{app}/0": {**marks[f"{app}/0"], "noise": "another secret's fingerprint"}}
+    assert not legacy_run(other_secret, app, epoch_mark(config(), NodeNoise(TEST_SECRET), 0))
 
 
 @pytest.mark.broker

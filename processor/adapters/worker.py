@@ -30,10 +30,11 @@ Failure rules:
   micro-batch. No user ever has more than C counted contributions.
 * A trigger's releases are journaled in the same write as its state (:meth:`QueryPipeline.fire`),
   then sent, then marked published. After a crash the journaled, unpublished releases are sent
-  again from the journal, never recomputed. Noise is a function of the secret and the tree
-  position only, so it is identical after a restart.
-* A store written under another noise secret, or by another worker layout, is refused: that is
-  a new budget epoch, never a silent reset.
+  again from the journal, never recomputed. Noise is a function of the secret, the run's noise
+  label (kept with the state: :func:`worker_noise_label`) and the tree position only, so it is
+  identical after a restart.
+* A store written under another noise secret or run, or by another worker layout, is refused:
+  that is a new budget epoch, never a silent reset.
 * Exactly-once delivery (docs/operations.md, "Delivery"): the messages of a batch, or of a
   trigger, go out in one Kafka transaction with a progress record of what they complete
   (:meth:`DpstreamWorker.progress_message`, :meth:`DpstreamWorker.published_message`); after a

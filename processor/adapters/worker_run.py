@@ -134,14 +134,14 @@ def agree_run(broker: str, s: "WorkerSettings", marks: dict[str, dict], restarts
     runs = runs_of(marks, s.app_id)
     if runs:
         return _join(runs, stored, s, "kept" if stored is not None else "joined")
-    if stored is not None:
+    # the epoch mark this worker writes, without its run (the secret's fingerprint: public)
+    legacy = legacy_run(marks, s.app_id, epoch_mark(s.config, NodeNoise(s.secret), restarts))
+    if stored is not None and not (stored == "" and legacy):
         if s.assignment == "group":
             _check_changelogs_kept(broker, s, restarts, stored)
         return _propose(broker, s, stored, stored, {"restored": True}, "restored")
-    # the epoch mark this worker writes, without its run: a secret's fingerprint, public
-    mark = epoch_mark(s.config, NodeNoise(s.secret), restarts)
-    if legacy_run(marks, s.app_id, mark):
-        return _propose(broker, s, None, "", {"legacy": True}, "legacy")
+    if legacy:
+        return _propose(broker, s, stored, "", {"legacy": True}, "legacy")
     now_ms = int(time.time() * 1000) if now_ms is None else now_ms
     live = find_live_release(broker, s.app_id, s.config, restarts, now_ms)
     if live is not None:
