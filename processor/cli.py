@@ -72,8 +72,9 @@ budget.start) to --until as the clock reaches it, data or not, and needs both.
 
 Noise: a fresh state directory gets a random noise label, so two replays of slightly different
 data never share noise (their difference would be the exact change). --noise-label reproduces a
-run on purpose; the worker's label is "worker:<app id>:<budget epoch>". Same input, config,
-secret and label: byte-identical output.
+run on purpose; the worker's label is "worker:<app id>:<budget epoch>:<run nonce>" (its
+releases, its status page and its start's log line show it). Same input, config, secret and
+label: byte-identical output.
 
 Invalid lines are reported by line number and reason (never content), counted and skipped;
 late and future events are counted once in the summary, not listed (--dead-letter keeps each).
@@ -660,8 +661,8 @@ def build_parser() -> argparse.ArgumentParser:
                                         "with a budget ledger, the first window charged")
     replay.add_argument("--until", help="the clock's public end, epoch ms or ISO-8601: triggers and dynamic ticks due by then are decided "
                                         "(default: the end of the data); required with a budget ledger")
-    replay.add_argument("--noise-label", help="reuse a run's noise on purpose (default: a random label per new state directory; the "
-                                              "worker's is worker:<app id>:<budget epoch>)")
+    replay.add_argument("--noise-label", help="reuse a run's noise on purpose (default: a random label per new state directory; a "
+                                              "worker's is in its releases' run.noise_label and on its status page)")
     replay.add_argument("--quiet", action="store_true", help="no progress lines")
     replay.set_defaults(func=cmd_replay)
 
@@ -693,7 +694,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="port of the status page /, /healthz, /readyz and /metrics (default $DPSTREAM_WEB_PORT or 9400)")
     worker.add_argument("--web-host", default="0.0.0.0", help="address the web server binds (default 0.0.0.0)")
     worker.add_argument("--app-id", default=os.environ.get("DPSTREAM_APP_ID", "dpstream"),
-                        help="Faust app id (default dpstream); with the budget epoch it names the worker's noise label")
+                        help="Faust app id (default dpstream); with the budget epoch and the run nonce it names the worker's "
+                             "noise label")
     worker.add_argument("--partitioner", default=os.environ.get("DPSTREAM_PARTITIONER", "murmur2"),
                         help="how producers map a user key to an input partition: murmur2 (Java clients' default; dpstream "
                              "produce), consistent (librdkafka's default crc32) or fnv1a; a record on another partition is "
@@ -905,7 +907,7 @@ refuses an empty state directory after it ran under the same epoch and noise sec
 lost held the budget it spent. This command, with the workers stopped, deletes the state directory
 and the application's internal topics (repartition topics of the config's queries, changelogs, its
 consumer group's offsets), forgets its epoch marks and delivery progress, and counts a start-over
-that gives the workers a new noise label (worker:<app id>:<epoch>.restart<N>). The next `dpstream
+that gives the workers a new noise label (worker:<app id>:<epoch>.restart<N>:<new run nonce>). The next `dpstream
 worker` with the same command line then starts afresh and reads the input topics from their start:
 a second release of the same users' data under a fresh budget, which is the operator's choice.
 Without --yes it only prints what it would do."""

@@ -9,10 +9,24 @@ from dpstream.processor.mechanisms.noise import NodeNoise
 #: a fixed 256-bit test key (tests only), and the hex text a secret file holds
 TEST_SECRET_HEX = "6f1d9c3a5e27b48c0a9f13d6e2b75c48d19a0e6f3b2c7d85a41e96f0c3d28b57"
 TEST_SECRET = bytes.fromhex(TEST_SECRET_HEX)
-#: the noise label of replays a test compares with each other or with a worker (a fresh state
-#: directory would otherwise draw a random one: docs/privacy.md, "Noise"): the label of a worker
-#: with the default app id and no budget section (dpstream.processor.adapters.worker.worker_noise_label)
-TEST_LABEL = "worker:dpstream:1"
+#: the run nonce of in-process workers (dpstream.processor.adapters.worker.DpstreamWorker) a test
+#: compares with each other or with a replay: the workers of one application share one run
+#: (dpstream.processor.adapters.run_identity); a worker on Kafka draws its own, which tests read
+#: from its releases or its status.json
+TEST_RUN_NONCE = "7e57" * 8
+#: the noise label of replays a test compares with each other or with such a worker (a fresh
+#: state directory would otherwise draw a random one: docs/privacy.md, "Noise"): the label of a
+#: worker with the default app id, no budget section and run nonce TEST_RUN_NONCE
+#: (dpstream.processor.adapters.worker.worker_noise_label)
+TEST_LABEL = f"worker:dpstream:1:{TEST_RUN_NONCE}"
+
+
+def without_run(record: dict) -> dict:
+    """A release without the fields about the run that made it (dpstream.topics.records.RUN_FIELDS):
+    what a worker and a replay under its noise label publish alike."""
+    from dpstream.topics.records import RUN_FIELDS
+
+    return {k: v for k, v in record.items() if k not in RUN_FIELDS}
 
 
 @dataclass

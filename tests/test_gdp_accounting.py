@@ -19,7 +19,6 @@ import math
 from collections import Counter
 from decimal import Decimal, getcontext
 
-import numpy as np
 import pytest
 from dp_accounting.pld import privacy_loss_distribution as pld
 
@@ -29,7 +28,6 @@ from dpstream.accountant.discrete_gaussian_curve import discrete_gaussian_delta,
 from dpstream.accountant.plan import (
     DISCRETE_CHECK_MARGIN,
     GDP_DISCRETE_MARGIN,
-    BudgetError,
     QueryBudget,
     plan_levels,
     plan_query,

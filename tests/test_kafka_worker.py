@@ -28,11 +28,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dpstream.processor.adapters.kafka_tools import produce, tail
 from dpstream.processor.adapters.replay import ReplayRunner
-from dpstream.processor.adapters.worker import worker_noise_label
 from dpstream.processor.config import load_config
 from dpstream.topics.kafka import DEAD_LETTER_TOPIC
 from dpstream.topics.partitioner import partition_for_key
-from tests.conftest import ROOT, TEST_SECRET, TEST_SECRET_HEX
+from tests.conftest import ROOT, TEST_SECRET, TEST_SECRET_HEX, without_run
 
 WINDOW_S, TRIGGERS, LATENESS_S = 12, 4, 1
 
@@ -92,6 +91,8 @@ class Scenario:
         released = self.published(expected)
         assert_no_conflicting_releases(released, exactly_once)
         assert expected and canonical(released) == canonical(expected)
+        # each release says which run made it: this application, under the label replay reproduced
+        assert runs(released) == {(self.app_id, label) for _, label in runs(expected)}
         return released
 
     def take_in(self, w: "Worker", n: int, timeout: float = 60) -> float:
@@ -142,10 +143,23 @@ class Scenario:
         tail(self.broker, topic, out, idle_seconds=3)
         return [json.loads(line) for line in out.getvalue().splitlines()]
 
+    def noise_label(self) -> str:
+        """The workers' noise label as their status pages show it (one for every worker of the
+        application), or, none running, as the releases on the output say."""
+        labels = set()
+        for w in self.workers:
+            if w.proc is not None and w.proc.poll() is None:
+                with contextlib.suppress(OSError, KeyError, ValueError):
+                    labels.add(json.loads(w.get("/status.json")[1])["noise_label"])
+        if not labels:
+            labels = {label for app, label in runs(self.read(self.output)) if app == self.app_id}
+        assert len(labels) == 1, f"the workers of a run share one noise label, not {labels}"
+        return labels.pop()
+
     def replay(self, label: str | None = None) -> list[dict]:
-        """Replay of the events under the worker's noise label (or ``label``)."""
+        """Replay of the events under the workers' noise label (or ``label``)."""
         config = load_config(self.config)
-        runner = ReplayRunner(config, TEST_SECRET, None, noise_label=label or worker_noise_label(self.app_id, config))
+        runner = ReplayRunner(config, TEST_SECRET, None, noise_label=label or self.noise_label())
         out = io.StringIO()
         try:
             runner.run(str(self.events), out)
@@ -211,7 +225,14 @@ class Worker:
 
 
 def canonical(records: list[dict]) -> set[str]:
-    return {json.dumps(r, sort_keys=True) for r in records}
+    """Releases as the mechanism made them: without the fields about the run that made them, in
+    which a worker's and a replay's differ (compared by :func:`runs`)."""
+    return {json.dumps(without_run(r), sort_keys=True) for r in records}
+
+
+def runs(records: list[dict]) -> set[tuple]:
+    """The (application, noise label) of each run that made ``records`` (a replay has no application)."""
+    return {(r.get("app_id"), r["run"]["noise_label"]) for r in records}
 
 
 def assert_no_conflicting_releases(records: list[dict], exactly_once: bool = True) -> None:
@@ -387,7 +408,9 @@ def test_dynamic_agent_publishes_what_replay_publishes_and_takes_in_absent_delet
         time.sleep(max(0.0, (start + horizon * tick_ms + lateness_ms) / 1000 + 3 - time.time()))
         released = [r for r in sc.read(out) if r["tick"] <= horizon]
         config = load_config(sc.config)
-        runner = ReplayRunner(config, TEST_SECRET, None, noise_label=worker_noise_label(sc.app_id, config))
+        [(app, label)] = runs(released)  # the worker's noise label, as its releases say
+        assert app == sc.app_id
+        runner = ReplayRunner(config, TEST_SECRET, None, noise_label=label)
         buf = io.StringIO()
         try:
             runner.run(str(sc.events), buf, until_ms=start + horizon * tick_ms + lateness_ms)

@@ -76,9 +76,12 @@ def test_the_kafka_quick_start_runs_as_pasted_in_one_shell(tmp_path):
     finally:
         subprocess.run([str(ROOT / "scripts/broker"), "stop", str(port)], env=env, capture_output=True)
     assert done.returncode == 0, f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-3000:]}"
-    releases = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"ci95_high"')]
+    releases = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"app_id"')]
     assert len(releases) == 5, done.stdout[-3000:]
     assert all(r["query"] == "page_clicks" and isinstance(r["count"], int) for r in releases)
+    # each names its run: the label `dpstream replay --noise-label` takes to reproduce it
+    assert len({r["run"]["noise_label"] for r in releases}) == 1
+    assert releases[0]["app_id"] == "dpstream" and releases[0]["run"]["noise_label"].startswith("worker:dpstream:1:")
     assert '"ready"' in done.stdout  # /readyz answered while the worker ran
     assert "starts over" in done.stderr  # the teardown's reset
     assert not (tmp_path / "noise.key").exists() and not (tmp_path / "worker.log").exists()

@@ -14,14 +14,15 @@ from dpstream.processor.adapters.worker import (
 )
 from dpstream.topics.kafka import DEAD_LETTER_TOPIC
 from dpstream.topics.partitioner import partition_for
-from tests.conftest import TEST_SECRET, Record
+from tests.conftest import TEST_RUN_NONCE, TEST_SECRET, Record
 from tests.test_worker_service import START, WINDOW_MS, config, events, stage_two
 
 END = START + 10 * WINDOW_MS  # a wall clock past every trigger of the workload
 
 
 def two_partition_worker(path, delay_ms: int = 2000) -> DpstreamWorker:
-    return DpstreamWorker(config(), TEST_SECRET, path, Ownership(), {"in": 2}, 2, watermark_delay_ms=delay_ms)
+    return DpstreamWorker(config(), TEST_SECRET, path, Ownership(), {"in": 2}, 2, watermark_delay_ms=delay_ms,
+                          run_nonce=TEST_RUN_NONCE)
 
 
 def split(records: list[Record], stamps: int = LOG_APPEND_TIME) -> dict[int, list[Record]]:

@@ -14,7 +14,7 @@ from dpstream.processor.adapters.worker import (
 from dpstream.processor.config import DpstreamConfig
 from dpstream.processor.engine.pipeline import BoundedRecords
 from dpstream.topics.kafka import DEAD_LETTER_TOPIC, repartition_topic
-from tests.conftest import TEST_SECRET, Record
+from tests.conftest import TEST_RUN_NONCE, TEST_SECRET, Record
 
 WINDOW_MS = 40_000
 START = 1_800_000_000_000 - 1_800_000_000_000 % WINDOW_MS
@@ -39,8 +39,11 @@ def events(n: int, seed: int = 3) -> list[Record]:
     return out
 
 
-def make_worker(path, cfg=None, ownership=Ownership(), repartitions=2, previous_mark=None) -> DpstreamWorker:
-    return DpstreamWorker(cfg or config(), TEST_SECRET, path, ownership, {"in": 1}, repartitions, previous_mark=previous_mark)
+def make_worker(path, cfg=None, ownership=Ownership(), repartitions=2, previous_mark=None,
+                run_nonce=TEST_RUN_NONCE) -> DpstreamWorker:
+    """A worker of the test application's run (``run_nonce``; None: the state directory's, else a new run's)."""
+    return DpstreamWorker(cfg or config(), TEST_SECRET, path, ownership, {"in": 1}, repartitions, previous_mark=previous_mark,
+                          run_nonce=run_nonce)
 
 
 def stage_two(worker: DpstreamWorker, messages, first_offset=None) -> None:

@@ -254,6 +254,12 @@ def release_record(*, query: str, window_start: int, window_end: int, trigger: i
     }
 
 
+#: the fields an adapter adds to every release about the run that made it (the worker: ``app_id``
+#: and ``run``, whose ``noise_label`` replay reproduces; replay: ``run``); the rest is the
+#: mechanism's own, the same for a worker and a replay under its noise label (docs/user-guide.md)
+RUN_FIELDS = ("app_id", "run")
+
+
 def release_key(query: str, window_start: int, key) -> bytes:
     """Kafka message key of a release: (query, window, key), so a compacted topic keeps the latest."""
     return json.dumps([query, window_start, key], ensure_ascii=False, separators=(",", ":")).encode()

@@ -303,6 +303,8 @@ class ReplayRunner:
     def _open(self, config: DpstreamConfig, secret: bytes, noise_label: Optional[str], start_ms: Optional[int]) -> None:
         self.store = self.stores.store(0)
         self.noise = NodeNoise(secret, self._noise_label(noise_label))
+        #: what every release says about the run that made it: its noise label (docs/user-guide.md)
+        self.run_fields = {"run": {"noise_label": self.noise.label}}
         self.pseudonyms = Pseudonymizer(secret)
         self._check_epoch()
         self.pipelines = [QueryPipeline(q, self.noise, self.store, self.pseudonyms) for q in config.queries]
@@ -576,7 +578,7 @@ class ReplayRunner:
         for dyn in self.dynamic:
             records = dyn.take_pending()
             for record in records:
-                output.write(encode_json(record).decode() + "\n")
+                output.write(encode_json({**record, **self.run_fields}).decode() + "\n")
             summary.releases += len(records)
             dyn.mark_published(batch)
         if len(batch):
@@ -598,7 +600,7 @@ class ReplayRunner:
         between republishes them from the journal, identical)."""
         for f in fired:
             for record in f.releases:
-                output.write(encode_json(record).decode() + "\n")
+                output.write(encode_json({**record, **self.run_fields}).decode() + "\n")
             output.flush()
             summary.releases += len(f.releases)
             summary.triggers_fired += 0 if republished else 1

@@ -11,10 +11,12 @@ Starting over is therefore an explicit act, and this module is all of it:
 * the application's internal topics are deleted: the repartition topics of the config's queries
   in the current epoch and the application's changelog topics (the next run's are named anew
   anyway); its consumer group's committed offsets are deleted;
-* its epoch marks and delivery progress records (``dpstream-epochs``, ``dpstream-progress``,
-  keys ``<app>/...``) get tombstones, and ``<app>/restarts`` counts one more start-over. The
-  workers' noise label and changelogs follow that count
-  (:func:`dpstream.processor.adapters.worker.worker_epoch`), so no released value's noise is reused.
+* its epoch marks, its run (``<app>/run/...``) and its delivery progress records
+  (``dpstream-epochs``, ``dpstream-progress``, keys ``<app>/...``) get tombstones, and
+  ``<app>/restarts`` counts one more start-over. The workers' noise label and changelogs follow
+  that count (:func:`dpstream.processor.adapters.worker.worker_epoch`), and the next worker draws
+  a new run nonce (:mod:`dpstream.processor.adapters.run_identity`), so no released value's noise
+  is reused. A release of an earlier start-over no longer holds a fresh start back.
 
 The input topics are kept: the next worker reads them from the start. That is a second release of
 the same users' data under a fresh budget, which the operator chooses here (docs/privacy.md,
@@ -29,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from dpstream.processor.adapters.worker import LAYOUT_FILE, worker_epoch
+from dpstream.processor.adapters.worker import LAYOUT_FILE, RUN_FILE, worker_epoch
 from dpstream.processor.config import ConfigError, DpstreamConfig
 from dpstream.topics.kafka import (
     EPOCH_TOPIC,
@@ -43,9 +45,9 @@ from dpstream.topics.kafka import (
 )
 
 #: what a dpstream state directory holds at its top level: stores (state/store.py), the worker's
-#: layout (worker.py) and Faust's data directory (faust_app.py)
+#: layout and run (worker.py) and Faust's data directory (faust_app.py)
 STATE_ENTRY_PREFIXES = ("partition-",)
-STATE_FILES = (LAYOUT_FILE, "faust")
+STATE_FILES = (LAYOUT_FILE, RUN_FILE, "faust")
 
 
 class StartOverError(ConfigError):
@@ -75,7 +77,7 @@ class StartOverPlan:
             lines.append(f"forget {len(self.epoch_keys)} epoch mark(s) and {len(self.progress_keys)} progress record(s) of "
                          f"application {self.app_id!r}")
         lines.append(f"record start-over {self.restarts} of {self.app_id!r}: the workers' noise label becomes "
-                     f"...:restart{self.restarts}")
+                     f"...:restart{self.restarts}:<a new run nonce>")
         return lines
 
 

@@ -2,9 +2,10 @@
 
 :func:`render_status` turns what ``/status.json`` serves (:meth:`dpstream.processor.adapters.worker.DpstreamWorker.status`
 plus the worker's health state) into one page, with no script: queries, windows, last and next
-trigger, releases, dead letters by reason, the budget ledger and the partitions owned. It shows
-what it is given, escaped; the data holds aggregates and counts only (no key, no user id, no
-record, no secret or fingerprint: docs/privacy.md, "What is public").
+trigger, releases, dead letters by reason, the budget ledger, the partitions owned and the run's
+noise label. It shows what it is given, escaped; the data holds aggregates, counts and public
+names only (no key, no user id, no record, no secret or fingerprint: docs/privacy.md, "What is
+public").
 """
 from __future__ import annotations
 
@@ -94,6 +95,9 @@ def render_status(data: dict) -> str:
            f"<p class=\"muted\">{escape(str(who))}; assignment {escape(str(data.get('assignment', '')))}, delivery "
            f"{escape(str(data.get('delivery', '')))}; as of {escape(str(data.get('now', '')))} (reloads every {REFRESH_S} s). "
            f"Counts are since this worker started, over the partitions it owns.</p>"]
+    if data.get("noise_label"):  # public: every release carries it too (docs/privacy.md, "Noise")
+        out.append(f"<p class=\"muted\" id=\"noise-label\">Noise label <code>{escape(str(data['noise_label']))}</code>: "
+                   f"<code>dpstream replay --noise-label</code> with it reproduces this worker's releases.</p>")
     queries = data.get("queries")
     if queries is None:
         out.append('<p class="none">The worker has not opened its state yet.</p></body></html>')

@@ -30,10 +30,11 @@ Failure rules:
   micro-batch. No user ever has more than C counted contributions.
 * A trigger's releases are journaled in the same write as its state (:meth:`QueryPipeline.fire`),
   then sent, then marked published. After a crash the journaled, unpublished releases are sent
-  again from the journal, never recomputed. Noise is a function of the secret and the tree
-  position only, so it is identical after a restart.
-* A store written under another noise secret, or by another worker layout, is refused: that is
-  a new budget epoch, never a silent reset.
+  again from the journal, never recomputed. Noise is a function of the secret, the run's noise
+  label (kept with the state: :func:`worker_noise_label`) and the tree position only, so it is
+  identical after a restart.
+* A store written under another noise secret or run, or by another worker layout, is refused:
+  that is a new budget epoch, never a silent reset.
 * Exactly-once delivery (docs/operations.md, "Delivery"): the messages of a batch, or of a
   trigger, go out in one Kafka transaction with a progress record of what they complete
   (:meth:`DpstreamWorker.progress_message`, :meth:`DpstreamWorker.published_message`); after a
@@ -53,6 +54,7 @@ import itertools
 import json
 import logging
 import operator
+import os
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -110,6 +112,8 @@ from dpstream.topics.records import (
 log = logging.getLogger("dpstream.worker")
 
 LAYOUT_FILE = "worker-layout.json"
+#: the run nonce of the noise label this state directory was written under (:func:`stored_run_nonce`)
+RUN_FILE = "worker-run.json"
 #: default of how far behind the newest broker-stamped timestamp read (or the time a partition was
 #: read to its end) a stage-1 partition's watermark stays: the broker's and the worker's clocks may
 #: differ this much, and a producer's record (CreateTime) may reach the broker this long after its
@@ -225,6 +229,17 @@ def lost_state_message(what: str, app_id: str, config: DpstreamConfig) -> str:
             f"See docs/operator-guide.md, \"Start over\"")
 
 
+def run_mismatch_message(state_dir: Path, stored: str, agreed: str, app_id: str, config: DpstreamConfig) -> str:
+    """The refusal of a state directory written under another run than the application's
+    (docs/operator-guide.md, "Start over")."""
+    theirs = f"run {stored}" if stored else "a run from before run nonces"
+    return lost_state_message(
+        f"state directory {state_dir} was written under {theirs} of application {app_id!r}, but the application's run "
+        f"is {agreed or 'one from before run nonces'} (dpstream-epochs, key {app_id}/run/...): the epoch marks were lost and "
+        f"another worker started a new run, or this directory belongs to another one. Its state and the run's cannot be "
+        f"mixed", app_id, config)
+
+
 def worker_epoch(config: DpstreamConfig, restarts: int = 0) -> str:
     """The worker's epoch: the configured ``budget.epoch`` ("1" without a budget section), and how
     many times ``dpstream reset`` started the application over (docs/operator-guide.md, "Start
@@ -233,20 +248,51 @@ def worker_epoch(config: DpstreamConfig, restarts: int = 0) -> str:
     return f"{epoch}.restart{restarts}" if restarts else epoch
 
 
-def worker_noise_label(app_id: str, config: DpstreamConfig, restarts: int = 0) -> str:
-    """The worker's noise label (docs/privacy.md, "Noise"): its application and epoch, so a new
-    epoch never reuses the noise of released values. ``dpstream replay --noise-label`` with this
-    label reproduces the worker's releases."""
-    return f"worker:{app_id}:{worker_epoch(config, restarts)}"
+def worker_noise_label(app_id: str, config: DpstreamConfig, restarts: int = 0, nonce: str = "") -> str:
+    """The worker's noise label (docs/privacy.md, "Noise"): ``worker:<app id>:<epoch>:<run nonce>``.
+    The epoch keeps a new epoch or start-over from reusing the noise of released values; the run
+    nonce (:func:`new_run_nonce`, agreed by the application's workers: :mod:`dpstream.processor.adapters.run_identity`)
+    keeps a fresh start that lost both the state and the epoch marks from reusing it. ``nonce=""``:
+    a run begun before run nonces (dpstream 0.1.0), whose label it keeps. ``dpstream replay
+    --noise-label`` with this label reproduces the worker's releases."""
+    label = f"worker:{app_id}:{worker_epoch(config, restarts)}"
+    return f"{label}:{nonce}" if nonce else label
 
 
-def epoch_mark(config: DpstreamConfig, noise: NodeNoise, restarts: int = 0) -> dict:
+def new_run_nonce() -> str:
+    """A new run's nonce: 128 random bits (hex), so two runs never draw the same label (docs/privacy.md, "Noise")."""
+    return os.urandom(16).hex()
+
+
+def stored_run_nonce(state_dir: str | Path) -> Optional[str]:
+    """The run nonce a worker's state directory was written under (:data:`RUN_FILE`): None for a
+    new directory, "" for one written before run nonces (a layout file and no run file)."""
+    state_dir = Path(state_dir)
+    if (state_dir / RUN_FILE).exists():
+        return str(json.loads((state_dir / RUN_FILE).read_text())["nonce"])
+    return "" if (state_dir / LAYOUT_FILE).exists() else None
+
+
+def run_fields(app_id: str, config: DpstreamConfig, restarts: int, nonce: str) -> dict:
+    """What every release of a worker says about the run that made it (docs/user-guide.md, the
+    release format): the application, and its run: the noise label (what ``dpstream replay
+    --noise-label`` takes), the budget epoch, the start-over count and the run nonce. Public
+    values: no secret, no fingerprint of it. A fresh start reads them back from the output topic
+    (:func:`dpstream.processor.adapters.run_identity.live_release`)."""
+    return {"app_id": app_id, "run": {"noise_label": worker_noise_label(app_id, config, restarts, nonce),
+                                      "budget_epoch": config.budget.epoch if config.budget is not None else "1",
+                                      "restarts": int(restarts), "nonce": nonce}}
+
+
+def epoch_mark(config: DpstreamConfig, noise: NodeNoise, restarts: int = 0, nonce: str = "") -> dict:
     """What a worker's state belongs to: the configured budget epoch, the noise secret (as its
-    public fingerprint) and, after ``dpstream reset``, the start-over count. Kept outside the
-    volume (:data:`dpstream.topics.kafka.EPOCH_TOPIC`)."""
+    public fingerprint), after ``dpstream reset`` the start-over count, and the run nonce. Kept
+    outside the volume (:data:`dpstream.topics.kafka.EPOCH_TOPIC`)."""
     mark = {"budget_epoch": config.budget.epoch if config.budget is not None else None, "noise": noise.fingerprint}
     if restarts:
         mark["restarts"] = int(restarts)
+    if nonce:
+        mark["run"] = nonce
     return mark
 
 
@@ -431,7 +477,7 @@ class DpstreamWorker:
                  input_partitions: dict[str, int], repartitions: int, metrics: Optional[PipelineMetrics] = None,
                  block_cache_mb: int = 64, write_buffer_mb: int = 32, previous_mark: Optional[dict] = None,
                  app_id: str = "dpstream", partitioner: str = "murmur2", now_ms: Optional[int] = None,
-                 watermark_delay_ms: int = WATERMARK_DELAY_MS, restarts: int = 0):
+                 watermark_delay_ms: int = WATERMARK_DELAY_MS, restarts: int = 0, run_nonce: Optional[str] = None):
         self.config = config
         #: how many times ``dpstream reset`` started this application over (public; epoch topic)
         self.restarts = int(restarts)
@@ -446,13 +492,24 @@ class DpstreamWorker:
         #: (query, reason category), and each query's last trigger fired here (:meth:`trigger_fired`)
         self.dead_letters: Counter = Counter()
         self.last_fired: dict[str, dict] = {}
-        self.noise = NodeNoise(secret, worker_noise_label(app_id, config, self.restarts))
-        self.pseudonyms = Pseudonymizer(secret)
         self.state_dir = Path(state_dir)
         check_state_directory(self.state_dir)  # before the layout file is written into it
+        #: the run nonce of the noise label (docs/privacy.md, "Noise"): the one the application's
+        #: workers agreed on (``run_nonce``; faust_app), which must be the state directory's own;
+        #: without one, the state directory's, else a new run's
+        stored = stored_run_nonce(self.state_dir)
+        if run_nonce is None:
+            run_nonce = stored if stored is not None else new_run_nonce()
+        elif stored is not None and stored != run_nonce:
+            raise StateLayoutError(run_mismatch_message(self.state_dir, stored, run_nonce, app_id, config))
+        self.run_nonce = run_nonce
+        self.noise = NodeNoise(secret, worker_noise_label(app_id, config, self.restarts, run_nonce))
+        self.pseudonyms = Pseudonymizer(secret)
+        #: what every release says about the run that made it (:func:`run_fields`)
+        self.run_fields = run_fields(app_id, config, self.restarts, run_nonce)
         #: the epoch mark this worker's state belongs to; ``previous_mark``: what it recorded
         #: outside its volume when it last started (None: never)
-        self.epoch_mark = epoch_mark(config, self.noise, self.restarts)
+        self.epoch_mark = epoch_mark(config, self.noise, self.restarts, run_nonce)
         self._check_layout(input_partitions, previous_mark)
         self.stores = PartitionStores(self.state_dir, block_cache_mb, write_buffer_mb)
         self.stage1: dict[tuple[str, int], SourcePartition] = {}
@@ -625,8 +682,9 @@ class DpstreamWorker:
                 {k: previous_mark.get(k) for k in self.epoch_mark} == self.epoch_mark:
             raise LostStateError(lost_state_message(
                 f"state directory {self.state_dir} is empty, but worker {self.ownership.index} of application "
-                f"{self.app_id!r} already ran under epoch {worker_epoch(self.config, self.restarts)!r} and this noise secret "
-                f"(since {previous_mark.get('since_ms')} ms): its state was lost", self.app_id, self.config))
+                f"{self.app_id!r} already ran under epoch {worker_epoch(self.config, self.restarts)!r}, this noise secret "
+                f"and noise label {self.noise.label} (since {previous_mark.get('since_ms')} ms): its state was lost",
+                self.app_id, self.config))
         if self.ownership is not None:
             mine = {"worker_index": self.ownership.index, "workers": self.ownership.workers,
                     "input_partitions": dict(sorted(input_partitions.items())), "repartitions": self.repartitions}
@@ -638,7 +696,13 @@ class DpstreamWorker:
                 raise StateLayoutError(f"state directory {self.state_dir} was written by worker layout {stored}, this worker is "
                                        f"{mine}; moving partitions would move their state: keep the layout, or start a new "
                                        f"epoch (new state, new noise secret)")
-        else:
+        run_path = self.state_dir / RUN_FILE
+        if not run_path.exists():  # before the layout file: a directory with a layout has its run
+            written = run_path.with_suffix(".tmp")
+            written.write_text(json.dumps({"app_id": self.app_id, "nonce": self.run_nonce, "noise_label": self.noise.label},
+                                          sort_keys=True))
+            os.replace(written, run_path)
+        if not path.exists():
             path.write_text(json.dumps(mine, sort_keys=True))
 
     def _open(self, name: str) -> Store:
@@ -878,7 +942,7 @@ class DpstreamWorker:
         return due
 
     def dynamic_releases(self, key: tuple[str, int]) -> list[Message]:
-        return [Message(st.query.output_topic, encode_json(rec), st.query.name.encode())
+        return [Message(st.query.output_topic, encode_json({**rec, **self.run_fields}), st.query.name.encode())
                 for st in self.dynamic_states[key] for rec in st.take_pending()]
 
     def mark_dynamic_published(self, key: tuple[str, int], through: Optional[dict[str, int]] = None) -> None:
@@ -976,10 +1040,11 @@ class DpstreamWorker:
         return Message(PROGRESS_TOPIC, encode_json({"window": fired.window, "trigger": fired.trigger}),
                        f"{self.app_id}/{fired.source.name}/published".encode())
 
-    @staticmethod
-    def release_messages(fired: FiredTrigger) -> list[Message]:
+    def release_messages(self, fired: FiredTrigger) -> list[Message]:
+        """A trigger's releases, each with the run that made it (:func:`run_fields`)."""
         q = fired.pipeline.query
-        return [Message(q.output_topic, encode_json(r), release_key(q.name, r["window_start"], r["key"])) for r in fired.releases]
+        return [Message(q.output_topic, encode_json({**r, **self.run_fields}), release_key(q.name, r["window_start"], r["key"]))
+                for r in fired.releases]
 
     @staticmethod
     def mark_published(fired: FiredTrigger) -> None:
@@ -1118,8 +1183,10 @@ class DpstreamWorker:
         owned: dict[str, list[int]] = defaultdict(list)
         for topic, p in sorted([*self.stage1, *self.stage2, *self.dynamic]):
             owned[topic].append(p)
-        return {"now": _iso(now_ms - now_ms % 1000), "app_id": self.app_id, "queries": queries, "budget": budget,
-                "partitions_owned": dict(owned)}
+        # the run's noise label: what `dpstream replay --noise-label` takes to reproduce this
+        # worker's releases (public, as in every release)
+        return {"now": _iso(now_ms - now_ms % 1000), "app_id": self.app_id, "noise_label": self.noise.label,
+                "run": self.run_fields["run"], "queries": queries, "budget": budget, "partitions_owned": dict(owned)}
 
 
 def _iso(ms: int) -> str:

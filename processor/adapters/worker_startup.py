@@ -2,7 +2,8 @@
 and "Elastic workers").
 
 Order matters: the start-over count in ``dpstream-epochs`` names the repartition and changelog
-topics, so it is read first; then the topics the worker needs are created (or found, when
+topics, so it is read first, with the run the application's workers agree on (its nonce is in
+the noise label: run_identity.py); then the topics the worker needs are created (or found, when
 another worker of the application created them first), the input topics are checked (their
 timestamps, partition counts), and the state is opened against the epoch mark the application
 left outside the volume.
@@ -14,6 +15,7 @@ import time
 from typing import Optional
 
 from dpstream.processor.adapters.metrics import PipelineMetrics
+from dpstream.processor.adapters.run_identity import agree_run
 from dpstream.processor.adapters.worker import (
     DpstreamWorker,
     LostStateError,
@@ -74,6 +76,9 @@ class WorkerStartup:
         marks = read_epoch_marks(broker)
         # `dpstream reset` counts start-overs here: each moves the worker to a new noise label
         restarts = int((marks.get(restarts_key(s.app_id)) or {}).get("count", 0))
+        # the run nonce of the noise label, the same for every worker of the application; a
+        # fresh start over releases of a window still open is refused (run_identity.py)
+        run = agree_run(broker, s, marks, restarts)
         epoch = worker_epoch(s.config, restarts)
         create_topics(broker, topics_for(s.config.queries, s.partitions, s.config.dynamic, s.app_id, epoch))
         inputs = {q.input_topic for q in s.config.queries}
@@ -95,7 +100,8 @@ class WorkerStartup:
         worker = DpstreamWorker(
             s.config, s.secret, s.state_dir, None if self.group else s.ownership, {t: counts[t] for t in inputs},
             repartitions.pop() if repartitions else s.partitions, self.metrics, previous_mark=previous, app_id=s.app_id,
-            partitioner=s.partitioner, watermark_delay_ms=s.watermark_delay_ms, restarts=restarts)
+            partitioner=s.partitioner, watermark_delay_ms=s.watermark_delay_ms, restarts=restarts, run_nonce=run.nonce)
+        log.info(run.log_line(worker.noise.label))
         mark = dict(worker.epoch_mark)
         if self.group:
             mark["changelogs"] = self.open_changelogs(worker, counts, previous)

@@ -19,16 +19,12 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dpstream.processor.adapters.worker import (
-    DpstreamWorker,
-    Ownership,
-    worker_noise_label,
-)
+from dpstream.processor.adapters.worker import DpstreamWorker, Ownership
 from dpstream.processor.config import DpstreamConfig, DynamicQueryConfig
 from dpstream.processor.engine.dynamic_stream import DynamicQueryState
 from dpstream.processor.mechanisms.noise import NodeNoise, Pseudonymizer
 from dpstream.state.store import RocksDBStore, WriteBatch
-from tests.conftest import TEST_LABEL, TEST_SECRET, Record
+from tests.conftest import TEST_LABEL, TEST_RUN_NONCE, TEST_SECRET, Record, without_run
 from tests.privacy._helpers import (
     START,
     replay,
@@ -182,8 +178,12 @@ def test_worker_timer_decides_ticks_without_updates_and_matches_replay(tmp_path)
     finally:
         w.close()
     assert got, "segments close on the clock alone"
-    run = replay(cfg, write_jsonl(tmp_path / "e.jsonl", []), label=worker_noise_label("dp", cfg), until_ms=now)
-    assert [json.dumps(r, sort_keys=True) for r in got] == [json.dumps(r, sort_keys=True) for r in dyn_releases(run)]
+    run = replay(cfg, write_jsonl(tmp_path / "e.jsonl", []), label=w.noise.label, until_ms=now)
+    expected = dyn_releases(run)
+    assert [json.dumps(without_run(r), sort_keys=True) for r in got] == [json.dumps(without_run(r), sort_keys=True) for r in expected]
+    # each says which run made it: the worker's application and noise label, replay's label (the same)
+    assert {(r["app_id"], r["run"]["noise_label"]) for r in got} == {("dp", w.noise.label)}
+    assert {r["run"]["noise_label"] for r in expected} == {w.noise.label}
 
 
 def test_worker_a_future_dated_update_is_dead_lettered_and_decides_nothing(tmp_path):
@@ -193,7 +193,7 @@ def test_worker_a_future_dated_update_is_dead_lettered_and_decides_nothing(tmp_p
     far = {"item": "a", "op": "insert", "ts": START + 86_400_000}
     results = []
     for with_far in (False, True):
-        w = DpstreamWorker(cfg, TEST_SECRET, tmp_path / f"w{with_far}", Ownership(), {}, 1, watermark_delay_ms=0)
+        w = DpstreamWorker(cfg, TEST_SECRET, tmp_path / f"w{with_far}", Ownership(), {}, 1, watermark_delay_ms=0, run_nonce=TEST_RUN_NONCE)
         try:
             batch = recs[:100] + ([Record(100, None, json.dumps(far).encode(), START + 100 * TICK)] if with_far else [])
             batch += [Record(r.offset + 1, r.key, r.value, r.timestamp) for r in recs[100:]]
@@ -212,7 +212,7 @@ def test_worker_recovery_after_a_crash_republishes_identical_releases(tmp_path):
     cfg = worker_config()
     base = updates(5, 600, burst_at=300, burst=900)
     recs = [Record(i, None, json.dumps(u).encode(), u["ts"]) for i, u in enumerate(base)]
-    ref = DpstreamWorker(cfg, TEST_SECRET, tmp_path / "ref", Ownership(), {}, 1, watermark_delay_ms=0)
+    ref = DpstreamWorker(cfg, TEST_SECRET, tmp_path / "ref", Ownership(), {}, 1, watermark_delay_ms=0, run_nonce=TEST_RUN_NONCE)
     try:
         log_updates(ref, recs)
         expected = drain_worker(ref, START + 2000 * TICK)
@@ -220,14 +220,14 @@ def test_worker_recovery_after_a_crash_republishes_identical_releases(tmp_path):
         ref.close()
     assert len(expected) >= 3
 
-    w = DpstreamWorker(cfg, TEST_SECRET, tmp_path / "w", Ownership(), {}, 1, watermark_delay_ms=0)
+    w = DpstreamWorker(cfg, TEST_SECRET, tmp_path / "w", Ownership(), {}, 1, watermark_delay_ms=0, run_nonce=TEST_RUN_NONCE)
     log_updates(w, recs[:700])
     first = drain_worker(w, START + 250 * TICK)  # published (recs[700:] are all dated after this clock)
     log_updates(w, recs[700:])
     lost = drain_worker(w, START + 2000 * TICK, publish=False)  # computed, never marked published: crash
     w.close()
     assert lost
-    w = DpstreamWorker(cfg, TEST_SECRET, tmp_path / "w", Ownership(), {}, 1, watermark_delay_ms=0)
+    w = DpstreamWorker(cfg, TEST_SECRET, tmp_path / "w", Ownership(), {}, 1, watermark_delay_ms=0, run_nonce=TEST_RUN_NONCE)
     try:
         resent = [json.loads(m.value) for key in w.dynamic_states for m in w.dynamic_releases(key)]
         for key in w.dynamic_states:
@@ -290,13 +290,13 @@ def test_worker_reads_the_updates_of_overdue_ticks_before_it_decides_them(tmp_pa
     base = updates(6, 600, burst_at=300, burst=900)
     recs = [Record(i, None, json.dumps(u).encode(), u["ts"]) for i, u in enumerate(base)]  # sent at their time
     end = START + 2000 * TICK
-    ref = DpstreamWorker(cfg, TEST_SECRET, tmp_path / "ref", Ownership(), {}, 1, watermark_delay_ms=0)
+    ref = DpstreamWorker(cfg, TEST_SECRET, tmp_path / "ref", Ownership(), {}, 1, watermark_delay_ms=0, run_nonce=TEST_RUN_NONCE)
     try:
         log_updates(ref, recs)
         expected = drain_worker(ref, end)
     finally:
         ref.close()
-    w = DpstreamWorker(cfg, TEST_SECRET, tmp_path / "w", Ownership(), {}, 1, watermark_delay_ms=0)
+    w = DpstreamWorker(cfg, TEST_SECRET, tmp_path / "w", Ownership(), {}, 1, watermark_delay_ms=0, run_nonce=TEST_RUN_NONCE)
     try:
         log_updates(w, recs[:200])
         # back after the outage: the wall clock is long past every tick, nothing more read yet
