@@ -28,8 +28,9 @@ from __future__ import annotations
 import json
 import threading
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Mapping, Optional
 
+from dpstream.accountant import pins
 from dpstream.state.store import Store, WriteBatch
 
 ENTRY = b"L"
@@ -52,8 +53,20 @@ class LedgerEpochError(RuntimeError):
 
 
 class ChargePlanError(RuntimeError):
-    """A charge id was already charged under another plan: the window it names must finish on the
-    plan it was charged for (docs/privacy.md, "Windows and budget")."""
+    """A charge id was already charged under other settings (another plan, user field, key, ...:
+    :mod:`dpstream.accountant.pins`): the window it names must finish on the settings it was
+    charged under (docs/privacy.md, "Windows and budget"). The message starts with the settings
+    that differ (``where``: the query's config path, e.g. ``queries[0]``)."""
+
+    def __init__(self, charge_id: str, principal: str, changes: list, where: Optional[str] = None):
+        self.charge_id, self.principal, self.changes, self.where = charge_id, principal, list(changes), where
+        super().__init__(f"{pins.field_names(self.changes, where)}: charge {charge_id} of {principal!r} was made with "
+                         f"{pins.describe(self.changes)}: its window must finish on the settings it was charged under "
+                         f"(docs/privacy.md, \"Windows and budget\")")
+
+    def at(self, where: str) -> "ChargePlanError":
+        """The same refusal, its settings named under the query's config path."""
+        return ChargePlanError(self.charge_id, self.principal, self.changes, where)
 
 
 @dataclass(frozen=True)
@@ -106,6 +119,18 @@ def recorded_entries(store: Store) -> list[BudgetEntry]:
     are absent. ``dpstream budget`` and the worker's status page show these (docs/operations.md,
     "Status page")."""
     return [BudgetEntry(**json.loads(raw)) for _, raw in store.scan_prefix(ENTRY)]
+
+
+def _changed_settings(record: dict, plan: Optional[str], now: Optional[Mapping[str, object]]) -> list:
+    """What differs between a charge's record and a charge of the same id now: the settings both
+    recorded (:func:`dpstream.accountant.pins.changes`), else the plan fingerprints (a charge
+    recorded before its settings were)."""
+    if now is not None and "pins" in record:
+        return pins.changes(record["pins"], now)
+    earlier = record.get("plan")
+    if plan is not None and earlier is not None and earlier != plan:
+        return [pins.PinChange(pins.PLAN, earlier, plan)]
+    return []
 
 
 class BudgetLedger:
@@ -162,10 +187,12 @@ class BudgetLedger:
         return self.get(principal, now_ms).allows(epsilon, delta)
 
     def charge(self, principal: str, epsilon: float, delta: float, charge_id: str, now_ms: int,
-               plan: Optional[str] = None) -> ChargeResult:
+               plan: Optional[str] = None, pins: Optional[Mapping[str, object]] = None) -> ChargeResult:
         """Spend (epsilon, delta) for ``charge_id`` atomically; idempotent per id. Raises
         :class:`BudgetExceeded` when it would overspend (shadow mode: records and allows), and
-        :class:`ChargePlanError` when the id was charged under another ``plan`` fingerprint."""
+        :class:`ChargePlanError` when the id was charged under another ``plan`` fingerprint or
+        other ``pins`` (the settings its window is pinned to: :mod:`dpstream.accountant.pins`),
+        naming each setting that differs. Both are recorded with the charge."""
         with self._lock:
             entry, _ = self._load(principal, now_ms)
             charge_key = CHARGE + principal.encode() + b"\0" + charge_id.encode()
@@ -176,10 +203,9 @@ class BudgetLedger:
                     # refused once, refused for good: a second partition of the same window, or
                     # a restart, gets the same answer whatever was charged since
                     raise BudgetExceeded(principal, (epsilon, delta), tuple(record["remaining"]))
-                earlier = record.get("plan")
-                if plan is not None and earlier is not None and earlier != plan:
-                    raise ChargePlanError(f"charge {charge_id} of {principal!r} was made under another plan: its window "
-                                          f"must finish on the plan it was charged for")
+                changed = _changed_settings(record, plan, pins)
+                if changed:
+                    raise ChargePlanError(charge_id, principal, changed)
                 return ChargeResult(principal, False, True, False, entry)
             would_refuse = not entry.allows(epsilon, delta)
             batch = WriteBatch()
@@ -198,6 +224,8 @@ class BudgetLedger:
             record = {"epsilon": epsilon, "delta": delta, "at_ms": now_ms, "period_start_ms": entry.last_reset_ms}
             if plan is not None:
                 record["plan"] = plan
+            if pins is not None:
+                record["pins"] = dict(pins)
             batch.put(charge_key, json.dumps(record).encode())
             self.store.write(batch)  # entry and charge record: one atomic write
             return ChargeResult(principal, True, False, would_refuse, entry)

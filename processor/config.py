@@ -9,6 +9,8 @@ upper-cased and non-alphanumerics as ``_``; e.g. ``DPSTREAM_QUERY_URL_CLICKS_EPS
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 import re
@@ -34,6 +36,7 @@ from dpstream.accountant import (
 )
 from dpstream.accountant.dynamic import DynamicPlan
 from dpstream.accountant.ledger import BudgetPolicy
+from dpstream.accountant.pins import PLAN
 from dpstream.accountant.plan import plan_fingerprint
 from dpstream.processor.mechanisms.aggregates import AGGREGATES, aggregate_named
 
@@ -59,6 +62,45 @@ def parse_duration_ms(text: str | int, allow_zero: bool = False) -> int:
     if value < 0 or (value == 0 and not allow_zero):
         raise ValueError("must be positive")
     return value
+
+
+def duration_text(ms: int) -> str:
+    """A duration in its largest whole unit (``86400000`` -> ``'1d'``): how pins record one, so
+    that ``1d`` and ``24h`` are the same setting."""
+    for unit in ("d", "h", "m", "s"):
+        if ms and ms % _UNIT_MS[unit] == 0:
+            return f"{ms // _UNIT_MS[unit]}{unit}"
+    return f"{ms}ms"
+
+
+#: QueryConfig fields a window is *not* pinned to, and why; every other field is (docs/privacy.md,
+#: "Windows and budget"), so a field added later is pinned unless it is listed here
+UNPINNED_FIELDS = {
+    "name": "the query itself: another name is another query, with windows of its own",
+    "tenant": "who is charged: a window's charge stays with the principal it was made to",
+    "output_topic": "where releases go, not what they are",
+    "allowed_lateness": "the public trigger schedule: no noise scale, unit or field depends on it",
+    "max_skew": "which records are refused as future: no noise scale, unit or field depends on it",
+}
+#: DynamicQueryConfig fields a dynamic query is not pinned to (see :data:`UNPINNED_FIELDS`)
+UNPINNED_DYNAMIC_FIELDS = {
+    "name": UNPINNED_FIELDS["name"],
+    "tenant": UNPINNED_FIELDS["tenant"],
+    "output_topic": UNPINNED_FIELDS["output_topic"],
+    "max_skew": UNPINNED_FIELDS["max_skew"],
+}
+
+
+def _pinned_settings(model: BaseModel, unpinned: Mapping[str, str], durations: Mapping[str, int]) -> dict:
+    """The public settings of a query a window (or a dynamic query) is pinned to, in the config's
+    field order: every field not in ``unpinned``, durations as :func:`duration_text`."""
+    out = {}
+    for name in type(model).model_fields:
+        if name in unpinned:
+            continue
+        value = getattr(model, name)
+        out[name] = duration_text(durations[name]) if name in durations else value
+    return out
 
 
 def _check_max_skew(value: str | int) -> None:
@@ -202,6 +244,18 @@ class QueryConfig(BaseModel):
     def window_ms(self) -> int:
         return parse_duration_ms(self.window)
 
+    def window_pins(self, plans: Optional[tuple[PrivacyPlan, ...]] = None) -> dict:
+        """What a window of this query is pinned to (docs/privacy.md, "Windows and budget"): every
+        public setting but those in :data:`UNPINNED_FIELDS` (who the user is, the key, value and
+        time fields, the window, the input topic, the hierarchy, the budget and every other
+        calibration setting), and the calibration's fingerprint (:data:`dpstream.accountant.pins.PLAN`;
+        ``plans``: the query's level plans, when already computed). The one definition, used by
+        the window's state (:class:`dpstream.processor.engine.pipeline.QueryPipeline`) and its
+        ledger charge (:class:`dpstream.processor.engine.budget.BudgetGate`)."""
+        pins = _pinned_settings(self, UNPINNED_FIELDS, {"window": self.window_ms})
+        pins[PLAN] = plan_fingerprint(plans if plans is not None else level_plans_for(self)).hex()
+        return pins
+
     def budget(self) -> QueryBudget:
         return QueryBudget(
             epsilon=self.epsilon,
@@ -309,6 +363,18 @@ class DynamicQueryConfig(BaseModel):
                     # on other data under the same noise, so it must not resume under this rule
                     "absent_deletes": "taken_in"}
         return plan_fingerprint([self.plan(), schedule]).hex()
+
+    def pins(self) -> dict:
+        """What a dynamic query is pinned to for its whole life: every public setting but those in
+        :data:`UNPINNED_DYNAMIC_FIELDS` (the budget, the item domain and tick schedule, the privacy
+        unit, the item, op and time fields, the input topic), and :meth:`fingerprint` as
+        :data:`dpstream.accountant.pins.PLAN`. Its state and its ledger charge record them."""
+        pins = _pinned_settings(self, UNPINNED_DYNAMIC_FIELDS, {"tick": self.tick_ms, "allowed_lateness": self.lateness_ms})
+        # up to 10^5 items: recorded as their number and a digest, not one by one
+        digest = hashlib.blake2b(json.dumps(list(self.items)).encode(), digest_size=8).hexdigest()
+        pins["items"] = f"{len(self.items)} items, digest {digest}"
+        pins[PLAN] = self.fingerprint()
+        return pins
 
     def decided_through(self, clock_ms: int) -> int:
         """The last tick whose end plus the allowed lateness the clock has passed (0: none)."""

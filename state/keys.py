@@ -16,6 +16,7 @@ are big-endian so scans come back in trigger order. Group-by keys and users appe
 | ``k`` spilled key state | key | a fixed row the cache could not hold |
 | ``j`` release journal | trigger (4), key | release record JSON |
 | ``g`` window progress | (none) | last fired trigger (u32), status (u8: 1 open, 2 refused), plan fingerprint (16) |
+| ``p`` window pins | (none) | the public settings the window was first used under (canonical JSON; absent in state written before they were recorded) |
 | ``h`` published view of a hierarchy (consistency) | root (8), key | level, trigger of the noisy value, noisy value, stddev, published consistent value and remainder; then key text |
 | ``m`` runner metadata | name | bytes |
 | ``d`` dynamic query update log | sequence (8) | item index (u32), op (1: insert, 2: delete), tick (u64) |
@@ -38,6 +39,7 @@ KEY_NAMES = b"t"
 KEYS = b"k"
 JOURNAL = b"j"
 PROGRESS = b"g"
+WINDOW_PINS = b"p"
 HIERARCHY_VIEW = b"h"
 META = b"m"
 DYNAMIC_LOG = b"d"

@@ -798,6 +798,23 @@ class Progress:
         batch.put(sk.window_prefix(sk.PROGRESS, self.qid, window), int(fired).to_bytes(4, "little") + bytes([status]) + fingerprint)
 
 
+class WindowPins:
+    """Table ``p``: per window the settings it was first used under (opaque bytes: the caller's
+    canonical JSON), written once, by whichever stage uses the window first: stage 1 when it
+    bounds the window's first records, stage 2 when it opens the window. Kept with the progress
+    row (never dropped with the window's working state). State written before this table
+    existed has none: its windows carry the plan fingerprint of their progress row only."""
+
+    def __init__(self, store: Store, qid: bytes):
+        self.store, self.qid = store, qid
+
+    def get(self, window: int) -> Optional[bytes]:
+        return self.store.get(sk.window_prefix(sk.WINDOW_PINS, self.qid, window))
+
+    def put(self, batch: WriteBatch, window: int, pins: bytes) -> None:
+        batch.put(sk.window_prefix(sk.WINDOW_PINS, self.qid, window), pins)
+
+
 class ScheduleMark:
     """Meta ``schedule``: the first window of a budgeted query's public schedule and the next
     window to open (two signed 64-bit integers)."""
@@ -913,6 +930,7 @@ class QueryTables:
         self.predictions = PredictionIndex(self.keys)
         self.journal = Journal(store, qid)
         self.progress = Progress(store, qid)
+        self.pins = WindowPins(store, qid)
         self.schedule = ScheduleMark(store, qid)
         self.published = PublishedMarks(store, qid)
         self.view = HierarchyView(store, qid)
@@ -1014,8 +1032,10 @@ class ClockState:
 
 class DynamicTables:
     """A dynamic query's tables (no windows): ``d`` the update log (sequence -> item u32, op u8,
-    tick u64), ``n`` updates counted per privacy unit (u32), and its meta marks: the plan it was
-    started under, the last tick decided and the last published."""
+    tick u64), ``n`` updates counted per privacy unit (u32), and its meta marks: the settings it
+    was started under (opaque bytes: the caller's canonical JSON; state written before they were
+    recorded holds the plan fingerprint alone, as hex), the last tick decided and the last
+    published."""
 
     def __init__(self, store: Store, query_name: str):
         self.store = store
@@ -1041,9 +1061,9 @@ class DynamicTables:
     def pinned_plan(self) -> Optional[bytes]:
         return self.store.get(self.plan)
 
-    def pin_plan(self, fingerprint: bytes) -> None:
+    def pin_plan(self, pins: bytes) -> None:
         batch = WriteBatch()
-        batch.put(self.plan, fingerprint)
+        batch.put(self.plan, pins)
         self.store.write(batch)
 
     def last_decided(self) -> Optional[int]:

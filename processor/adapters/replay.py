@@ -307,11 +307,11 @@ class ReplayRunner:
         self.run_fields = {"run": {"noise_label": self.noise.label}}
         self.pseudonyms = Pseudonymizer(secret)
         self._check_epoch()
-        self.pipelines = [QueryPipeline(q, self.noise, self.store, self.pseudonyms) for q in config.queries]
+        self.pipelines = [QueryPipeline(q, self.noise, self.store, self.pseudonyms, index=i) for i, q in enumerate(config.queries)]
         self.engine = Engine(self.pipelines)
         self.decoder = decoder_for(config.input_format)
         self.parsers = [EventParser.for_query(q) for q in config.queries]
-        self.dynamic = [DynamicQueryState(q, self.noise, self.pseudonyms, self.store) for q in config.dynamic]
+        self.dynamic = [DynamicQueryState(q, self.noise, self.pseudonyms, self.store, index=i) for i, q in enumerate(config.dynamic)]
         self.start_ms = start_ms
         self.ledger = open_ledger(config, self.stores.store(LEDGER_STORE))
         self.charges: Optional[ChargeSchedule] = None

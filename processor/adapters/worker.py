@@ -571,20 +571,22 @@ class DpstreamWorker:
         key = (topic, partition)
         if topic in self._by_repartition:
             q = self._by_repartition[topic]
-            source = SourcePartition(topic, partition, store, [QueryPipeline(q, self.noise, store, self.pseudonyms)])
+            source = SourcePartition(topic, partition, store, [QueryPipeline(q, self.noise, store, self.pseudonyms,
+                                                                             index=self.config.queries.index(q))])
             if self.gate is not None:
                 for pipe in source.pipelines:
                     pipe.set_schedule(self.gate.window_gate(pipe.query), self.schedule_start)
             self.stage2[key] = source
         elif topic in self._by_input:
-            source = SourcePartition(topic, partition, store, [QueryPipeline(q, self.noise, store, self.pseudonyms)
+            source = SourcePartition(topic, partition, store, [QueryPipeline(q, self.noise, store, self.pseudonyms,
+                                                                             index=self.config.queries.index(q))
                                                                for q in self._by_input[topic]])
             self.stage1[key] = source
         elif topic in self._dynamic_queries:
             source = SourcePartition(topic, partition, store, [])
             self.dynamic[key] = source
             for q in self._dynamic_queries[topic]:
-                state = DynamicQueryState(q, self.noise, self.pseudonyms, store)
+                state = DynamicQueryState(q, self.noise, self.pseudonyms, store, index=self.config.dynamic.index(q))
                 if self.gate is not None:
                     state.refused = not self.gate.start_dynamic(q)
                 self.dynamic_states[key].append(state)

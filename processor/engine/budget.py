@@ -4,8 +4,9 @@
   the window's start, with or without data (:meth:`dpstream.processor.engine.pipeline.QueryPipeline.open_due`),
   with charge id ``query:window_start`` and the time of the charge the window's start: the
   guarantee is per user and window, so each window is one spend, and what is spent or refused
-  follows the public schedule only (docs/privacy.md). The charge records the plan's fingerprint;
-  a window is never charged under one plan and run under another. A refused window's records
+  follows the public schedule only (docs/privacy.md). The charge records the plan's fingerprint
+  and the settings the window is pinned to (``QueryConfig.window_pins``); a window is never
+  charged under one set of settings and run under another. A refused window's records
   are dropped (``dpstream_events_dropped_total{reason="budget"}``) and the error names requested
   vs remaining.
 * A dynamic query runs over an unbounded stream under one guarantee: it is charged once, when
@@ -27,9 +28,9 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from dpstream.accountant.ledger import BudgetExceeded, BudgetLedger
-from dpstream.accountant.plan import plan_fingerprint
-from dpstream.processor.config import DpstreamConfig, level_plans_for, plan_for
+from dpstream.accountant.ledger import BudgetExceeded, BudgetLedger, ChargePlanError
+from dpstream.accountant.pins import PLAN
+from dpstream.processor.config import DpstreamConfig, level_plans_for
 from dpstream.state.store import RocksDBStore, Store, WriteBatch
 from dpstream.state.tables import IntegerMark
 
@@ -66,25 +67,37 @@ class BudgetGate:
         self.refused: set[str] = set()
 
     def window_gate(self, query) -> Callable[[int], bool]:
-        plan = plan_for(query)
-        fingerprint = plan_fingerprint(level_plans_for(query)).hex()
+        plans = level_plans_for(query)
+        plan = plans[0]
+        pins = query.window_pins(plans)  # what the window is pinned to, recorded with its charge
         principal = self.config.budget.principal_of(query)
+        where = self._where("queries", query)
 
         def gate(window_start: int) -> bool:
             return self._charge(principal, plan.epsilon_spent, plan.delta_spent, f"{query.name}:{window_start}",
-                                at_ms=int(window_start), plan=fingerprint)
+                                at_ms=int(window_start), pins=pins, where=where)
 
         return gate
 
     def start_dynamic(self, query) -> bool:
         plan = query.plan()
         return self._charge(self.config.budget.principal_of(query), query.epsilon, plan.delta_spent, f"{query.name}:start",
-                            plan=query.fingerprint())
+                            pins=query.pins(), where=self._where("dynamic", query))
+
+    def _where(self, kind: str, query) -> Optional[str]:
+        """The query's config path (``queries[0]``), to name a setting a refusal is about."""
+        listed = getattr(self.config, kind)
+        return f"{kind}[{listed.index(query)}]" if query in listed else None
 
     def _charge(self, principal: str, epsilon: float, delta: float, charge_id: str, at_ms: Optional[int] = None,
-                plan: Optional[str] = None) -> bool:
+                pins: Optional[dict] = None, where: Optional[str] = None) -> bool:
         try:
-            result = self.ledger.charge(principal, epsilon, delta, charge_id, self.clock() if at_ms is None else at_ms, plan=plan)
+            result = self.ledger.charge(principal, epsilon, delta, charge_id, self.clock() if at_ms is None else at_ms,
+                                        plan=None if pins is None else pins[PLAN], pins=pins)
+        except ChargePlanError as exc:
+            if where is None:
+                raise
+            raise exc.at(where) from None
         except BudgetExceeded as exc:
             log.error("%s (charge %s refused)", exc, charge_id)
             self.refused.add(charge_id)

@@ -31,6 +31,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Mapping, Optional, Union
 
+from dpstream.accountant import pins
 from dpstream.accountant.intervals import CI_FIELD, discrete_laplace_sum_halfwidth
 from dpstream.processor.config import DynamicQueryConfig
 from dpstream.processor.engine.pipeline import PlanChangedError
@@ -79,8 +80,12 @@ def dynamic_release_record(query: DynamicQueryConfig, counter: DynamicCounter, r
 
 
 class DynamicQueryState:
-    def __init__(self, query: DynamicQueryConfig, noise: NodeNoise, pseudonyms: Pseudonymizer, store: Store):
+    def __init__(self, query: DynamicQueryConfig, noise: NodeNoise, pseudonyms: Pseudonymizer, store: Store,
+                 index: Optional[int] = None):
+        """``index``: the query's position in the config's ``dynamic`` list (a refusal names its
+        fields as ``dynamic[index].field``)."""
         self.query = query
+        self.index = index
         self.store = store
         self.pseudonyms = pseudonyms
         self.tables = DynamicTables(store, query.name)
@@ -107,17 +112,23 @@ class DynamicQueryState:
             self.pending += [r for r in self._decide(decided) if r.segment > self.published]
 
     def _pin_plan(self) -> None:
-        """The state holds counters built under one plan (budget, items, ticks); resuming them
-        under another would recompute released nodes under another noise scale from the same
-        uniforms (docs/privacy.md, "Windows and budget"): refused."""
-        mine = self.query.fingerprint().encode()
+        """The state holds counters built under one set of settings (budget, items, ticks, the
+        privacy unit, the fields read: DynamicQueryConfig.pins); resuming them under others would
+        recompute released nodes under another noise scale from the same uniforms, or count other
+        data in them (docs/privacy.md, "Windows and budget"): refused, naming each setting. State
+        written before the settings were recorded holds the plan fingerprint only: checked
+        against it, then recorded under this run's settings."""
+        mine = self.query.pins()
         stored = self.tables.pinned_plan()
-        if stored is None:
-            self.tables.pin_plan(mine)
-        elif stored != mine:
-            raise PlanChangedError(f"dynamic query {self.query.name!r} was started under another plan (epsilon, items, tick "
-                                   f"or start changed): it must finish on the plan it was started with; use a new name or "
-                                   f"a new state directory for the new plan")
+        if stored is not None:
+            changed = pins.changes(pins.decode(stored), mine)
+            if changed:
+                where = None if self.index is None else f"dynamic[{self.index}]"
+                raise PlanChangedError(f"{pins.field_names(changed, where)}: dynamic query {self.query.name!r} was started with "
+                                       f"{pins.describe(changed)}: it must finish on the settings it was started with; use a "
+                                       f"new name or a new state directory (a new epoch) for the new settings", changed)
+        if stored is None or stored[:1] != b"{":
+            self.tables.pin_plan(pins.encode(mine))
 
     @property
     def decided(self) -> int:

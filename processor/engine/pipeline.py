@@ -40,6 +40,7 @@ late and dropped (counted).
 """
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections import Counter
@@ -48,9 +49,9 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from dpstream.accountant import pins
 from dpstream.accountant.counters import BINARY_TREE
 from dpstream.accountant.intervals import CI_FIELD
-from dpstream.accountant.plan import plan_fingerprint
 from dpstream.processor.config import QueryConfig, level_plans_for, parse_duration_ms
 from dpstream.processor.mechanisms.aggregates import aggregate_named
 from dpstream.processor.mechanisms.bounding import (
@@ -102,7 +103,13 @@ class StateMismatchError(RuntimeError):
 
 
 class PlanChangedError(StateMismatchError):
-    """A window still open was opened under another plan (docs/privacy.md, "Windows and budget")."""
+    """A window still open (or a dynamic query) was opened under other settings than this run's
+    (docs/privacy.md, "Windows and budget"); ``changes`` names each one
+    (:class:`dpstream.accountant.pins.PinChange`)."""
+
+    def __init__(self, message: str, changes: Sequence = ()):
+        super().__init__(message)
+        self.changes = list(changes)
 
 
 def check_noise_epoch(store: Store, noise: NodeNoise) -> None:
@@ -323,12 +330,21 @@ def _colliding(texts: np.ndarray, ids: np.ndarray) -> np.ndarray:
 
 
 class QueryPipeline:
-    def __init__(self, query: QueryConfig, noise: NodeNoise, store: Store, pseudonyms: Optional[Pseudonymizer] = None):
+    def __init__(self, query: QueryConfig, noise: NodeNoise, store: Store, pseudonyms: Optional[Pseudonymizer] = None,
+                 index: Optional[int] = None):
+        """``index``: the query's position in the config's ``queries`` (a refusal names its
+        fields as ``queries[index].field``)."""
         self.query = query
+        self.index = index
         #: one plan per level (docs/privacy.md, "Post-processing: hierarchical consistency"); a flat query has one level
         self.plans = level_plans_for(query)
         self.plan = self.plans[0]  # shared terms: C, L, grid, mu, the query's (epsilon, delta)
-        self.fingerprint = plan_fingerprint(self.plans)
+        #: what each window is pinned to (QueryConfig.window_pins: docs/privacy.md, "Windows and budget")
+        self.pins = query.window_pins(self.plans)
+        self._pins_stored = pins.encode(self.pins)
+        self.fingerprint = bytes.fromhex(self.pins[pins.PLAN])
+        #: windows whose stored pins are this run's (checked, or written and committed)
+        self._pinned: set[int] = set()
         self.hierarchy_depth = query.hierarchy_depth
         if self.hierarchy_depth > 1 and pseudonyms is None:
             raise ValueError(f"query {query.name}: a hierarchy needs the pseudonymizer for its level keys")
@@ -371,12 +387,8 @@ class QueryPipeline:
         self._status: dict[int, int] = {}
         for window, progress in self.tables.progress.scan().items():
             self._progress[window], self._status[window] = progress.fired, progress.status
-            if progress.status == WINDOW_OPEN and progress.fired < self.schedule.triggers and progress.fingerprint != self.fingerprint:
-                raise PlanChangedError(
-                    f"query {query.name}: window {_iso(window)} ({window} ms) is still open and was opened under another plan "
-                    f"(epsilon, delta, C, L, T, grid, thresholds, counter, composition or another privacy setting changed): a "
-                    f"window never mixes two plans. Restore the query's previous settings until the window's last trigger has "
-                    f"fired, or start a new epoch")
+            if progress.status == WINDOW_OPEN and progress.fired < self.schedule.triggers:
+                self._check_pins(window, progress.fingerprint)
         marked = self.tables.schedule.get()
         if marked is not None:
             self._first_window, self._next_open = marked
@@ -392,7 +404,47 @@ class QueryPipeline:
         return self._progress.get(int(window), 0)
 
     def _put_progress(self, batch: WriteBatch, window: int, fired: int, status: int) -> None:
+        self._pin(window, batch)
         self.tables.progress.put(batch, window, fired, status, self.fingerprint)
+
+    # ------------------------------------------------------------------ what a window is pinned to
+    def _check_pins(self, window: int, fingerprint: Optional[bytes] = None) -> bool:
+        """Refuse (:class:`PlanChangedError`, naming each setting) a window that was first used
+        under other settings than this run's (docs/privacy.md, "Windows and budget"): one
+        window's records are never bounded, keyed or calibrated two ways. ``fingerprint``: the
+        window's progress row's plan fingerprint, all that state written before the settings
+        were recorded holds. Returns whether the window's settings are recorded."""
+        if window in self._pinned:
+            return True
+        stored = self.tables.pins.get(window)
+        if stored is None and fingerprint is None:
+            return False
+        opened = pins.decode(stored) if stored is not None else {pins.PLAN: bytes(fingerprint).hex()}
+        changed = pins.changes(opened, self.pins)
+        if changed:
+            raise self._window_changed(window, changed)
+        if stored is not None:
+            self._pinned.add(window)
+        return stored is not None
+
+    def _pin(self, window: int, batch: WriteBatch) -> None:
+        """A window's first use (stage 1's first records of it, or its opening) records this run's
+        settings in ``batch``; a later use under other settings is refused (:meth:`_check_pins`).
+        A window open across an upgrade (its progress row checked against the plan only) is
+        recorded under this run's settings at its next use."""
+        if self._check_pins(window):
+            return
+        self.tables.pins.put(batch, window, self._pins_stored)
+        batch.on_commit(functools.partial(self._pinned.add, window))
+
+    def _window_changed(self, window: int, changed: list) -> PlanChangedError:
+        where = None if self.index is None else f"queries[{self.index}]"
+        last_fire = self.schedule.fire_time(window, self.schedule.triggers)
+        return PlanChangedError(
+            f"{pins.field_names(changed, where)}: window {_iso(window)} ({window} ms) of query {self.query.name} is still open "
+            f"and was opened with {pins.describe(changed)}: a window never mixes two settings. Keep its settings until its last "
+            f"trigger has fired ({_iso(last_fire)}) and no later window is open, or make the change a new query (another "
+            f"name) or a new epoch (docs/operator-guide.md, \"Changing a query\")", changed)
 
     def set_schedule(self, gate: Callable[[int], bool], start_ms: int) -> None:
         """Windows open on the public schedule from the window holding ``start_ms``, each charged
@@ -419,8 +471,10 @@ class QueryPipeline:
         opened = []
         while self._next_open <= clock_ms:
             window = self._next_open
-            allowed = self.window_gate(window)
             batch = WriteBatch()
+            if window not in self._status:
+                self._pin(window, batch)  # before the charge: a window used under other settings is refused uncharged
+            allowed = self.window_gate(window)
             if window not in self._status:
                 status = WINDOW_OPEN if allowed else WINDOW_REFUSED
                 fired = 0 if allowed else self.schedule.triggers
@@ -482,6 +536,7 @@ class QueryPipeline:
         self.stats.dropped["late"] += int(late.sum())
         idx = np.nonzero(on_time & ~future & ~collided)[0]
         window, trigger = window[idx], trigger[idx]
+        self._pin_windows(window, batch)
         users = events.users[idx]
         units = self.bounder.units(events.values[idx])
         # group by (window, user): one contribution budget per privacy unit
@@ -539,6 +594,18 @@ class QueryPipeline:
                                 assigned.counts >= self.plan.contribution_bound, history.group, history.key, history.trigger)
         return BoundedRecords(rec_window, rec_trigger, rec_ids, rec_keys, rec_users, rec_slots, rec_units, history.previous,
                               history.amend, rec_levels, rec_roots.astype(np.uint64))
+
+    def _pin_windows(self, windows: np.ndarray, batch: WriteBatch) -> None:
+        """Stage 1 uses a window when it bounds records of it: its records must be bounded under
+        the settings the window was opened under (:meth:`_pin`). A stage-1 store of the worker
+        keeps no window progress, so this is where it refuses. A refused window publishes
+        nothing: its settings do not matter."""
+        if not len(windows):
+            return
+        lo, hi = int(windows.min()), int(windows.max())
+        for w in ([lo] if lo == hi else _distinct(windows).tolist()):
+            if self._status.get(w) != WINDOW_REFUSED:
+                self._pin(w, batch)
 
     def _level_keys(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(texts, ids), each (records, depth): the key of every level for each record's key."""
