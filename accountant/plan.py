@@ -57,11 +57,6 @@ from dpstream.accountant.calibration import (
     gdp_mu,
     tail_multiplier,
 )
-from dpstream.accountant.discrete_gaussian_curve import (
-    discrete_gaussian_delta,
-    discrete_gaussian_epsilon,
-    discrete_gaussian_scale,
-)
 from dpstream.accountant.counters import (
     BINARY_TREE,
     LATTICE_TARGET_SIGMA,
@@ -69,6 +64,11 @@ from dpstream.accountant.counters import (
     counter_calibration,
     lattice_sigma,
     slack_sigma,
+)
+from dpstream.accountant.discrete_gaussian_curve import (
+    discrete_gaussian_delta,
+    discrete_gaussian_epsilon,
+    discrete_gaussian_scale,
 )
 
 #: Upper bound on the total-variation distance between one node's sampled integer noise and the
