@@ -12,6 +12,13 @@ order by ``restore()``, as TCP retransmission delivers them when a real partitio
 connection an endpoint closed meanwhile is closed on the other side once the partition heals.
 ``reset()`` aborts every connection (both sides see it at once).
 
+``hold_together(api_key, count, window_s)`` makes requests of one Kafka API (e.g. 19,
+CreateTopics) from the clients wait until ``count`` of them are waiting, or ``window_s`` after
+the first, and then forwards them together: clients that would send them at about the same time
+(workers started together) send them at the same instant. The proxy splits the client -> broker
+byte stream into Kafka request frames for this (a 4-byte size, then the API key); the order of
+the requests on each connection is kept.
+
 The proxy runs an asyncio event loop in a daemon thread; its methods may be called from any
 thread and return once the change is in effect.
 """
@@ -37,6 +44,9 @@ class KafkaProxy:
         self._loop = asyncio.new_event_loop()
         self._open: asyncio.Event | None = None
         self._server = None
+        self._hold: tuple[int, int, float] | None = None  # (api key, count, window) of hold_together
+        self._round: dict | None = None  # the requests waiting now: {"waiting": n, "go": Event}
+        self.released: list[int] = []  # how many requests each hold_together round released at once
         self._thread = threading.Thread(target=self._loop.run_forever, name="kafka-proxy", daemon=True)
 
     @property
@@ -69,6 +79,11 @@ class KafkaProxy:
     def reset(self) -> None:
         """Abort every connection, both sides (new ones are accepted as before)."""
         self._call(self._reset())
+
+    def hold_together(self, api_key: int, count: int, window_s: float) -> None:
+        """From now on, requests of ``api_key`` go to the broker ``count`` at a time (or those
+        waiting ``window_s`` after the first of a round); :attr:`released` records each round's size."""
+        self._hold = (api_key, count, window_s)
 
     def close(self) -> None:
         if not self._thread.is_alive():
@@ -124,7 +139,8 @@ class KafkaProxy:
             upstream_r, upstream_w = await asyncio.open_connection(*self.upstream)
             upstream_w.dpstream_side, upstream_w.dpstream_number = "upstream", client_w.dpstream_number
             self._conns.add(upstream_w)
-            pumps = [asyncio.ensure_future(self._pump(client_r, upstream_w)),
+            # connections opened once hold_together is on are read request by request
+            pumps = [asyncio.ensure_future(self._pump(client_r, upstream_w, requests=self._hold is not None)),
                      asyncio.ensure_future(self._pump(upstream_r, client_w))]
             await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)  # either side gone: both go
             for p in pumps:
@@ -137,7 +153,8 @@ class KafkaProxy:
                     self._conns.discard(w)
                     w.transport.abort()
 
-    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, requests: bool = False) -> None:
+        pending = bytearray()  # requests=True: the bytes of requests not complete yet
         try:
             while True:
                 await self._open.wait()
@@ -145,8 +162,42 @@ class KafkaProxy:
                 if not data:
                     return
                 await self._open.wait()  # read just as the partition began: held, delivered when it heals
-                writer.write(data)
-                await writer.drain()
-                self.forwarded += len(data)
+                if requests:
+                    pending += data
+                    while len(pending) >= 6 and len(pending) >= 4 + int.from_bytes(pending[:4], "big"):
+                        size = 4 + int.from_bytes(pending[:4], "big")
+                        frame = bytes(pending[:size])
+                        del pending[:size]
+                        if int.from_bytes(frame[4:6], "big", signed=True) == self._hold[0]:
+                            await self._together()
+                        await self._forward(writer, frame)
+                    continue
+                await self._forward(writer, data)
         except OSError:
             return
+
+    async def _forward(self, writer: asyncio.StreamWriter, data: bytes) -> None:
+        writer.write(data)
+        await writer.drain()
+        self.forwarded += len(data)
+
+    async def _together(self) -> None:
+        """Wait for this round of hold_together to be released."""
+        _, count, window_s = self._hold
+        if self._round is None:
+            go = asyncio.Event()
+            self._round = {"waiting": 0, "go": go}
+            asyncio.get_running_loop().call_later(window_s, self._release, self._round)
+        this = self._round
+        this["waiting"] += 1
+        if this["waiting"] >= count:
+            self._release(this)
+        await this["go"].wait()
+
+    def _release(self, this: dict) -> None:
+        if this["go"].is_set():
+            return
+        self.released.append(this["waiting"])
+        this["go"].set()
+        if self._round is this:
+            self._round = None
