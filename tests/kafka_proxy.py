@@ -85,6 +85,10 @@ class KafkaProxy:
         waiting ``window_s`` after the first of a round); :attr:`released` records each round's size."""
         self._hold = (api_key, count, window_s)
 
+    def stop_holding(self) -> None:
+        """Requests go through as they come again (those waiting now go at once)."""
+        self._call(self._stop_holding())
+
     def close(self) -> None:
         if not self._thread.is_alive():
             return
@@ -116,6 +120,11 @@ class KafkaProxy:
             self._open.set()
         else:
             self._open.clear()
+
+    async def _stop_holding(self) -> None:
+        self._hold = None
+        if self._round is not None:
+            self._release(self._round)
 
     async def _reset(self) -> None:
         for w in list(self._conns):
@@ -168,8 +177,9 @@ class KafkaProxy:
                         size = 4 + int.from_bytes(pending[:4], "big")
                         frame = bytes(pending[:size])
                         del pending[:size]
-                        if int.from_bytes(frame[4:6], "big", signed=True) == self._hold[0]:
-                            await self._together()
+                        hold = self._hold
+                        if hold is not None and int.from_bytes(frame[4:6], "big", signed=True) == hold[0]:
+                            await self._together(hold)
                         await self._forward(writer, frame)
                     continue
                 await self._forward(writer, data)
@@ -181,9 +191,9 @@ class KafkaProxy:
         await writer.drain()
         self.forwarded += len(data)
 
-    async def _together(self) -> None:
+    async def _together(self, hold: tuple[int, int, float]) -> None:
         """Wait for this round of hold_together to be released."""
-        _, count, window_s = self._hold
+        _, count, window_s = hold
         if self._round is None:
             go = asyncio.Event()
             self._round = {"waiting": 0, "go": go}

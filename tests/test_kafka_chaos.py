@@ -18,11 +18,11 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -127,18 +127,24 @@ def started(proxied: bool) -> ChaosBroker:
     return b
 
 
-@pytest.fixture
-def own_kafka():
-    b = started(proxied=False)
-    yield b
-    b.close()
-
-
-@pytest.fixture
-def proxied_kafka():
+@pytest.fixture(scope="module")
+def module_kafka():
     b = started(proxied=True)
     yield b
     b.close()
+
+
+@pytest.fixture
+def chaos_kafka(module_kafka):
+    """The module's own broker (started once: about 15 s on 2 cores), as each trial needs it: the
+    proxy forwarding, no requests held, the broker answering (a trial that failed mid-outage
+    may have left it down)."""
+    b = module_kafka
+    b.proxy.restore()
+    b.proxy.stop_holding()
+    if subprocess.run([SCRIPT, "status", str(b.port)], capture_output=True).returncode != 0:
+        b.run("restart")
+    return b
 
 
 # ---------------------------------------------------------------- harness: workers
@@ -147,8 +153,9 @@ def group_args(name: str) -> tuple:
 
 
 class Fleet:
-    """The workers of one trial. Each is started through :meth:`start`; those stopped or killed
-    on purpose are remembered, so that :meth:`assert_healthy` can say which others exited."""
+    """The workers of one trial. Each is started through :meth:`start`; those stopped on purpose
+    (or expected to exit) are remembered, so that :meth:`assert_healthy` can say which others
+    exited, when (a watcher looks every 0.2 s) and why."""
 
     def __init__(self, sc: Scenario, broker_for_workers: str | None = None, extra: tuple = ()):
         self.sc = sc
@@ -176,7 +183,7 @@ class Fleet:
     def when(self, w: Worker) -> str:
         """When the worker was seen gone, on the test's clock (and the window's, once known)."""
         t = self.exited_at.get(id(w), time.time())
-        where = f" (window start {t - self.sc.window_start / 1000:+.1f} s)" if self.sc.window_start else ""
+        where = f" ({t - self.sc.window_start / 1000:+.1f} s from the window's start)" if self.sc.window_start else ""
         return f"{t - w.started_at:.0f} s after its start{where}"
 
     def start(self, name: str, mode: str = "group", index: int = 0, workers: int = 1, extra: tuple = ()) -> Worker:
@@ -199,11 +206,6 @@ class Fleet:
         w.stop()
         self.clean_stops.append((w, w.proc.returncode))
         return w.proc.returncode
-
-    def kill(self, w: Worker) -> None:
-        self.meant[id(w)] = "killed"
-        w.proc.send_signal(signal.SIGKILL)
-        w.proc.wait()
 
     def expect_exit(self, w: Worker) -> None:
         self.meant[id(w)] = "expected to exit"
@@ -247,7 +249,13 @@ def describe(w: Worker, lines: int = 30) -> str:
     to 3) and last lines: enough to see the cause without the heartbeat noise of an outage."""
     text = w.log.read_text(errors="replace").splitlines()
     errors = [line for line in text if "[ERROR]" in line or "[CRITICAL]" in line or re.match(r"%[0-3]\|", line)]
-    distinct = list(dict.fromkeys(re.sub(r"^\[[^]]*\] \[\d+\] |^%\d\|[\d.]+\|", "", line) for line in errors))
+    by_kind: dict[str, str] = {}  # one line per kind of error (its text without numbers), the last one
+    for line in errors:
+        text_only = re.sub(r"^\[[^]]*\] \[\d+\] |^%\d\|[\d.]+\|", "", line)
+        kind = re.sub(r"\d+", "N", text_only)
+        by_kind.pop(kind, None)
+        by_kind[kind] = text_only
+    distinct = list(by_kind.values())
     return (f"  state dir {w.state_dir.name}, log {w.log.name}; why it stopped: {stop_lines(w)[-2:] or 'nothing said'}\n"
             f"  its last {lines} distinct errors:\n    " + "\n    ".join(distinct[-lines:]) +
             "\n  its last 8 log lines:\n    " + "\n    ".join(text[-8:]))
@@ -405,7 +413,7 @@ def start_fleet(fleet: Fleet, mode: str, n: int) -> list[Worker]:
 
 
 # ---------------------------------------------------------------- the harness itself
-def test_harness_the_proxy_blackholes_and_resumes_and_the_broker_advertises_it(proxied_kafka):
+def test_harness_the_proxy_blackholes_and_resumes_and_the_broker_advertises_it(chaos_kafka):
     """Through the proxy: the broker advertises the proxy (clients stay behind it after
     bootstrap). Blackholed: no answer and no byte moved, a new connection is accepted and hangs,
     while the plain listener answers. Restored: the same clients resume and every record sent
@@ -416,13 +424,14 @@ def test_harness_the_proxy_blackholes_and_resumes_and_the_broker_advertises_it(p
     from dpstream.processor.adapters.kafka_tools import tail
     from dpstream.topics.kafka import TopicSpec, create_topics
 
-    b, proxy = proxied_kafka, proxied_kafka.proxy
+    b, proxy = chaos_kafka, chaos_kafka.proxy
     behind = AdminClient({"bootstrap.servers": proxy.address})
     brokers = behind.list_topics(timeout=10).brokers
     assert {(x.host, x.port) for x in brokers.values()} == {("127.0.0.1", proxy.port)}, "the broker must advertise the proxy"
     plain = AdminClient({"bootstrap.servers": b.address})
     assert {x.port for x in plain.list_topics(timeout=10).brokers.values()} == {b.port}
-    topic = "harness-proxy"
+    tag = uuid.uuid4().hex[:8]
+    topic = f"harness-proxy-{tag}"
     create_topics(b.address, [TopicSpec(topic, 2)])
     producer = Producer({"bootstrap.servers": proxy.address, "enable.idempotence": True, "acks": "all", "linger.ms": 5})
     for i in range(100):
@@ -468,6 +477,7 @@ def test_harness_the_proxy_blackholes_and_resumes_and_the_broker_advertises_it(p
     # hold_together: a CreateTopics request waits for the next one (1.5 s later), then both go;
     # a lone one goes after the window
     proxy.hold_together(CREATE_TOPICS, 2, 10.0)
+    rounds = len(proxy.released)
     done: dict[str, float] = {}
 
     def create(name: str) -> None:
@@ -475,20 +485,20 @@ def test_harness_the_proxy_blackholes_and_resumes_and_the_broker_advertises_it(p
         done[name] = time.time()
 
     began = time.time()
-    first = threading.Thread(target=create, args=("harness-first",))
+    first = threading.Thread(target=create, args=(f"harness-first-{tag}",))
     first.start()
     time.sleep(1.5)
-    create("harness-second")
+    create(f"harness-second-{tag}")
     first.join(30)
-    assert proxy.released == [2] and done["harness-first"] - began >= 1.5, (proxy.released, done)
+    assert proxy.released[rounds:] == [2] and done[f"harness-first-{tag}"] - began >= 1.5, (proxy.released, done)
     proxy.hold_together(CREATE_TOPICS, 2, 1.0)
     began = time.time()
-    create("harness-lone")
-    assert proxy.released == [2, 1] and done["harness-lone"] - began >= 1.0
-    assert {"harness-first", "harness-second", "harness-lone"} <= set(plain.list_topics(timeout=10).topics)
+    create(f"harness-lone-{tag}")
+    assert proxy.released[rounds:] == [2, 1] and done[f"harness-lone-{tag}"] - began >= 1.0
+    assert {f"harness-{x}-{tag}" for x in ("first", "second", "lone")} <= set(plain.list_topics(timeout=10).topics)
 
 
-def test_harness_a_sigkilled_broker_restarts_on_its_log_with_topics_records_and_offsets(own_kafka):
+def test_harness_a_sigkilled_broker_restarts_on_its_log_with_topics_records_and_offsets(chaos_kafka):
     """scripts/broker kill: the broker process is gone at once (no clean shutdown in its log);
     scripts/broker restart brings it back on its log directory with its topics, every committed
     record (transactions included, an aborted one still aborted) and the group's offsets."""
@@ -497,14 +507,14 @@ def test_harness_a_sigkilled_broker_restarts_on_its_log_with_topics_records_and_
 
     from dpstream.topics.kafka import TopicSpec, create_topics
 
-    b = own_kafka
-    topic = "harness-kill"
+    b = chaos_kafka
+    topic = f"harness-kill-{uuid.uuid4().hex[:8]}"
     create_topics(b.address, [TopicSpec(topic, 3)])
     p = Producer({"bootstrap.servers": b.address, "acks": "all", "enable.idempotence": True})
     for i in range(1000):
         p.produce(topic, f"{i}".encode(), partition=i % 3)
     assert p.flush(15) == 0
-    tx = Producer({"bootstrap.servers": b.address, "transactional.id": "harness-tx"})
+    tx = Producer({"bootstrap.servers": b.address, "transactional.id": f"{topic}-tx"})
     tx.init_transactions(30)
     tx.begin_transaction()
     for i in range(1000, 1010):
@@ -514,7 +524,7 @@ def test_harness_a_sigkilled_broker_restarts_on_its_log_with_topics_records_and_
     tx.produce(topic, b"aborted", partition=1)
     tx.flush(10)
     tx.abort_transaction(30)
-    c = Consumer({"bootstrap.servers": b.address, "group.id": "harness-group", "enable.auto.commit": False})
+    c = Consumer({"bootstrap.servers": b.address, "group.id": f"{topic}-group", "enable.auto.commit": False})
     for attempt in range(30):  # a new broker creates its offsets topic on the first group's first call
         try:
             c.commit(offsets=[TopicPartition(topic, 0, 123), TopicPartition(topic, 1, 45)], asynchronous=False)
@@ -548,7 +558,7 @@ def test_harness_a_sigkilled_broker_restarts_on_its_log_with_topics_records_and_
             continue
         values.append(m.value())
     assert sorted(int(v) for v in values) == list(range(1010)), "every committed record survives; the aborted one stays aborted"
-    side = Consumer({"bootstrap.servers": b.address, "group.id": "harness-group", "enable.auto.commit": False})
+    side = Consumer({"bootstrap.servers": b.address, "group.id": f"{topic}-group", "enable.auto.commit": False})
     got = {tp.partition: tp.offset for tp in side.committed([TopicPartition(topic, 0), TopicPartition(topic, 1)], timeout=30)}
     assert got == {0: 123, 1: 45}, "the group's committed offsets survive"
     reader.close()
@@ -629,27 +639,31 @@ def has_been_ready(w: Worker) -> bool:
     return getattr(w, "was_ready", False)
 
 
-def test_ten_joins_and_leaves_during_a_window_stop_no_worker(tmp_path, broker):
-    rebalance_storm(tmp_path, broker, changes=10, window_s=30, triggers=5, events=200_000, seed=5)
+def test_joins_and_leaves_every_second_through_a_window_stop_no_worker(tmp_path, broker):
+    """CI: at least 10 joins and leaves (about 40 in practice) through a 40 s window of 300,000
+    events. On a016c0c 4 of 5 runs (200,000 to 300,000 events) stopped a worker: a transaction sent again after a rebalance
+    ended in OUT_OF_ORDER_SEQUENCE_NUMBER ('skipped sequence numbers')."""
+    rebalance_storm(tmp_path, broker, changes=10, window_s=40, triggers=5, events=300_000, seed=5)
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(bool(os.environ.get("CI")), reason="a 90 s window of joins and leaves (at least 40): CI runs the 30 s one; run "
                                                       "this with scripts/test tests/test_kafka_chaos.py")
-def test_forty_joins_and_leaves_during_a_window_stop_no_worker(tmp_path, broker):
+def test_joins_and_leaves_every_second_through_a_long_window_stop_no_worker(tmp_path, broker):
+    """Outside CI: at least 40 joins and leaves through a 90 s window of 450,000 events."""
     rebalance_storm(tmp_path, broker, changes=40, window_s=90, triggers=6, events=450_000,
                     seed=int(os.environ.get("DPSTREAM_CHAOS_SEED", "40")))
 
 
 # ---------------------------------------------------------------- item 6: broker restarts and outages
 @pytest.mark.parametrize("mode", ["group", "static"])
-def test_a_broker_sigkill_and_restart_20_s_later_stops_no_worker(tmp_path, own_kafka, mode):
+def test_a_broker_sigkill_and_restart_20_s_later_stops_no_worker(tmp_path, chaos_kafka, mode):
     """Events flow into the window until the broker is SIGKILLed (transactions in flight), it
     is down about 20 s (restarted 5 s after the kill, it recovers its log for about 15 s), across
     trigger times, and comes back on its log: every worker rides it
     out (docs/operations.md, "Health": a broker restart needs nothing) and the releases are
     replay's. Static workers survived this on a016c0c; group workers exited (issue 30, item 6)."""
-    b = own_kafka
+    b = chaos_kafka
     sc = Scenario(tmp_path, b.address, window_s=30, triggers=5)
     fleet = Fleet(sc)
     try:
@@ -671,13 +685,13 @@ def test_a_broker_sigkill_and_restart_20_s_later_stops_no_worker(tmp_path, own_k
         fleet.close()
 
 
-def test_a_20_s_blackhole_is_ridden_out_by_group_workers_with_incremental_restores(tmp_path, proxied_kafka):
+def test_a_20_s_blackhole_is_ridden_out_by_group_workers_with_incremental_restores(tmp_path, chaos_kafka):
     """A network partition of 20 s between the workers and the broker (the broker runs; events
     keep arriving from elsewhere), past their 6 s session timeout: they fall out of the group.
     When it heals, each rejoins and regains partitions, a partition it held before restored
     incrementally (from its checkpoint: docs/operations.md, "Elastic workers", "Restore"),
     none exits, and the releases are replay's."""
-    b = proxied_kafka
+    b = chaos_kafka
     sc = Scenario(tmp_path, b.address, window_s=30, triggers=5)
     fleet = Fleet(sc, b.for_workers)
     try:
@@ -724,14 +738,14 @@ def test_a_20_s_blackhole_is_ridden_out_by_group_workers_with_incremental_restor
 
 
 @pytest.mark.parametrize("mode", ["static", "group"])
-def test_a_blackhole_past_the_broker_timeout_waits_at_10_s_exits_at_the_timeout_and_resumes(tmp_path, proxied_kafka, mode):
+def test_a_blackhole_past_the_broker_timeout_waits_at_10_s_exits_at_the_timeout_and_resumes(tmp_path, chaos_kafka, mode):
     """Cut off for 35 s with --broker-timeout 20s: /readyz says waiting-for-broker about 10 s in
     (docs/operations.md, "Health"), and the worker exits 1 with the documented line ('no answer
     from the broker ... (--broker-timeout)') near 20 s, not with another error and not much later.
     Started again once the network heals (what Kubernetes does), it resumes: replay's releases.
     On a016c0c a static worker said waiting at about 18 s and stopped with 'Failed to flush all
     outstanding messages' after about 68 s of a 90 s outage (issue 30, item 6)."""
-    b = proxied_kafka
+    b = chaos_kafka
     timeout_s = 20
     sc = Scenario(tmp_path, b.address)
     fleet = Fleet(sc, b.for_workers, ("--broker-timeout", f"{timeout_s}s"))
@@ -787,25 +801,24 @@ def test_a_blackhole_past_the_broker_timeout_waits_at_10_s_exits_at_the_timeout_
 
 # ---------------------------------------------------------------- item 7: workers start together
 #: starts of each group of workers
-START_REPS = int(os.environ.get("DPSTREAM_START_REPS", "4"))
+START_REPS = int(os.environ.get("DPSTREAM_START_REPS", "3"))
 #: the Kafka API key of CreateTopics (the proxy sends the workers' requests together)
 CREATE_TOPICS = 19
 
 
 @pytest.mark.parametrize("mode,n", [("group", 2), ("group", 3), ("static", 2), ("static", 3)])
-def test_workers_started_together_on_a_new_app_id_all_become_ready(tmp_path, proxied_kafka, mode, n):
+def test_workers_started_together_on_a_new_app_id_all_become_ready(tmp_path, chaos_kafka, mode, n):
     """As the chart starts its pods (in parallel) on a fresh install: n workers started at the
     same moment on a new application id, which create its topics, each time: every one becomes
     ready and none exits (on a016c0c two raced their topic creation in 7 of 14 starts: 'topic
-    ...-by-key does not exist', exit 2, or a bare UNKNOWN_TOPIC_OR_PART; issue 30, item 7). The
-    first start is on a new broker (no topic of dpstream's yet), the others on new app ids. In
+    ...-by-key does not exist', exit 2, or a bare UNKNOWN_TOPIC_OR_PART; issue 30, item 7). In
     the first start where all are ready, the releases are replay's too.
 
     Processes started together still reach the broker a second or so apart (imports, two
     cores), and the race is over in milliseconds; so the proxy in front of the broker sends the
     workers' CreateTopics requests to it together (``hold_together``: each waits up to 3 s for
     the others), as when they do start at the same instant."""
-    b = proxied_kafka
+    b = chaos_kafka
     b.proxy.hold_together(CREATE_TOPICS, n, 3.0)
     failures, checked = [], False
     for rep in range(START_REPS):
@@ -851,14 +864,15 @@ def test_workers_started_together_on_a_new_app_id_all_become_ready(tmp_path, pro
     assert n in b.proxy.released, f"harness: the workers' CreateTopics requests never went together: {b.proxy.released}"
 
 
-def test_topics_are_there_for_every_client_once_create_topics_returns_also_to_a_concurrent_creator(own_kafka):
+def test_topics_are_there_for_every_client_once_create_topics_returns_also_to_a_concurrent_creator(chaos_kafka):
     """What a worker does first on a new application (topics/kafka.py create_topics, then it
     reads the topics' partitions): two creators of the same new topics at the same instant, as
     two pods of a fresh install. Once create_topics has returned, to the creator and to the other
     (told TOPIC_ALREADY_EXISTS), the topics must be there for any client, every partition with a
     leader. On a016c0c a metadata request right after it often did not list them yet (the
-    broker publishes a new topic to its metadata a little after creating it): the worker's
-    'topic ... does not exist' refusal of issue 30, item 7."""
+    broker publishes a new topic to its metadata a little after creating it; under load, up to
+    a few hundred ms): the worker's 'topic ... does not exist' refusal of issue 30, item 7. How
+    often depends on the machine's load: all 30 checks failed in one run here, none in another."""
     from confluent_kafka.admin import AdminClient
 
     from dpstream.topics.kafka import TopicSpec, create_topics
@@ -866,11 +880,11 @@ def test_topics_are_there_for_every_client_once_create_topics_returns_also_to_a_
     def missing_after_create(names: list[str], barrier: threading.Barrier, out: list) -> None:
         barrier.wait()
         try:
-            create_topics(own_kafka.address, [TopicSpec(name, 4) for name in names])
+            create_topics(chaos_kafka.address, [TopicSpec(name, 4) for name in names])
         except Exception as exc:  # noqa: BLE001 - reported below
             out.append(f"create_topics raised {exc!r}")
             return
-        meta = AdminClient({"bootstrap.servers": own_kafka.address}).list_topics(timeout=15)
+        meta = AdminClient({"bootstrap.servers": chaos_kafka.address}).list_topics(timeout=15)
         for name in names:
             topic = meta.topics.get(name)
             if topic is None or topic.error is not None or len(topic.partitions) != 4 or \
@@ -878,8 +892,9 @@ def test_topics_are_there_for_every_client_once_create_topics_returns_also_to_a_
                 out.append(f"{name}: {'absent' if topic is None else topic.error or 'a partition without a leader'}")
 
     problems = []
+    tag = uuid.uuid4().hex[:8]
     for round_ in range(10):
-        names = [f"created-{round_}-{k}" for k in range(3)]
+        names = [f"created-{tag}-{round_}-{k}" for k in range(3)]
         barrier, out = threading.Barrier(2), []
         creators = [threading.Thread(target=missing_after_create, args=(names, barrier, out)) for _ in range(2)]
         for t in creators:
