@@ -12,6 +12,9 @@ order by ``restore()``, as TCP retransmission delivers them when a real partitio
 connection an endpoint closed meanwhile is closed on the other side once the partition heals.
 ``reset()`` aborts every connection (both sides see it at once).
 
+``latency_s`` (settable at any time) delays every byte by that much in each direction, without
+slowing the flow (a network farther away than loopback).
+
 ``hold_together(api_key, count, window_s)`` makes requests of one Kafka API (e.g. 19,
 CreateTopics) from the clients wait until ``count`` of them are waiting, or ``window_s`` after
 the first, and then forwards them together: clients that would send them at about the same time
@@ -40,6 +43,7 @@ class KafkaProxy:
         self.port = port
         self.forwarded = 0
         self.accepted = 0
+        self.latency_s = 0.0  # one way
         self._conns: set = set()  # the StreamWriters of both sides of every connection
         self._loop = asyncio.new_event_loop()
         self._open: asyncio.Event | None = None
@@ -161,6 +165,9 @@ class KafkaProxy:
                 if w is not None:
                     self._conns.discard(w)
                     w.transport.abort()
+                    sender = getattr(w, "dpstream_sender", None)
+                    if sender is not None:
+                        sender.cancel()
 
     async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, requests: bool = False) -> None:
         pending = bytearray()  # requests=True: the bytes of requests not complete yet
@@ -187,9 +194,29 @@ class KafkaProxy:
             return
 
     async def _forward(self, writer: asyncio.StreamWriter, data: bytes) -> None:
-        writer.write(data)
-        await writer.drain()
-        self.forwarded += len(data)
+        queue = getattr(writer, "dpstream_delayed", None)
+        if queue is None and self.latency_s <= 0:
+            writer.write(data)
+            await writer.drain()
+            self.forwarded += len(data)
+            return
+        if queue is None:  # from now on this direction goes through its own queue, in order
+            queue = writer.dpstream_delayed = asyncio.Queue()
+            writer.dpstream_sender = asyncio.ensure_future(self._send_later(writer, queue))
+        await queue.put((asyncio.get_running_loop().time() + self.latency_s, data))
+
+    async def _send_later(self, writer: asyncio.StreamWriter, queue: asyncio.Queue) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                due, data = await queue.get()
+                if due > loop.time():
+                    await asyncio.sleep(due - loop.time())
+                writer.write(data)
+                await writer.drain()
+                self.forwarded += len(data)
+        except OSError:
+            writer.transport.abort()
 
     async def _together(self, hold: tuple[int, int, float]) -> None:
         """Wait for this round of hold_together to be released."""
