@@ -106,6 +106,8 @@ class ChaosBroker:
         try:
             self.run("stop")
             shutil.rmtree(self.data, ignore_errors=True)
+            for name in (f"kafka-{self.port}.properties", f"broker-{self.port}.log", f"broker-{self.port}.kind"):
+                (self.run_dir / name).unlink(missing_ok=True)
         finally:
             if self.proxy is not None:
                 self.proxy.close()
