@@ -196,6 +196,7 @@ SLOW = (
     "tests/test_kafka_worker.py",
     "tests/test_kafka_security.py",
     "tests/test_elastic_workers.py",
+    "tests/test_kafka_chaos.py",
     "tests/test_status_page.py::test_status_page_in_a_browser_trigger_log_lines_and_committed_offsets",
     "tests/test_helm_chart.py::test_dashboard_and_alert_metrics_are_served_by_a_running_worker",
     "tests/test_dynamic.py::test_partitioner_matches_algorithm_2_and_respects_horizons",
