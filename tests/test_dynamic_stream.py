@@ -126,6 +126,6 @@ def test_a_state_logged_when_absent_deletes_were_refused_does_not_resume():
                     "unit_field": q.unit_field, "contribution_bound": q.contribution_bound}
     store = MemoryStore()
     DynamicTables(store, q.name).pin_plan(plan_fingerprint([q.plan(), old_schedule]).hex().encode())
-    with pytest.raises(PlanChangedError, match="another plan"):
+    with pytest.raises(PlanChangedError, match="another calibration"):
         DynamicQueryState(q, NodeNoise(TEST_SECRET), Pseudonymizer(TEST_SECRET), store)
     make(MemoryStore())  # a fresh state starts

@@ -10,6 +10,7 @@ Creation goes through confluent-kafka's AdminClient; existing topics are left as
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -370,6 +371,8 @@ class DeliveryError(RuntimeError):
 
 #: the step of a transaction that commits consumer offsets (named in its DeliveryError)
 OFFSETS_STEP = "sending the consumer offsets"
+#: s a failed transaction's abort may take before its producer counts as broken (created anew)
+ABORT_TIMEOUT_S = 10.0
 
 
 class KafkaPublisher:
@@ -390,6 +393,12 @@ class KafkaPublisher:
 
         self._errors: list[str] = []
         self._busy = threading.Lock()  # held through each send (a transaction)
+        #: a send its caller stopped waiting for (:meth:`abandon`): it may no longer commit
+        self.abandoned = False
+        self._phase = threading.Lock()  # abandoning against starting the commit
+        self._committing = False
+        #: while the consumer offsets are being sent: when the coordinator should have answered
+        self._offsets_due: float | None = None
         #: a transactional producer that can no longer be used (a fatal error, or a failed
         #: transaction it could not abort): its owner creates another with the same id
         self.broken = False
@@ -454,9 +463,32 @@ class KafkaPublisher:
         self.broken = True
 
     def wait_idle(self) -> None:
-        """Blocking: until no :meth:`send` is running (one its caller stopped waiting for goes on)."""
+        """Blocking: until no :meth:`send` is running (one its caller stopped waiting for goes on;
+        an abandoned one is not waited for)."""
+        if self.abandoned:
+            return
         with self._busy:
             pass
+
+    def offsets_overdue(self, grace: float) -> bool:
+        """The running send has been sending its consumer offsets for ``grace`` s longer than
+        its ``offsets_timeout``. Librdkafka does not bound that step when the group coordinator
+        is down (librdkafka issues 5456 and 5511: the coordinator request's timeout is never
+        checked), e.g. after a broker restart."""
+        due = self._offsets_due
+        return due is not None and time.monotonic() > due + grace
+
+    def abandon(self) -> bool:
+        """The caller stops waiting for the running send: it may no longer commit (it aborts if
+        it ever returns), and the producer is broken (its owner creates another with the same
+        transactional id, which fences it; or the broker aborts the open transaction after
+        ``transaction.timeout.ms``). False when the send already began its commit, which is
+        bounded: then the caller waits for it."""
+        with self._phase:
+            if self._committing:
+                return False
+            self.abandoned = self.broken = True
+            return True
 
     def _send(self, messages, timeout: float, offsets, group, offsets_timeout: float = 60.0) -> None:
         self.acknowledged = {}
@@ -469,19 +501,31 @@ class KafkaPublisher:
             return
         if self.broken:
             raise DeliveryError("the producer failed before and must be created anew")
+        self._committing = False
         self._call("beginning a transaction", self.producer.begin_transaction)
         try:
             for m in messages:
                 self.produce(*m)
             if offsets:
-                self._call(OFFSETS_STEP, lambda: self.producer.send_offsets_to_transaction(offsets, group, offsets_timeout))
+                self._offsets_due = time.monotonic() + offsets_timeout
+                try:
+                    self._call(OFFSETS_STEP, lambda: self.producer.send_offsets_to_transaction(offsets, group, offsets_timeout))
+                finally:
+                    self._offsets_due = None
+            with self._phase:
+                if self.abandoned:  # its caller gave the batch up meanwhile: it must not count
+                    raise DeliveryError("the transaction was abandoned by its caller")
+                self._committing = True
             self._call("committing a transaction", lambda: self.producer.commit_transaction(timeout))
         except BaseException as exc:
             if isinstance(exc, DeliveryError) and exc.fatal:
                 self.broken = True  # nothing more is possible with it; the broker aborts the transaction
             else:
                 try:
-                    self.producer.abort_transaction(timeout)
+                    # bounded: an abort that needs an epoch bump the coordinator keeps refusing
+                    # (CONCURRENT_TRANSACTIONS after a broker restart) is cut short: a new
+                    # producer with this transactional id aborts the transaction as it fences this one
+                    self.producer.abort_transaction(min(timeout, ABORT_TIMEOUT_S))
                 except Exception:  # noqa: BLE001 - fenced or fatal: the transaction aborts on the broker anyway
                     self.broken = True  # its state is unknown (librdkafka refuses the next begin: _STATE)
             raise

@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
+import threading
 import time
+from concurrent.futures import Future
 from typing import Callable, Optional
 
+from dpstream.processor.adapters.health import BROKER_WAIT_S
 from dpstream.topics.kafka import CHANGELOG_MAX_BYTES, OFFSETS_STEP, DeliveryError, KafkaPublisher
 
 log = logging.getLogger("dpstream.worker")
@@ -26,13 +30,16 @@ GROUP_TRANSACTION_TIMEOUT_MS = 15_000
 #: s the group coordinator may take to accept a transaction's consumer offsets (it holds them
 #: while the group rebalances; elastic workers)
 OFFSETS_TIMEOUT_S = 10.0
+#: s a broken producer's replacement may take to start its transactions (one attempt)
+RENEW_TIMEOUT_S = 10.0
 
 
-class OffsetsRefusedError(DeliveryError):
-    """A transaction's consumer offsets were not taken by the group coordinator: this worker is no
-    longer the member that owns them (dropped from the group, its generation gone), or the group
-    is rebalancing. Nothing of the transaction counts, and its partitions may be another worker's
-    now or soon."""
+class TransactionAbandonedError(DeliveryError):
+    """An elastic worker's transaction (with consumer offsets) failed and was not sent again: the
+    group coordinator did not take its offsets (a rebalance under way or done, this worker dropped
+    from the group), or the broker did not commit it in time. Nothing of it counts (an aborted
+    transaction; or, if it did commit after all, the changelog says so to the restore that takes
+    its partitions up again), and its partitions may be another worker's now or soon."""
 
 
 #: errors no retry mends: the operator must act
@@ -59,11 +66,97 @@ def failure_kind(exc: DeliveryError) -> str:
     return "transient"
 
 
+class RoleLock:
+    """A role's lock that knows who holds it: a wait of more than ``LOCK_WAIT_REPORT_S`` logs the
+    holder's task and where it is (what a rebalance callback, which must finish within its
+    timeout, is waiting for)."""
+
+    def __init__(self, role: str):
+        self.role = role
+        self._lock = asyncio.Lock()
+        self.holder: Optional[asyncio.Task] = None
+
+    def locked(self) -> bool:
+        return self._lock.locked()
+
+    async def acquire(self, waiter: str = "") -> None:
+        # no wait_for: a timeout racing the grant would leave the lock held by nobody
+        report = asyncio.get_running_loop().call_later(LOCK_WAIT_REPORT_S, self._report, waiter or "a task")
+        try:
+            await self._lock.acquire()
+        finally:
+            report.cancel()
+        self.holder = asyncio.current_task()
+
+    def _report(self, waiter: str) -> None:
+        log.warning("%s has waited %g s for the %s lock, held by %s", waiter, LOCK_WAIT_REPORT_S, self.role, _where(self.holder))
+
+    def release(self) -> None:
+        self.holder = None
+        self._lock.release()
+
+    async def __aenter__(self):
+        await self.acquire()
+
+    async def __aexit__(self, *exc):
+        self.release()
+
+
+def _where(task: Optional[asyncio.Task]) -> str:
+    """The task and the chain of coroutines it is awaiting in, innermost last."""
+    if task is None:
+        return "no task"
+    where, coro = [], task.get_coro()
+    while coro is not None and len(where) < 16:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None) or getattr(coro, "ag_frame", None)
+        if frame is not None:
+            where.append(f"{frame.f_code.co_name}:{frame.f_lineno}")
+        nxt = (getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None) or getattr(coro, "ag_await", None)
+               or getattr(coro, "it", None))  # faust's Actor awaits its agent coroutine as .it
+        if nxt is None and frame is None:
+            where.append(type(coro).__name__)
+        coro = nxt
+    return f"{task.get_name()} in " + " -> ".join(where)
+
+
+#: s a task waits for a role's lock before it says who holds it (and goes on waiting)
+LOCK_WAIT_REPORT_S = 15.0
+#: how often a running send is looked at, and how long past its offsets timeout it may run
+STUCK_CHECK_S, STUCK_GRACE_S = 0.5, 5.0
+
+
+class SendThread:
+    """One daemon thread running a role's blocking producer calls in turn (an executor for
+    ``run_in_executor``). Daemon: one left stuck in librdkafka (an abandoned send) neither keeps
+    the process from exiting nor delays the next send, which goes to a new thread."""
+
+    def __init__(self, name: str):
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def submit(self, fn, *args) -> Future:
+        future: Future = Future()
+        self._calls.put((future, fn, args))
+        return future
+
+    def _run(self) -> None:
+        while (call := self._calls.get()) is not None:
+            future, fn, args = call
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    future.set_exception(exc)
+
+    def shutdown(self, wait: bool = False) -> None:
+        self._calls.put(None)  # ends after the running call (if it ever returns)
+
+
 class RolePublishers:
     """The worker's producers, one per role, and the role locks."""
 
     def __init__(self, broker: str, app_id: str, delivery: str, assignment: str, instance: str, timeout: float,
-                 heard: Callable[[], None] = lambda: None):
+                 heard: Callable[[], None] = lambda: None, silence: Callable[[], float] = lambda: 0.0):
         self.broker, self.app_id, self.timeout = broker, app_id, timeout
         self.exactly_once = delivery == "exactly-once"
         self.group = assignment == "group"
@@ -71,8 +164,12 @@ class RolePublishers:
         #: restarted pod fences its earlier incarnation) or its worker index (static)
         self.instance = instance
         self._heard = heard  # the broker acknowledged something (health)
+        self._silence = silence  # s since the broker last answered anything (health)
         self.producers: dict[str, KafkaPublisher] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self._executors: dict[str, SendThread] = {}
+        #: sends abandoned so far (:meth:`_attempt`), each leaving a thread and a producer behind
+        self.abandoned = 0
 
     def start(self) -> None:
         """Blocking: exactly once, each role's producer starts its transactions, fencing the
@@ -85,16 +182,17 @@ class RolePublishers:
             else:
                 self.producers[role] = self.producers.get("stage1") or KafkaPublisher(self.broker)
 
-    def _transactional(self, role: str) -> KafkaPublisher:
+    def _transactional(self, role: str, timeout: Optional[float] = None) -> KafkaPublisher:
         config = ({"message.max.bytes": CHANGELOG_MAX_BYTES + 1024 * 1024, "transaction.timeout.ms": GROUP_TRANSACTION_TIMEOUT_MS}
                   if self.group else None)
-        return KafkaPublisher(self.broker, config, transactional_id=f"{self.app_id}-{self.instance}-{role}", timeout=self.timeout)
+        return KafkaPublisher(self.broker, config, transactional_id=f"{self.app_id}-{self.instance}-{role}",
+                              timeout=self.timeout if timeout is None else timeout)
 
     def __getitem__(self, role: str) -> KafkaPublisher:
         return self.producers[role]
 
-    def lock(self, role: str) -> asyncio.Lock:
-        return self._locks.setdefault(role, asyncio.Lock())
+    def lock(self, role: str) -> "RoleLock":
+        return self._locks.setdefault(role, RoleLock(role))
 
     async def send(self, messages, role: str = "timer") -> None:
         """Send and wait until acknowledged (at least once) or committed as one transaction
@@ -107,62 +205,95 @@ class RolePublishers:
         in the same transaction (elastic workers' fencing), with ``consumer`` the group member
         whose metadata they carry.
 
-        A failure is not the end of the worker (docs/operations.md, "Health"): the same batch goes
-        again until it is committed, for up to ``--broker-timeout`` (a broker restart, a short
-        outage, a coordinator that moved). A producer librdkafka declares unusable (a fatal error,
-        or a transaction it could not abort) is created anew with the same transactional id, which
-        fences the old one, as Kafka Streams does. Consumer offsets the group coordinator does not
-        take (a rebalance moved the generation or is under way, or this worker is no longer a
-        member) are never retried with the lock held: the rebalance may be waiting for this very
-        lock (the group's callbacks hand partitions over under it), so the caller gets
-        :class:`OffsetsRefusedError` at once and gives the batch up (elastic_run.py). Errors no
-        retry can mend (authorization, a message too large) are raised at once."""
+        A failure is not the end of the worker (docs/operations.md, "Health"). A producer
+        librdkafka declares unusable (a fatal error, a transaction it could not abort) is created
+        anew with the same transactional id, which fences the old one, as Kafka Streams does.
+
+        * Without offsets (static workers, the timer's watermarks, hand-overs) the same batch goes
+          again until it is committed (a broker restart, a short outage, a coordinator that
+          moved). While the broker is silent the broker watch decides when to give up
+          (``--broker-timeout`` of silence); a send that keeps failing for that long while the
+          broker answers is raised.
+        * With offsets (an elastic worker's batch or trigger) one attempt is made, bounded by the
+          transaction timeout: a failure raises :class:`TransactionAbandonedError` at once. The
+          lock is never held through retries, because the group may be waiting for it: a
+          rebalance hands partitions over under it, and a member dropped from the group gives
+          them up under it (elastic_run.py gives the batch up and takes it up again).
+
+        Errors no retry can mend (authorization, a message too large) are raised at once."""
         batch = [(m.topic, m.value, m.key, m.partition) for m in messages]
         if not batch:
             return
-        loop = asyncio.get_running_loop()
-        deadline = time.monotonic() + self.timeout
+        attempt_timeout = GROUP_TRANSACTION_TIMEOUT_MS / 1000 if self.group else self.timeout
+        first_failure = None
         fences = 0
         backoff = 0.2
         while True:
-            meta = consumer.group_metadata() if offsets else None
             try:
-                await loop.run_in_executor(None, lambda: self.producers[role].send(
-                    batch, self.timeout, offsets=offsets, group=meta, offsets_timeout=OFFSETS_TIMEOUT_S))
+                if self.producers[role].broken:
+                    await self._renew(role)
+                meta = consumer.group_metadata() if offsets else None
+                await self._attempt(role, lambda p: p.send(batch, attempt_timeout, offsets=offsets, group=meta,
+                                                           offsets_timeout=OFFSETS_TIMEOUT_S))
                 break
             except DeliveryError as exc:
                 kind = failure_kind(exc)
-                if self.producers[role].broken:
-                    fences += kind == "fenced"
+                first_failure = time.monotonic() if first_failure is None else first_failure
+                if kind == "fenced" and self.producers[role].broken:
+                    fences += 1
                     if fences > 1:
                         raise DeliveryError(f"{exc}; fenced again after the producer was created anew: another worker "
                                             f"runs with transactional id {self.producers[role].transactional_id}", exc.error) from None
-                    await self._renew(role, deadline)
-                if offsets and (kind in ("membership", "generation") or str(exc).startswith(OFFSETS_STEP)):
-                    raise OffsetsRefusedError(str(exc), exc.error) from None
-                if kind == "permanent" or time.monotonic() >= deadline:
+                if kind == "permanent":
+                    raise
+                if offsets:
+                    raise TransactionAbandonedError(str(exc), exc.error) from None
+                if time.monotonic() - first_failure >= self.timeout and self._silence() < BROKER_WAIT_S:
                     raise
                 log.warning("sending %s's batch failed (%s): sending it again", role, exc)
                 await asyncio.sleep(backoff)
                 backoff = min(2.0, backoff * 2)
         self._heard()
 
-    async def _renew(self, role: str, deadline: float) -> None:
+    async def _attempt(self, role: str, call) -> None:
+        """``call(producer)`` in the role's own thread, watched: a send stuck sending consumer
+        offsets past their timeout (librdkafka does not bound that step while the group
+        coordinator is down: :meth:`KafkaPublisher.offsets_overdue`) is abandoned, so that the
+        role's lock, which the group's callbacks may be waiting for, is not held without end. Its
+        thread and producer are left behind (they can no longer commit) and the role gets a new
+        thread; the next send creates a new producer."""
+        publisher = self.producers[role]
+        future = asyncio.get_running_loop().run_in_executor(self._executor(role), call, publisher)
+        while True:
+            done, _ = await asyncio.wait({future}, timeout=STUCK_CHECK_S)
+            if done:
+                return future.result()
+            if publisher.offsets_overdue(STUCK_GRACE_S) and publisher.abandon():
+                future.add_done_callback(lambda f: f.cancelled() or f.exception())  # its outcome no longer matters
+                self._executors.pop(role).shutdown(wait=False)
+                self.abandoned += 1
+                log.warning("%s's transaction got no answer to its consumer offsets in %g s: it is abandoned (it can no "
+                            "longer commit) and its producer left behind (%d so far)", role, OFFSETS_TIMEOUT_S + STUCK_GRACE_S,
+                            self.abandoned)
+                raise DeliveryError(f"{OFFSETS_STEP}: no answer from the group coordinator in "
+                                    f"{OFFSETS_TIMEOUT_S + STUCK_GRACE_S:g} s; the transaction was abandoned")
+
+    def _executor(self, role: str) -> "SendThread":
+        """The role's one thread for its producer's blocking calls: they never wait for the
+        event loop's shared executor (restores, metadata questions)."""
+        if role not in self._executors:
+            self._executors[role] = SendThread(f"dpstream-send-{role}")
+        return self._executors[role]
+
+    async def _renew(self, role: str) -> None:
         """A broken producer replaced by a new one with the same transactional id: its
-        ``init_transactions`` fences the old one and aborts its open transaction."""
+        ``init_transactions`` fences the old one and aborts its open transaction. One attempt,
+        bounded: raises DeliveryError when the broker does not answer in time."""
         old = self.producers[role]
         old.discard()
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                self.producers[role] = await loop.run_in_executor(None, self._transactional, role)
-                log.info("%s's producer was created anew (%s)", role, old.transactional_id)
-                return
-            except DeliveryError as exc:
-                if time.monotonic() >= deadline:
-                    raise
-                log.warning("creating %s's producer anew failed (%s): trying again", role, exc)
-                await asyncio.sleep(1.0)
+        self.producers[role] = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: self._transactional(role, min(self.timeout, RENEW_TIMEOUT_S)))
+        log.info("%s's producer was created anew (%s)", role, old.transactional_id)
 
     async def wait_idle(self, role: str) -> None:
         """Until a send its (cancelled) caller left running has finished."""

@@ -11,7 +11,7 @@ import time
 from typing import Optional
 
 from dpstream.processor.adapters.consumer_group import GroupConsumer
-from dpstream.processor.adapters.delivery import OffsetsRefusedError
+from dpstream.processor.adapters.delivery import TransactionAbandonedError
 from dpstream.processor.adapters.stage_batches import STAGES
 from dpstream.processor.adapters.worker_run import WorkerRun, group_id, log_positions
 from dpstream.topics.kafka import read_changelog
@@ -26,12 +26,12 @@ REGAIN_TIMEOUT_S = 20.0
 class _AllStageLocks:
     """Every stage's lock, taken in :data:`STAGES` order (never another: no deadlock)."""
 
-    def __init__(self, publishers):
-        self.publishers = publishers
+    def __init__(self, publishers, waiter: str = ""):
+        self.publishers, self.waiter = publishers, waiter
 
     async def __aenter__(self):
         for role in STAGES:
-            await self.publishers.lock(role).acquire()
+            await self.publishers.lock(role).acquire(self.waiter)
 
     async def __aexit__(self, *exc):
         for role in reversed(STAGES):
@@ -83,7 +83,7 @@ class ElasticRun(WorkerRun):
             try:
                 await self.transact(stage, [r.source for r in results], [m for r in results for m in r.messages],
                                     {(r.source.topic, r.source.partition): r.last_offset + 1 for r in results})
-            except OffsetsRefusedError as exc:
+            except TransactionAbandonedError as exc:
                 self.give_up_batch([r.source for r in results], exc)
                 return
             for r in results:
@@ -109,7 +109,7 @@ class ElasticRun(WorkerRun):
                     worker.mark_published(fired)
                     try:
                         await self.transact("stage2", [source], worker.release_messages(fired))
-                    except OffsetsRefusedError as exc:
+                    except TransactionAbandonedError as exc:
                         self.give_up_batch([source], exc)  # fired again from the restored state, same values
                         break
                     worker.trigger_fired(fired)
@@ -122,7 +122,7 @@ class ElasticRun(WorkerRun):
             sources = list(worker.dynamic.values())
             try:
                 await self.transact("dynamic", sources, messages)
-            except OffsetsRefusedError as exc:
+            except TransactionAbandonedError as exc:
                 self.give_up_batch(sources, exc)
 
     async def read_to_end(self) -> dict:
@@ -240,7 +240,7 @@ class ElasticRun(WorkerRun):
 
     async def lose(self, keys: list) -> None:
         worker = self.worker
-        async with _AllStageLocks(self.publishers):
+        async with _AllStageLocks(self.publishers, "handing partitions over"):
             for key in keys:
                 entry = self.owned.pop(key, None)
                 self.batches.drop(key)
@@ -268,7 +268,7 @@ class ElasticRun(WorkerRun):
         them: what their stores wrote since their last committed transaction is undone, and the
         stores stay on this volume at that checkpoint, for an incremental restore should they
         come back (state/changelog.py). Librdkafka rejoins the group next."""
-        async with _AllStageLocks(self.publishers):
+        async with _AllStageLocks(self.publishers, "giving up lost partitions"):
             for key in keys:
                 self.turns[key] = self.turns.get(key, 0) + 1
                 self.batches.drop(key)
@@ -279,9 +279,10 @@ class ElasticRun(WorkerRun):
         log.info("lost %d partitions: %s", len(keys), ", ".join(f"{t}-{p}" for t, p in keys))
 
     def give_up_batch(self, sources, exc: BaseException) -> None:
-        """A batch's transaction failed because the group coordinator did not take its consumer
-        offsets (:class:`OffsetsRefusedError`: a rebalance under way or done, this worker dropped
-        from the group). Nothing of it counts: the stores' writes since their checkpoint are
+        """A batch's transaction failed and was abandoned (:class:`TransactionAbandonedError`: the
+        group coordinator did not take its consumer offsets, a rebalance under way or done, this
+        worker dropped from the group; or the broker did not commit it in time). Nothing of it
+        counts: the stores' writes since their checkpoint are
         undone and the partitions given up here, at once, under the caller's lock, which a
         rebalance callback may be waiting for. If the group still assigns them to this worker
         they are taken up again from their changelog (a short, incremental restore) and read
@@ -299,8 +300,8 @@ class ElasticRun(WorkerRun):
             worker.remove_source(*key)
             keys.append(key)
         if keys:
-            log.warning("the consumer group did not take the offsets of a transaction for %s (%s): its state goes back to "
-                        "its last commit", ", ".join(f"{t}-{p}" for t, p in keys), exc)
+            log.warning("a transaction for %s failed (%s): their state goes back to its last commit, and they are read "
+                        "again from there", ", ".join(f"{t}-{p}" for t, p in keys), exc)
             turns = {key: self.turns.get(key, 0) for key in keys}
             asyncio.get_running_loop().create_task(self._regain_or_stop(turns))
 

@@ -250,12 +250,13 @@ def build_app(s: WorkerSettings) -> faust.App:
 
     @app.timer(1.0, name="dpstream.watch_broker")
     async def watch_broker():
-        """Broker contact: the last fetch response, acknowledged send or answered question.
-        Without any for 10 s the worker says it is waiting (readiness 503) and resumes when the
-        broker answers again; without any for ``broker_timeout`` it exits non-zero, for
-        Kubernetes to restart it."""
+        """Broker contact: the last fetch response, acknowledged send or answered question (and,
+        after 3 s without any, a metadata question of the watch's own). Without any for 10 s the
+        worker says it is waiting (readiness 503) and resumes when the broker answers again;
+        without any for ``broker_timeout`` it exits non-zero, for Kubernetes to restart it."""
         if run.consumer is None:
             return
+        asyncio.ensure_future(run.probe_broker())  # answers only when nothing else heard from the broker
         silent = run.broker_silence()
         verdict = health.judge_silence(silent, s.broker_timeout)
         if verdict == "timeout":

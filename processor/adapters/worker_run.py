@@ -26,6 +26,10 @@ from dpstream.topics.kafka import client_security, kafka_error
 
 log = logging.getLogger("dpstream.worker")
 
+#: s of silence after which the broker watch asks the broker itself (probe_broker), and how long
+#: the question may take
+PROBE_AFTER_S, PROBE_TIMEOUT_S = 3.0, 5.0
+
 
 def log_positions(broker: str, sources) -> dict[tuple[str, int], tuple[int, int, Optional[str]]]:
     """(log start offset, log end offset, topic id) of each source partition. Topic ids come
@@ -68,10 +72,12 @@ class WorkerRun:
         self.exactly_once = s.delivery == "exactly-once"
         self.publishers = RolePublishers(broker, s.app_id, s.delivery, s.assignment,
                                          s.instance_id if s.assignment == "group" else str(s.ownership.index), s.broker_timeout,
-                                         heard=health.heard_from_broker)
+                                         heard=health.heard_from_broker, silence=health.silence)
         self.batches = StageBatches(send_batch, s.batch_linger, s.fetch_records)
         self.worker: Optional[DpstreamWorker] = None
         self.consumer = None
+        self._probe = None  # the client of probe_broker, and whether a probe is under way
+        self._probing = False
 
     # ------------------------------------------------------------------ the consume task
     async def run(self) -> None:
@@ -109,6 +115,31 @@ class WorkerRun:
     def broker_silence(self) -> float:
         """s since the broker last answered (health: ``waiting-for-broker``, --broker-timeout)."""
         return self.health.silence()
+
+    async def probe_broker(self) -> None:
+        """Ask the broker for its metadata when nothing else has heard from it for a while, so
+        that a worker with nothing to send (or whose one send is stuck on something else than the
+        broker) does not read as cut off from it. Counts as an answer (health)."""
+        if self._probing or self.health.silence() < PROBE_AFTER_S:
+            return
+        self._probing = True
+        try:
+            if await asyncio.get_running_loop().run_in_executor(None, self._ask_broker):
+                self.health.heard_from_broker()
+        finally:
+            self._probing = False
+
+    def _ask_broker(self) -> bool:
+        from confluent_kafka import KafkaException
+        from confluent_kafka.admin import AdminClient
+
+        if self._probe is None:
+            self._probe = AdminClient({"bootstrap.servers": self.broker, **client_security()})
+        try:
+            self._probe.list_topics(timeout=PROBE_TIMEOUT_S)
+            return True
+        except KafkaException:
+            return False
 
     def check_logs(self) -> dict:
         """Blocking: every source partition's log against the state (raises InputWentBackError);
