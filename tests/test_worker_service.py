@@ -305,6 +305,22 @@ def test_a_log_that_went_back_is_refused_naming_the_partition(tmp_path):
     w.close()
 
 
+def test_a_record_read_while_the_log_end_was_asked_is_no_log_that_went_back(tmp_path):
+    """Issue 30: the running check asked for the log end, the worker read on meanwhile (the
+    record at the old end arrived), and the check compared the old end with the new offset:
+    "the log ends at offset 500, but this state has read up to offset 500" stopped a healthy
+    static worker. It compares with what the state had read before it asked."""
+    from dpstream.processor.adapters.worker import InputWentBackError
+
+    w = make_worker(tmp_path / "w")
+    w.process_input("in", 0, events(501)).commit()
+    src = w.stage1[("in", 0)]
+    src.check_log(0, 500, "id-A", read_to=499)  # asked when the state had read to 499: fine
+    with pytest.raises(InputWentBackError, match="the log ends at offset 500, but this state has read up to offset 500"):
+        src.check_log(0, 500, "id-A")  # the same end against the state's offset now: a log that went back
+    w.close()
+
+
 def test_large_stage_one_batches_are_split_below_the_brokers_record_limit_and_release_the_same(tmp_path, monkeypatch):
     """Found live on Apache Kafka: at 128k events/s one stage-1 batch made a repartition message
     over the broker's 1 MB limit, and the worker stopped (MSG_SIZE_TOO_LARGE)."""

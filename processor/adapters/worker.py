@@ -336,20 +336,23 @@ class SourcePartition:
         self.watermarks: dict[tuple[str, int], int] = self._watermarks.get()
         self._topic_id = TextMark(store, b"topic-id")
 
-    def check_log(self, start: int, end: int, topic_id: Optional[str]) -> None:
+    def check_log(self, start: int, end: int, topic_id: Optional[str], read_to: Optional[int] = None) -> None:
         """Refuse a log that went back: another topic under the same name (its id changed), or
         an end offset before the offset this state has read up to (records this state counted
         are gone). ``start``/``end``: the partition's log start and end offsets now. The topic id
-        is recorded the first time one is given."""
+        is recorded the first time one is given. ``read_to``: the offset the state had read up to
+        before the end was asked for, when the worker reads on meanwhile (else the current one):
+        a record read after the question may lie past the end it was told."""
+        read_to = self.last_offset if read_to is None else read_to
         recorded = self._topic_id.get()
         if topic_id and recorded and recorded != topic_id:
             raise InputWentBackError(
                 f"{self.name}: the topic was recreated (its id is {topic_id}, this state read topic id {recorded}, up to offset "
                 f"{self.last_offset}); its records are not the ones this state counted. See docs/operations.md, \"When the input "
                 f"goes back\"")
-        if self.last_offset + 1 > end:
+        if read_to + 1 > end:
             raise InputWentBackError(
-                f"{self.name}: the log ends at offset {end}, but this state has read up to offset {self.last_offset}: the "
+                f"{self.name}: the log ends at offset {end}, but this state has read up to offset {read_to}: the "
                 f"topic was recreated or the broker lost data. See docs/operations.md, \"When the input goes back\"")
         if topic_id and not recorded:
             batch = WriteBatch()

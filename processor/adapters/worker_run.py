@@ -145,9 +145,11 @@ class WorkerRun:
         """Blocking: every source partition's log against the state (raises InputWentBackError);
         returns the log positions (start, end, topic id) by partition."""
         sources = self.worker.sources
+        read_to = {(src.topic, src.partition): src.last_offset for src in sources}  # before asking: the worker reads on
         positions = log_positions(self.broker, sources)
         for src in sources:
-            src.check_log(*positions[(src.topic, src.partition)])
+            key = (src.topic, src.partition)
+            src.check_log(*positions[key], read_to=read_to[key])
         return positions
 
     def high_watermark(self, key) -> Optional[int]:
