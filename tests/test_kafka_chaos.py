@@ -815,8 +815,9 @@ def test_a_blackhole_past_the_broker_timeout_waits_at_10_s_exits_at_the_timeout_
 
 
 # ---------------------------------------------------------------- item 7: workers start together
-#: starts of each group of workers
-START_REPS = int(os.environ.get("DPSTREAM_START_REPS", "3"))
+#: starts of each group of workers: 2 in CI (eight in all, each caught the race of a016c0c with
+#: probability about 1/2), 3 outside it
+START_REPS = int(os.environ.get("DPSTREAM_START_REPS", "2" if os.environ.get("CI") else "3"))
 #: the Kafka API key of CreateTopics (the proxy sends the workers' requests together)
 CREATE_TOPICS = 19
 
