@@ -118,24 +118,24 @@ class SecureBroker:
                 "DPSTREAM_KAFKA_SSL_KEY_PASSWORD": self.key_password}
 
 
-def _three_free_ports() -> int:
-    """A port P with P, P + 1 and P + 2 free (the secured broker's two listeners and its controller)."""
+def free_port_block(size: int) -> int:
+    """A port p with p .. p + size - 1 all free (a test broker's listeners and its controller)."""
     import socket
 
-    for _ in range(50):
+    for _ in range(100):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        if port + 2 > 65535:
+        if port + size >= 65535:
             continue
         try:
-            for p in (port + 1, port + 2):
+            for q in range(port, port + size):
                 with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
+                    s.bind(("127.0.0.1", q))
             return port
         except OSError:
             continue
-    raise RuntimeError("no three consecutive free ports")
+    raise RuntimeError("no block of free ports")
 
 
 @pytest.fixture(scope="session")
@@ -145,7 +145,7 @@ def secure_broker(tmp_path_factory) -> SecureBroker:
     fails in CI."""
     import json
 
-    port = _three_free_ports()
+    port = free_port_block(3)  # its two listeners and its controller
     script = str(ROOT / "scripts" / "broker")
     run_dir = Path(os.environ.get("DPSTREAM_BROKER_DIR", ROOT / ".broker"))  # as scripts/broker has it
     proc = subprocess.run([script, "start-secure", str(port)], capture_output=True, text=True, timeout=600)

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, free_port_block
 from tests.kafka_proxy import KafkaProxy
 from tests.test_kafka_worker import LATENESS_S, Scenario, Worker, assert_no_conflicting_releases, canonical
 
@@ -42,22 +42,6 @@ BROKER_TIMEOUT_LINE = re.compile(r"dpstream worker: stopped: BrokerUnreachableEr
 
 
 # ---------------------------------------------------------------- harness: brokers and the proxy
-def free_port_block(size: int) -> int:
-    """A port p with p .. p + size - 1 all free (the broker's listener, controller, proxied listener)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port + size >= 65535:
-            continue
-        try:
-            for q in range(port, port + size):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", q))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no block of free ports")
 
 
 class ChaosBroker:
@@ -296,17 +280,7 @@ def write_window_events(sc: Scenario, n: int, users: int, keys: int, lead_s: flo
                         seed: int = 11) -> None:
     """Like Scenario.write_events, but the event times cover only the window's first
     ``intervals`` trigger intervals (all of it by default)."""
-    window_ms = sc.window_s * 1000
-    span_ms = window_ms if intervals is None else intervals * window_ms // sc.triggers
-    soon = int(time.time() * 1000) + int(lead_s * 1000)
-    sc.window_start = soon - soon % window_ms + window_ms
-    rng = np.random.default_rng(seed)
-    user = rng.integers(0, users, n)
-    key = np.minimum(rng.zipf(1.6, n), keys)
-    ts = sc.window_start + np.sort(rng.integers(0, span_ms, n))
-    with open(sc.events, "w") as fh:
-        for u, k, t in zip(user.tolist(), key.tolist(), ts.tolist()):
-            fh.write(f'{{"user_id":"u{u}","key":"k{k}","ts":{t}}}\n')
+    sc.write_events(n, users, keys, lead_s, seed=seed, span_ms=None if intervals is None else intervals * sc.window_s * 1000 // sc.triggers)
 
 
 class LiveFeed(threading.Thread):

@@ -102,15 +102,16 @@ class Scenario:
             time.sleep(0.2)
         return w.metric("dpstream_events_in_total", query=self.query)
 
-    def write_events(self, n: int, users: int, keys: int, lead_s: float, seed: int = 11) -> None:
-        """n events of a skewed key law, time-ordered over the window starting >= lead_s from now."""
+    def write_events(self, n: int, users: int, keys: int, lead_s: float, seed: int = 11, span_ms: int | None = None) -> None:
+        """n events of a skewed key law, time-ordered over the window starting >= lead_s from now
+        (over its first ``span_ms`` only, if given)."""
         window_ms = self.window_s * 1000
         soon = int(time.time() * 1000) + int(lead_s * 1000)
         self.window_start = soon - soon % window_ms + window_ms
         rng = np.random.default_rng(seed)
         user = rng.integers(0, users, n)
         key = np.minimum(rng.zipf(1.6, n), keys)
-        ts = self.window_start + np.sort(rng.integers(0, window_ms, n))
+        ts = self.window_start + np.sort(rng.integers(0, window_ms if span_ms is None else span_ms, n))
         with open(self.events, "w") as fh:
             for u, k, t in zip(user.tolist(), key.tolist(), ts.tolist()):
                 fh.write(f'{{"user_id":"u{u}","key":"k{k}","ts":{t}}}\n')

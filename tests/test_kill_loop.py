@@ -15,6 +15,17 @@ import pytest
 from tests.test_kafka_worker import Scenario, assert_no_conflicting_releases, canonical
 
 
+def produce_and_draw_kill_gaps(sc: Scenario, rng, kills: int, window_s: int):
+    """The window's events produced; the gaps between kills, spread from the start of reading
+    to past the window's last trigger."""
+    sc.write_events(200_000, users=20_000, keys=200, lead_s=6)
+    sc.produce_events()
+    span = sc.window_start / 1000 + window_s + 4 - time.time()
+    gaps = rng.uniform(0.2, 1.0, kills)
+    gaps *= span / gaps.sum() if gaps.sum() < span else 1.0
+    return gaps
+
+
 def kill_loop(tmp_path, broker, kills: int, window_s: int, seed: int) -> None:
     sc = Scenario(tmp_path, broker, window_s=window_s, triggers=6)
     rng = np.random.default_rng(seed)
@@ -22,13 +33,7 @@ def kill_loop(tmp_path, broker, kills: int, window_s: int, seed: int) -> None:
         w = sc.worker("k").start()
         sc.workers.append(w)
         w.wait_ready()
-        sc.write_events(200_000, users=20_000, keys=200, lead_s=6)
-        sc.produce_events()
-        # kills spread from the start of reading to past the window's last trigger
-        span = sc.window_start / 1000 + window_s + 4 - time.time()
-        gaps = rng.uniform(0.2, 1.0, kills)
-        gaps *= span / gaps.sum() if gaps.sum() < span else 1.0
-        for gap in gaps:
+        for gap in produce_and_draw_kill_gaps(sc, rng, kills, window_s):
             time.sleep(gap)  # at a random point: starting, reading, firing or publishing
             w.proc.send_signal(signal.SIGKILL)
             w.proc.wait()
@@ -87,12 +92,7 @@ def group_kill_loop(tmp_path, broker, kills: int, window_s: int, seed: int) -> N
         current.update({n: start(n) for n in names[1:]})
         for w in current.values():
             w.wait_ready()
-        sc.write_events(200_000, users=20_000, keys=200, lead_s=6)
-        sc.produce_events()
-        span = sc.window_start / 1000 + window_s + 4 - time.time()
-        gaps = rng.uniform(0.2, 1.0, kills)
-        gaps *= span / gaps.sum() if gaps.sum() < span else 1.0
-        for gap in gaps:
+        for gap in produce_and_draw_kill_gaps(sc, rng, kills, window_s):
             time.sleep(gap)
             exits = exited_by_itself(current)
             assert not exits, "\n".join(exits)
