@@ -174,6 +174,35 @@ def test_malformed_and_mis_keyed_records_are_dead_lettered_with_reason_and_bytes
     w.close()
 
 
+def test_dropped_events_are_reported_once_per_period_with_count_and_cause_never_content(tmp_path):
+    """Issue 31: a stock producer's records were dead-lettered by the thousand with nothing in
+    the worker's log. Every reason gets a line per report period: the count since the last line
+    and the likely cause; input problems are warnings, the bounds at work info; no content."""
+    import logging
+
+    from dpstream.processor.adapters.drop_report import DropReport
+
+    w = make_worker(tmp_path / "d")
+    name = next(iter(w.pipelines())).query.name
+    good = events(10)
+    bad = [Record(10, b"u1", b"{not json", 0), Record(11, b"someone-else", good[0].value, 0)]
+    w.process_input("in", 0, good + bad).commit()
+    report = DropReport("murmur2")
+    said = report.lines(w.dropped_counts())
+    info = [line for level, line in said if level == logging.INFO]
+    assert len(info) == 1 and "dropped as contribution_bound (users over the query's contribution bound" in info[0]
+    lines = [(level, line) for level, line in said if level != logging.INFO]
+    assert [level for level, _ in lines] == [logging.WARNING]
+    assert lines[0][1].startswith(f"query {name}: since the last report, 2 events dropped as malformed (")
+    assert "a message key other than the record's 'user_id' field" in lines[0][1]
+    assert "u1" not in lines[0][1] and "someone-else" not in lines[0][1]  # counts and causes, never content
+    assert report.lines(w.dropped_counts()) == []  # nothing new: nothing said
+    w.process_input("in", 0, [Record(12, b"u2", b"[]", 0)]).commit()
+    assert [line.split(" (")[0] for _, line in report.lines(w.dropped_counts())] == [
+        f"query {name}: since the last report, 1 events dropped as malformed"]
+    w.close()
+
+
 def test_a_state_directory_of_another_layout_or_secret_is_refused(tmp_path):
     make_worker(tmp_path / "l", ownership=Ownership(0, 2)).close()
     with pytest.raises(StateLayoutError, match="worker layout"):

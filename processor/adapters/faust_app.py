@@ -33,6 +33,7 @@ from typing import Optional
 import faust
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from dpstream.processor.adapters.drop_report import DropReport
 from dpstream.processor.adapters.elastic_run import ElasticRun
 from dpstream.processor.adapters.health import STOPPING, WorkerHealth
 from dpstream.processor.adapters.metrics import PipelineMetrics
@@ -65,31 +66,9 @@ class BrokerUnreachableError(RuntimeError):
     """The broker has not answered for ``--broker-timeout`` seconds."""
 
 
-#: s between the worker's reports of events dropped as late or future (one line per query with
-#: counts, never one per event: docs/operations.md, "Trying it with a file")
+#: s between the worker's reports of dropped events (one line per query and reason, with
+#: counts, never one per event: processor/adapters/drop_report.py)
 DROP_REPORT_S = 10.0
-
-
-def drop_report(pipelines, seen: dict) -> list[str]:
-    """One line per query whose events were dropped as late or future since the last report;
-    ``seen``: the totals reported so far, updated. Counts only, never an event's content."""
-    totals: dict = {}
-    queries = {}
-    for pipe in pipelines:
-        queries[pipe.query.name] = pipe.query
-        for reason in ("late", "future"):
-            key = (pipe.query.name, reason)
-            totals[key] = totals.get(key, 0) + pipe.stats.dropped[reason]
-    lines = []
-    for name, q in sorted(queries.items()):
-        late, future = (max(0, totals[(name, r)] - seen.get((name, r), 0)) for r in ("late", "future"))
-        if late or future:
-            lines.append(f"query {name}: since the last report, {late:,} events dropped as late (their trigger, by their "
-                         f"{q.time_field!r}, had fired when the broker stamped them: the worker goes by the stamp, not by "
-                         f"{q.time_field!r}) and {future:,} as future (dated more than max_skew {q.max_skew} after the stamp); "
-                         f"dead-lettered (docs/operations.md, \"Trying it with a file\")")
-    seen.update(totals)
-    return lines
 
 
 def refusals() -> tuple:
@@ -266,14 +245,15 @@ def build_app(s: WorkerSettings) -> faust.App:
         elif verdict == "answers":
             log.info("the broker at %s answers again", broker)
 
-    drops_seen: dict = {}
+    drops = DropReport(s.partitioner)
 
     @app.timer(DROP_REPORT_S, name="dpstream.report_drops")
     async def report_drops():
-        """Events dropped as late or future: one warning per query and period, with counts."""
+        """Dropped events: one line per query, reason and period, with the count and the likely
+        cause (a warning for input problems, info for the bounds at work)."""
         if run.worker is not None:
-            for line in drop_report(list(run.worker.pipelines()), drops_seen):
-                log.warning(line)
+            for level, line in drops.lines(run.worker.dropped_counts()):
+                log.log(level, line)
 
     @app.timer(LOG_CHECK_S, name="dpstream.check_logs")
     async def check_logs():

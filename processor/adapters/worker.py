@@ -1082,6 +1082,13 @@ class DpstreamWorker:
                  window, fired.trigger, q.triggers, len(fired.releases), duration_ms, fired.source.partition)
 
     # ------------------------------------------------------------------ metrics
+    def dropped_counts(self) -> list[tuple]:
+        """(query, dropped counts by reason) of every pipeline and dynamic query state this
+        worker holds (processor/adapters/drop_report.py sums them per query)."""
+        counts = [(pipe.query, pipe.stats.dropped) for pipe in self.pipelines()]
+        counts += [(st.query, st.dropped) for states in self.dynamic_states.values() for st in states]
+        return counts
+
     def refresh_metrics(self) -> None:
         combined: dict[str, PipelineStats] = {}
         keys_released: Counter = Counter()
