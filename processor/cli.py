@@ -884,6 +884,19 @@ def build_parser() -> argparse.ArgumentParser:
     dpsqlp.add_argument("--json", help="write the results (and the per-trigger curve) to this JSON file")
     dpsqlp.add_argument("--plot", help="draw error and retained keys vs trigger to this PNG")
     dpsqlp.set_defaults(func=cmd_bench_dpsqlp)
+    check = sub.add_parser("check-input", help="read a sample of an input topic and report how its records are keyed, "
+                                               "partitioned, stamped and encoded (counts only)", description=CHECK_INPUT_HELP)
+    _broker_arg(check)
+    check.add_argument("--topic", default="events", help="the input topic (default events)")
+    check.add_argument("--config", help="the worker's config: the user field of the queries reading --topic (else --user-field)")
+    check.add_argument("--user-field", default="user_id", help="the records' user field, a dotted path for nested fields "
+                                                               "(default user_id; --config sets it)")
+    check.add_argument("--partitioner", default=os.environ.get("DPSTREAM_PARTITIONER", "murmur2"),
+                       help="the worker's --partitioner to check against (default $DPSTREAM_PARTITIONER or murmur2)")
+    check.add_argument("--sample", type=int, default=2000, help="records to read, the last ones of each partition (default 2,000)")
+    check.add_argument("--timeout", type=float, default=15.0, help="seconds to wait for the broker and the sample (default 15)")
+    check.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    check.set_defaults(func=cmd_check_input)
     reset = sub.add_parser("reset", help="start an application over: delete its state and internal topics, new noise label",
                            description=RESET_HELP)
     reset.add_argument("--config", required=True, help="the workers' query config (names the repartition topics)")
@@ -916,6 +929,47 @@ KEYGEN_HELP = """Write a new noise secret: 32 random bytes as 64 hex digits and 
 documented format; docs/user-guide.md, "The noise secret"), to a new file created with mode 0600.
 An existing file is never overwritten. Point DPSTREAM_NOISE_KEY_FILE (or --noise-key-file) at it;
 keep it as long as the releases made with it matter: a new secret is a new epoch."""
+
+
+CHECK_INPUT_HELP = """Read the last records of every partition of an input topic (--sample in all) and report,
+as counts and shares only (never a record's content, key or user id): how the records are keyed (by
+the user field, by something else, not at all); which partitioner places their keys
+(murmur2: Java clients and dpstream produce; consistent: librdkafka's default; fnv1a: Sarama), and
+how many are not on their user's partition under the worker's --partitioner (dropped today as
+wrong_partition, or malformed when not keyed by the user); the topic's and the records' timestamp
+types (the worker needs LogAppendTime); and the records' format (JSON, the schema-registry wire
+format with its schema ids, or neither). See docs/operator-guide.md, "Writing to the input topic"."""
+
+
+def cmd_check_input(args: argparse.Namespace) -> int:
+    import json
+
+    from dpstream.processor.adapters import kafka_tools as kt
+    from dpstream.processor.adapters.faust_app import broker_address
+    from dpstream.processor.adapters.input_check import analyse, sample_topic
+    from dpstream.topics.kafka import timestamp_types
+    from dpstream.topics.partitioner import PARTITIONERS
+
+    if args.partitioner not in PARTITIONERS:
+        raise ConfigError(f"--partitioner: must be one of {', '.join(PARTITIONERS)}, got {args.partitioner!r}")
+    if args.sample < 1:
+        raise ConfigError(f"--sample: must be at least 1, got {args.sample}")
+    if not args.timeout > 0:
+        raise ConfigError(f"--timeout: must be a positive number of seconds, got {args.timeout}")
+    user_field = args.user_field
+    if args.config:
+        fields = {q.user_field for q in load_config(args.config).queries if q.input_topic == args.topic}
+        if len(fields) != 1:
+            raise ConfigError(f"--config: {'no query' if not fields else 'queries with different user fields'} of "
+                              f"{args.config} read topic {args.topic!r} (--topic)")
+        user_field = fields.pop()
+    broker = broker_address(args.broker)
+    kt.check_broker("check-input", broker, args.timeout)
+    partitions, records = sample_topic(broker, args.topic, args.sample, args.timeout)
+    stamp = timestamp_types(broker, [args.topic], args.timeout).get(args.topic)
+    report = analyse(args.topic, partitions, records, user_field, args.partitioner, stamp)
+    print(json.dumps(report.as_dict()) if args.json else "\n".join(report.lines()))
+    return 0
 
 
 def cmd_reset(args: argparse.Namespace) -> int:
