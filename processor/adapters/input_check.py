@@ -95,8 +95,10 @@ class InputReport:
         out.append(f"  with --partitioner {self.partitioner}: {share(self.misplaced)} are not on the partition of their "
                    f"{self.user_field!r} (the worker drops them today: wrong_partition, or malformed when not keyed by it)")
         likely = self.likely_partitioner()
-        if self.misplaced and likely and likely != self.partitioner and self.keyed_otherwise == 0 and self.unkeyed == 0:
-            out.append(f"  hint: start the worker with --partitioner {likely}: every sampled record is then in place")
+        if self.misplaced and likely and likely != self.partitioner and self.keyed_otherwise == 0:
+            rest = (f"; the {self.unkeyed:,} without a key have no partition of their own (every client spreads them)"
+                    if self.unkeyed else "")
+            out.append(f"  hint: start the worker with --partitioner {likely}: every keyed record sampled is then in place{rest}")
         ts = ", ".join(f"{k} {v:,}" for k, v in sorted(self.record_timestamps.items()))
         out.append(f"  timestamps: topic message.timestamp.type {self.topic_timestamp_type or 'unknown'}; records: {ts}")
         fmt = ", ".join(f"{k} {share(v)}" for k, v in self.formats.most_common())
