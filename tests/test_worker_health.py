@@ -50,3 +50,54 @@ def test_waiting_for_the_broker_after_ten_seconds_and_stopping_at_the_timeout():
     assert health.judge_silence(30.0, 60.0) is None and health.state == WAITING  # said once
     assert health.judge_silence(1.0, 60.0) == "answers" and health.state == READY
     assert health.judge_silence(60.5, 60.0) == "timeout"
+
+
+def test_a_roles_send_thread_runs_calls_in_turn_and_one_stuck_call_holds_no_other_role():
+    """Each role's sends run on a daemon thread of their own (delivery.SendThread): a call stuck in
+    librdkafka (send_offsets_to_transaction after a broker restart, librdkafka issue 5456) delays
+    neither the event loop's shared executor nor the role's next thread, nor the process's exit."""
+    import asyncio
+    import threading
+
+    from dpstream.processor.adapters.delivery import SendThread
+
+    stuck = threading.Event()
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        first = SendThread("dpstream-send-test")
+        assert await loop.run_in_executor(first, lambda a, b: a + b, 2, 3) == 5
+        with pytest.raises(ZeroDivisionError):
+            await loop.run_in_executor(first, lambda: 1 / 0)
+        order = []
+        await asyncio.gather(*(loop.run_in_executor(first, order.append, i) for i in range(20)))
+        assert order == list(range(20))  # in turn, as submitted
+        loop.run_in_executor(first, stuck.wait)  # never returns in this test
+        first.shutdown()
+        second = SendThread("dpstream-send-test")  # what the role gets after abandoning the stuck send
+        assert await asyncio.wait_for(loop.run_in_executor(second, lambda: "sent"), 5) == "sent"
+        assert all(t.daemon for t in threading.enumerate() if t.name == "dpstream-send-test")
+
+    asyncio.run(main())
+    stuck.set()
+
+
+def test_an_abandoned_transaction_can_no_longer_commit(broker):
+    """What the worker does with a send stuck sending its offsets (delivery.RolePublishers): it
+    abandons it, and a send on that producer is refused from then on (its owner creates another
+    with the same transactional id, which fences it); an abandoned publisher is never waited for."""
+    import uuid
+
+    from dpstream.topics.kafka import KafkaPublisher
+
+    publisher = KafkaPublisher(broker, transactional_id=f"test-abandon-{uuid.uuid4().hex[:8]}", timeout=20)
+    topic = f"abandon-{uuid.uuid4().hex[:8]}"
+    publisher.send([(topic, b"before", None, None)], 20)  # a working transactional producer
+    # a send that began its commit is never abandoned (the commit is bounded): here the last one did
+    assert not publisher.abandon() and not publisher.broken
+    publisher = KafkaPublisher(broker, transactional_id=publisher.transactional_id, timeout=20)  # fences the first
+    assert publisher.abandon() and publisher.broken and publisher.abandoned
+    with pytest.raises(DeliveryError, match="must be created anew"):
+        publisher.send([(topic, b"after", None, None)], 20)
+    publisher.wait_idle()  # returns at once
+    assert not publisher.offsets_overdue(0.0)  # no offsets step under way
