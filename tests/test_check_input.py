@@ -6,7 +6,7 @@ import json
 import struct
 import uuid
 
-from dpstream.processor.adapters.input_check import SampledRecord, analyse, detect_format, user_of
+from dpstream.processor.adapters.input_check import SampledRecord, analyse, detect_format, sample_shares, user_of
 from dpstream.topics.partitioner import partition_for, partition_for_key
 from tests.test_cli_traps import run
 
@@ -33,6 +33,15 @@ def test_a_sample_placed_by_librdkafkas_default_partitioner_is_recognised_and_co
     # all keyed by the user: the hint names the partitioner that places every one
     r = analyse("t", 8, records[:-1], "user_id", "murmur2", "CreateTime")
     assert "hint: start the worker with --partitioner consistent" in "\n".join(r.lines())
+
+
+def test_the_sample_reads_a_whole_small_topic_however_unevenly_it_is_partitioned():
+    # a stock producer's keyless records land at random: one partition may hold far more than
+    # sample / partitions (the CI run that read 589 of 600 records)
+    assert sample_shares({0: 136, 1: 50, 2: 0, 3: 100}, 1000) == {0: 136, 1: 50, 2: 0, 3: 100}
+    shares = sample_shares({0: 500, 1: 500, 2: 10}, 300)
+    assert shares[2] == 10 and sum(shares.values()) == 300 and abs(shares[0] - shares[1]) <= 1
+    assert sum(sample_shares({p: 1000 for p in range(7)}, 1000).values()) == 1000
 
 
 def test_formats_and_nested_user_fields_are_recognised():

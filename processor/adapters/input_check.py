@@ -166,6 +166,20 @@ def analyse(topic: str, partitions: int, records: list[SampledRecord], user_fiel
     return report
 
 
+def sample_shares(sizes: dict[int, int], sample: int) -> dict[int, int]:
+    """How many of its last records to read from each partition: all of a topic that holds at
+    most ``sample``, else ``sample`` split as evenly as the partitions allow (a small partition
+    gives its share to the others), so that uneven partitioning does not cut the sample short."""
+    shares = {p: 0 for p in sizes}
+    left, open_ = sample, sorted((p for p in sizes if sizes[p] > 0), key=lambda p: sizes[p])
+    while open_ and left > 0:
+        even = max(1, left // len(open_))
+        p = open_.pop(0)
+        shares[p] = min(sizes[p], even, left)
+        left -= shares[p]
+    return shares
+
+
 def sample_topic(broker: str, topic: str, sample: int, timeout: float) -> tuple[int, list[SampledRecord]]:
     """The partition count and the last records of each partition (``sample`` in all at most),
     read with ``read_committed``."""
@@ -183,13 +197,13 @@ def sample_topic(broker: str, topic: str, sample: int, timeout: float) -> tuple[
         if meta is None or meta.error is not None or not meta.partitions:
             raise KafkaToolError(f"check-input: no topic {topic} on {broker}", 2)
         partitions = len(meta.partitions)
-        per = max(1, sample // partitions)
+        marks = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout) for p in range(partitions)}
+        shares = sample_shares({p: high - low for p, (low, high) in marks.items()}, sample)
         assign, ends = [], {}
-        for p in range(partitions):
-            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout)
-            if high > low:
-                assign.append(TopicPartition(topic, p, max(low, high - per)))
-                ends[p] = high
+        for p, take in shares.items():
+            if take > 0:
+                assign.append(TopicPartition(topic, p, marks[p][1] - take))
+                ends[p] = marks[p][1]
         out: list[SampledRecord] = []
         if assign:
             consumer.assign(assign)
