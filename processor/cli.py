@@ -182,6 +182,16 @@ def _human_dynamic_plan(q) -> str:
     return "\n".join(lines)
 
 
+def config_with_kafka(path: str):
+    """The config, whose ``kafka:`` client properties every Kafka client opened from now on takes
+    (topics/client_properties.py)."""
+    from dpstream.topics.client_properties import use_config_properties
+
+    config = load_config(path)
+    use_config_properties(config.kafka)
+    return config
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from dpstream.processor import planning, preview
 
@@ -306,7 +316,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from dpstream.processor.adapters.worker import Ownership
     from dpstream.processor.mechanisms.noise import load_noise_secret
 
-    config = load_config(args.config)
+    config = config_with_kafka(args.config)
     secret = load_noise_secret(args.noise_key_file)
     try:
         ownership = Ownership(args.worker_index, args.workers)
@@ -454,7 +464,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
     if args.input is not None and not os.path.isfile(args.input):
         raise kt.KafkaToolError(f"produce --input: no such file: {args.input}", 2)
     # the events' times are judged as the worker's queries reading this topic would (docs/operations.md, "Trying it with a file")
-    queries = [q for q in load_config(args.config).queries if q.input_topic == args.topic] if args.config else []
+    queries = [q for q in config_with_kafka(args.config).queries if q.input_topic == args.topic] if args.config else []
     if args.config and not queries:
         raise ConfigError(f"--config: no query of {args.config} reads topic {args.topic!r} (--topic)")
     fields = {q.time_field for q in queries}
@@ -958,7 +968,7 @@ def cmd_check_input(args: argparse.Namespace) -> int:
         raise ConfigError(f"--timeout: must be a positive number of seconds, got {args.timeout}")
     user_field = args.user_field
     if args.config:
-        fields = {q.user_field for q in load_config(args.config).queries if q.input_topic == args.topic}
+        fields = {q.user_field for q in config_with_kafka(args.config).queries if q.input_topic == args.topic}
         if len(fields) != 1:
             raise ConfigError(f"--config: {'no query' if not fields else 'queries with different user fields'} of "
                               f"{args.config} read topic {args.topic!r} (--topic)")
@@ -975,7 +985,7 @@ def cmd_check_input(args: argparse.Namespace) -> int:
 def cmd_reset(args: argparse.Namespace) -> int:
     from dpstream.processor.adapters.start_over import plan_start_over, start_over
 
-    config = load_config(args.config)
+    config = config_with_kafka(args.config)
     plan = plan_start_over(config, args.app_id, args.state_dir, args.broker, delete_outputs=args.delete_outputs)
     for line in plan.describe():
         print(("" if args.yes else "would ") + line)

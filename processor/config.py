@@ -15,7 +15,7 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Literal, Mapping, Optional
+from typing import Literal, Mapping, Optional, Union
 
 import yaml
 from pydantic import (
@@ -460,6 +460,19 @@ class DpstreamConfig(BaseModel):
     budget: Optional[BudgetConfig] = None
     #: how input records are encoded (dpstream.topics.decoding.DECODERS): json
     input_format: str = "json"
+    #: Kafka client properties for every client a command opens with this config, by librdkafka's
+    #: names (topics/client_properties.py; docs/operator-guide.md, "Connecting to a secured cluster")
+    kafka: dict[str, Union[str, int, float, bool]] = Field(default_factory=dict)
+
+    @field_validator("kafka")
+    @classmethod
+    def _kafka(cls, value: dict) -> dict:
+        from dpstream.topics.client_properties import ClientPropertyError, normalized
+
+        try:
+            return normalized(value, "kafka")
+        except ClientPropertyError as exc:
+            raise ValueError(str(exc).removeprefix("kafka: ")) from None
 
     @field_validator("input_format")
     @classmethod

@@ -107,6 +107,12 @@ class SecureBroker:
     sasl_mechanism: str
     other_ca: str  # a CA that signed nothing of this broker's
 
+    @property
+    def properties_file(self) -> str:
+        """The SASL_SSL listener's settings as a Java client's properties file (SCRAM-SHA-512 in
+        a sasl.jaas.config, the CA as a PEM trust store), as scripts/broker writes it."""
+        return os.path.join(os.path.dirname(self.ca), "sasl_ssl.properties")
+
     def env(self, listener: str) -> dict[str, str]:
         """The DPSTREAM_KAFKA_* variables of a client of ``listener`` ("sasl_ssl" or "ssl")."""
         if listener == "sasl_ssl":
@@ -170,6 +176,52 @@ def secure_broker(tmp_path_factory) -> SecureBroker:
         shutil.rmtree(run_dir / f"kafka-{port}-data", ignore_errors=True)
         shutil.rmtree(run_dir / f"secure-{port}", ignore_errors=True)
         (run_dir / f"kafka-{port}.properties").unlink(missing_ok=True)
+
+
+@dataclass
+class OAuthBroker:
+    """An Apache Kafka of its own whose SASL_PLAINTEXT listener takes OAUTHBEARER tokens from a
+    local OIDC provider (scripts/broker start-oauth; tests/oidc_provider.py)."""
+
+    oauth: str  # host:port of the OAUTHBEARER listener
+    provider: object  # tests.oidc_provider.OidcProvider
+
+    def properties(self, client_secret: str | None = None) -> str:
+        """A Java client's properties file for the listener (client id and secret in a
+        sasl.jaas.config), as Kafka's own tools and DPSTREAM_KAFKA_PROPERTIES_FILE take it."""
+        secret = self.provider.client_secret if client_secret is None else client_secret
+        return ("security.protocol=SASL_PLAINTEXT\nsasl.mechanism=OAUTHBEARER\n"
+                "sasl.login.callback.handler.class=org.apache.kafka.common.security.oauthbearer.OAuthBearerLoginCallbackHandler\n"
+                f"sasl.oauthbearer.token.endpoint.url={self.provider.token_url}\n"
+                "sasl.jaas.config=org.apache.kafka.common.security.oauthbearer.OAuthBearerLoginModule required "
+                f'clientId="{self.provider.client_id}" clientSecret="{secret}" scope="kafka";\n')
+
+
+@pytest.fixture(scope="session")
+def oauth_broker() -> OAuthBroker:
+    """scripts/broker start-oauth on free ports, its keys and tokens from a provider of the
+    session's own. Skips loudly only when it cannot start here; fails in CI."""
+    from tests.oidc_provider import OidcProvider
+
+    provider = OidcProvider()
+    port = free_port_block(3)
+    script = str(ROOT / "scripts" / "broker")
+    proc = subprocess.run([script, "start-oauth", str(port), provider.jwks_url], capture_output=True, text=True, timeout=600)
+    try:
+        if proc.returncode != 0:
+            message = f"OAUTHBEARER TEST BROKER COULD NOT START (scripts/broker start-oauth {port}):\n{proc.stdout}{proc.stderr}"
+            if os.environ.get("CI"):
+                pytest.fail(message)
+            pytest.skip(message)
+        yield OAuthBroker(oauth=f"127.0.0.1:{port + 2}", provider=provider)
+    finally:
+        subprocess.run([script, "stop", str(port)], capture_output=True)
+        import shutil
+
+        run_dir = Path(os.environ.get("DPSTREAM_BROKER_DIR", ROOT / ".broker"))
+        shutil.rmtree(run_dir / f"kafka-{port}-data", ignore_errors=True)
+        (run_dir / f"kafka-{port}.properties").unlink(missing_ok=True)
+        provider.close()
 
 
 # ---------------------------------------------------------------- markers (pyproject.toml: broker, slow, statistical)

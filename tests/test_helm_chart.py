@@ -87,8 +87,14 @@ MONITORING = {  # the dashboard and the alerts, with non-default settings
                        "severity": "page", "triggerOverdue": {"seconds": 120, "for": "3m"}, "deadLetters": {"ratio": 0.05}},
     "metrics": {"serviceMonitor": {"enabled": True}},
 }
+KAFKA_PROPERTIES = {  # client properties as a map (non-secret) and as a Secret's properties file
+    "kafka": {"bootstrapServers": "kafka:9093", "properties": {"ssl.endpoint.identification.algorithm": "none",
+                                                               "sasl.mechanism": "SCRAM-SHA-256"},
+              "propertiesSecret": {"name": "kafka-client", "key": "client.properties"}},
+}
 VALUE_SETS = {"default": {}, "custom": CUSTOM, "create-secret": CREATE_SECRET, "queries-text": AS_STRING,
-              "queries-mapping": AS_MAPPING, "dynamic-only": DYNAMIC_ONLY, "monitoring": MONITORING}
+              "queries-mapping": AS_MAPPING, "dynamic-only": DYNAMIC_ONLY, "monitoring": MONITORING,
+              "kafka-properties": KAFKA_PROPERTIES}
 
 
 def render_files(values: dict | None = None) -> dict[str, str]:
@@ -384,6 +390,30 @@ def test_kafka_security_settings_become_client_env_vars():
     items = {i["key"]: i for i in volume(pod, "kafka-tls")["secret"]["items"]}
     assert set(items) == {"ca.pem", "client.pem", "client.key"}
     assert items["client.key"]["mode"] == 0o440 and "mode" not in items["client.pem"]
+
+
+def test_kafka_properties_reach_every_client_as_properties_files(tmp_path):
+    from dpstream.topics.client_properties import PROPERTIES_FILE_ENV, read_properties_file
+
+    _, docs = rendered("kafka-properties")
+    _, pod, container = worker(docs)
+    env = env_of(container)
+    files = env[PROPERTIES_FILE_ENV]["value"].split(",")
+    config_dir, secret_dir = mount(container, "config")["mountPath"], mount(container, "kafka-properties")["mountPath"]
+    # the map first, the Secret's file after it (its settings win)
+    assert files == [f"{config_dir}/kafka-client.properties", f"{secret_dir}/client.properties"]
+    # a security protocol only the files set: no PLAINTEXT variable overriding them
+    assert "DPSTREAM_KAFKA_SECURITY_PROTOCOL" not in env
+    text = only(docs, "ConfigMap")["data"]["kafka-client.properties"]
+    (tmp_path / "p").write_text(text)
+    assert read_properties_file(str(tmp_path / "p")) == {"sasl.mechanism": "SCRAM-SHA-256",
+                                                         "ssl.endpoint.identification.algorithm": "none"}
+    secret = volume(pod, "kafka-properties")["secret"]
+    assert secret["secretName"] == "kafka-client" and secret["defaultMode"] == 0o440
+    assert mount(container, "kafka-properties")["readOnly"] is True
+    _, docs = rendered("default")
+    assert PROPERTIES_FILE_ENV not in env_of(worker(docs)[2])
+    assert "kafka-client.properties" not in only(docs, "ConfigMap")["data"]
 
 
 # --- metrics and availability -------------------------------------------------------------------

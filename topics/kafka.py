@@ -14,6 +14,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from dpstream.topics.client_properties import (  # noqa: F401 - re-exported: the one door of every client's settings
+    SECRET_SETTINGS,
+    SECURITY_ENV,
+    KafkaSettingError,
+    client_security,
+    setting_name,
+)
+
 DEAD_LETTER_TOPIC = "dpstream-dead-letters"
 DYNAMIC_UPDATES_TOPIC = "dpstream-dynamic-updates"
 #: Which budget epoch and noise secret each worker's state belongs to, kept outside the worker's
@@ -544,45 +552,6 @@ class KafkaPublisher:
             raise DeliveryError(f"{what}{where}: {error if error is not None else exc}", error) from None
 
 
-SECURITY_ENV = {
-    "DPSTREAM_KAFKA_SECURITY_PROTOCOL": "security.protocol",  # PLAINTEXT | SSL | SASL_PLAINTEXT | SASL_SSL
-    "DPSTREAM_KAFKA_SASL_MECHANISM": "sasl.mechanisms",  # PLAIN | SCRAM-SHA-256 | SCRAM-SHA-512
-    "DPSTREAM_KAFKA_SASL_USERNAME": "sasl.username",
-    "DPSTREAM_KAFKA_SASL_PASSWORD": "sasl.password",
-    "DPSTREAM_KAFKA_SSL_CA_LOCATION": "ssl.ca.location",  # PEM file of the broker's CA
-    # a client certificate, for listeners that require one (ssl.client.auth=required)
-    "DPSTREAM_KAFKA_SSL_CERTIFICATE_LOCATION": "ssl.certificate.location",  # PEM file of the client's certificate
-    "DPSTREAM_KAFKA_SSL_KEY_LOCATION": "ssl.key.location",  # PEM file of its private key
-    "DPSTREAM_KAFKA_SSL_KEY_PASSWORD": "ssl.key.password",  # the key's password, if it is encrypted
-}
-#: settings whose values are never printed, not even in an error naming them
-SECRET_SETTINGS = ("sasl.password", "ssl.key.password")
-
-
-def client_security(environ=None) -> dict:
-    """librdkafka (confluent-kafka) security settings from the environment (the Helm chart sets
-    them from Secrets). Values are never logged."""
-    import os
-
-    environ = os.environ if environ is None else environ
-    return {key: environ[var] for var, key in SECURITY_ENV.items() if environ.get(var)}
-
-
-class KafkaSettingError(RuntimeError):
-    """A Kafka client's own settings failed, not the broker's presence: the broker refused the
-    credentials or the TLS handshake, a file the settings name cannot be used, a value is not
-    valid. Waiting for the broker cannot help; the message names the failure and the setting to
-    check (its environment variable), never a password (docs/operations.md, "Kafka security")."""
-
-
-def setting_name(key: str) -> str:
-    """A librdkafka property as the operator sets it: its environment variable (SECURITY_ENV)."""
-    for var, prop in SECURITY_ENV.items():
-        if prop == key:
-            return var
-    return key
-
-
 def _check(*keys: str) -> str:
     names = [setting_name(k) for k in keys]
     return "check " + (" and ".join(names) if len(names) <= 2 else ", ".join(names[:-1]) + " and " + names[-1])
@@ -669,6 +638,9 @@ def _connection_error(code, text: str) -> str | None:
         return f"SASL refused: the listener at --broker takes no SASL ({_reason(text)}); {_check('security.protocol')}"
     if "mechanism handshake failed" in text or "Unsupported SASL mechanism" in text:
         return f"SASL mechanism refused: {_reason(text)}; {_check('sasl.mechanisms')}"
+    if "OAUTHBEARER token" in text:  # librdkafka's own token request (sasl.oauthbearer.method oidc) was refused
+        return (f"OAUTHBEARER: no token: {_reason(text)}; "
+                f"{_check('sasl.oauthbearer.client.id', 'sasl.oauthbearer.client.secret', 'sasl.oauthbearer.token.endpoint.url')}")
     if code == KafkaError._AUTHENTICATION or "SASL authentication error" in text:
         return (f"Kafka authentication failed: {_reason(text)}; {_check('sasl.username', 'sasl.password')} "
                 f"(and {setting_name('sasl.mechanisms')})")
@@ -732,8 +704,11 @@ def _ssl_context(settings: dict):
         if settings.get(key) and not os.path.exists(settings[key]):
             raise KafkaSettingError(f"TLS: the file {settings[key]} does not exist; {_check(key)}")
     try:
-        return create_ssl_context(cafile=settings.get("ssl.ca.location"), certfile=settings.get("ssl.certificate.location"),
-                                  keyfile=settings.get("ssl.key.location"), password=settings.get("ssl.key.password"))
+        context = create_ssl_context(cafile=settings.get("ssl.ca.location"), certfile=settings.get("ssl.certificate.location"),
+                                     keyfile=settings.get("ssl.key.location"), password=settings.get("ssl.key.password"))
+        # librdkafka's ssl.endpoint.identification.algorithm: https (its default) checks the host name
+        context.check_hostname = settings.get("ssl.endpoint.identification.algorithm", "https") != "none"
+        return context
     except (ssl.SSLError, OSError, ValueError) as exc:
         raise KafkaSettingError(f"TLS: cannot use the CA, certificate or key files ({_redacted(str(exc), settings)}); "
                                 f"{_check('ssl.ca.location', 'ssl.certificate.location', 'ssl.key.location', 'ssl.key.password')}") from None
@@ -748,6 +723,11 @@ def aiokafka_security(settings: dict) -> dict:
         out["ssl_context"] = _ssl_context(settings)
     if "SASL" in out["security_protocol"]:
         out["sasl_mechanism"] = settings.get("sasl.mechanisms", "PLAIN")
-        out["sasl_plain_username"] = settings.get("sasl.username")
-        out["sasl_plain_password"] = settings.get("sasl.password")
+        if out["sasl_mechanism"] == "OAUTHBEARER":
+            from dpstream.topics.oauth_token import OidcTokenProvider
+
+            out["sasl_oauth_token_provider"] = OidcTokenProvider(settings)
+        else:
+            out["sasl_plain_username"] = settings.get("sasl.username")
+            out["sasl_plain_password"] = settings.get("sasl.password")
     return out

@@ -316,7 +316,10 @@ def _faust_credentials(settings: dict):
     protocol = settings.get("security.protocol", "PLAINTEXT")
     if protocol == "PLAINTEXT":
         return None
-    ssl = aiokafka_security(settings).get("ssl_context")
+    translated = aiokafka_security(settings)
+    ssl = translated.get("ssl_context")
+    if translated.get("sasl_mechanism") == "OAUTHBEARER":
+        return faust.OAuthCredentials(oauth_cb=translated["sasl_oauth_token_provider"], ssl_context=ssl)
     if "SASL" in protocol:
         return faust.SASLCredentials(username=settings.get("sasl.username"), password=settings.get("sasl.password"),
                                      mechanism=settings.get("sasl.mechanisms", "PLAIN"), ssl_context=ssl)

@@ -43,6 +43,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from dpstream.processor.bench.report import machine
+from dpstream.topics.kafka import aiokafka_security, client_security
 
 ROOT = Path(__file__).resolve().parents[2]
 DAY_MS = 86_400_000
@@ -64,7 +65,7 @@ def baseline_rate(broker: str, topic: str, expected: int, tuned: bool = False) -
     from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
     consumer = Consumer({"bootstrap.servers": broker, "group.id": "dpstream-bench-baseline", "enable.auto.commit": False,
-                         **(CONFLUENT_TUNED if tuned else {})})
+                         **client_security(), **(CONFLUENT_TUNED if tuned else {})})
     parts = consumer.list_topics(topic, timeout=15).topics[topic].partitions
     consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in parts])
     got, size, started = 0, 0, None
@@ -92,7 +93,8 @@ def aiokafka_rate(broker: str, topic: str, expected: int) -> float:
 
     async def run() -> float:
         consumer = AIOKafkaConsumer(bootstrap_servers=broker, group_id=None, enable_auto_commit=False, auto_offset_reset="earliest",
-                                    max_partition_fetch_bytes=8 * 1024 * 1024, fetch_max_bytes=32 * 1024 * 1024)
+                                    max_partition_fetch_bytes=8 * 1024 * 1024, fetch_max_bytes=32 * 1024 * 1024,
+                                    **aiokafka_security(client_security()))
         await consumer.start()
         try:
             parts = consumer.partitions_for_topic(topic) or set()
@@ -300,7 +302,7 @@ def produce_live_lines(broker: str, topic: str, rate: float, seconds: float, use
     total = int(rate * seconds)
     user = rng.integers(0, users, total).tolist()
     key = np.minimum(rng.zipf(1.3, total), keys).tolist()
-    producer = Producer({"bootstrap.servers": broker, **PRODUCER_DEFAULTS, "linger.ms": 5})
+    producer = Producer({"bootstrap.servers": broker, **PRODUCER_DEFAULTS, "linger.ms": 5, **client_security()})
     started = time.perf_counter()
     sent, out = 0, []
     while sent < total:

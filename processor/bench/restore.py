@@ -22,6 +22,7 @@ import time
 import uuid
 
 from dpstream.processor.bench.report import machine
+from dpstream.topics.kafka import client_security
 
 
 def fill_changelog(broker: str, topic: str, mb: int, blob_kb: int, seed: int = 7) -> tuple[int, int]:
@@ -107,5 +108,5 @@ def run_restore_bench(broker: str, mb: int, blob_kb: int, repeats: int, json_pat
             json.dump(result, fh, indent=2)
     from confluent_kafka.admin import AdminClient
 
-    AdminClient({"bootstrap.servers": broker}).delete_topics([topic])
+    AdminClient({"bootstrap.servers": broker, **client_security()}).delete_topics([topic])
     return result

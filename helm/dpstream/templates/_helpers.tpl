@@ -68,6 +68,14 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "dpstream.stateDir" -}}/var/lib/dpstream{{- end }}
 {{- define "dpstream.noiseKeyDir" -}}/var/run/secrets/dpstream/noise-key{{- end }}
 {{- define "dpstream.kafkaTlsDir" -}}/var/run/secrets/dpstream/kafka-tls{{- end }}
+{{- define "dpstream.kafkaPropertiesDir" -}}/var/run/secrets/dpstream/kafka{{- end }}
+{{/* DPSTREAM_KAFKA_PROPERTIES_FILE: the ConfigMap's file, then the Secret's (later ones win) */}}
+{{- define "dpstream.kafkaPropertiesFiles" -}}
+{{- $files := list -}}
+{{- if .Values.kafka.properties -}}{{- $files = append $files (printf "%s/kafka-client.properties" (include "dpstream.configDir" .)) -}}{{- end -}}
+{{- if .Values.kafka.propertiesSecret.name -}}{{- $files = append $files (printf "%s/%s" (include "dpstream.kafkaPropertiesDir" .) .Values.kafka.propertiesSecret.key) -}}{{- end -}}
+{{- join "," $files -}}
+{{- end }}
 
 {{/* Fail early on value combinations the schema cannot express. */}}
 {{- define "dpstream.validate" -}}
@@ -151,7 +159,7 @@ name tenant input_topic output_topic user_field key_fields value_field time_fiel
 name tenant input_topic output_topic item_field op_field time_field start tick allowed_lateness max_skew unit_field contribution_bound items epsilon delta beta partition_share mechanism
 {{- end }}
 {{- define "dpstream.configFields" -}}
-queries dynamic budget input_format
+queries dynamic budget input_format kafka
 {{- end }}
 
 {{/*
