@@ -7,7 +7,7 @@ docs/operations.md, "Kafka security"): scripts/broker start-secure's SASL_SSL li
   the client certificate;
 * a failure of the client's own settings (a wrong password, a CA that did not sign the broker's
   certificate, a missing CA file, a misspelt protocol, no client certificate where one is
-  required, a wrong key password) ends ``worker``, ``produce``, ``tail`` and ``reset`` at once
+  required, a wrong key password, an expired client certificate) ends ``worker``, ``produce``, ``tail`` and ``reset`` at once
   with exit code 2 and one line naming the setting (its environment variable), with no traceback
   and no password, although --broker-timeout / --timeout would wait a minute for a broker that
   is away.
@@ -28,13 +28,14 @@ DPSTREAM = [sys.executable, "-m", "dpstream.processor.cli"]
 BROKER_TIMEOUT_S = 60
 
 
-@pytest.mark.parametrize("listener", ["sasl_ssl", "ssl"])
-def test_a_worker_over_a_secured_listener_releases_what_replay_does(tmp_path, secure_broker, monkeypatch, listener):
+@pytest.mark.parametrize("listener, assignment", [("sasl_ssl", "static"), ("ssl", "static"), ("ssl", "group")])
+def test_a_worker_over_a_secured_listener_releases_what_replay_does(tmp_path, secure_broker, monkeypatch, listener, assignment):
+    # (an elastic worker over SASL_SSL: tests/test_client_properties.py, from a properties file)
     for name, value in secure_broker.env(listener).items():  # the worker's, produce's and tail's clients read these
         monkeypatch.setenv(name, value)
     sc = Scenario(tmp_path, getattr(secure_broker, listener))
     try:
-        sc.ready_worker("secured")
+        sc.ready_worker("secured", extra=("--assignment", assignment))
         sc.write_events(8_000, users=800, keys=40, lead_s=4)
         assert sc.produce_events() == 8_000
         sc.assert_releases_equal_replay()
@@ -53,7 +54,33 @@ FAILURES = {
     "no client certificate": ("ssl", {"DPSTREAM_KAFKA_SSL_CERTIFICATE_LOCATION": None, "DPSTREAM_KAFKA_SSL_KEY_LOCATION": None,
                                       "DPSTREAM_KAFKA_SSL_KEY_PASSWORD": None}, "DPSTREAM_KAFKA_SSL_CERTIFICATE_LOCATION"),
     "wrong key password": ("ssl", {"DPSTREAM_KAFKA_SSL_KEY_PASSWORD": "not-the-key-password"}, "DPSTREAM_KAFKA_SSL_KEY_PASSWORD"),
+    "expired client certificate": ("ssl", {"DPSTREAM_KAFKA_SSL_CERTIFICATE_LOCATION": "<expired certificate>",
+                                           "DPSTREAM_KAFKA_SSL_KEY_LOCATION": "<expired key>", "DPSTREAM_KAFKA_SSL_KEY_PASSWORD": None},
+                                   "DPSTREAM_KAFKA_SSL_CERTIFICATE_LOCATION"),
 }
+
+
+def expired_certificate(secure_broker, where) -> tuple[str, str]:
+    """A client certificate the broker's CA signed, valid only in 2020 (certificate, key: PEM)."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+    from cryptography.x509.oid import NameOID
+
+    ca_dir = os.path.dirname(secure_broker.ca)
+    ca = x509.load_pem_x509_certificate(open(secure_broker.ca, "rb").read())
+    ca_key = serialization.load_pem_private_key(open(os.path.join(ca_dir, "ca.key"), "rb").read(), None)
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "expired-client")]))
+            .issuer_name(ca.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(datetime.datetime(2020, 1, 1)).not_valid_after(datetime.datetime(2020, 1, 2))
+            .sign(ca_key, hashes.SHA256()))
+    (where / "expired.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (where / "expired.key").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                          serialization.NoEncryption()))
+    return str(where / "expired.pem"), str(where / "expired.key")
 
 
 def _command(command: str, tmp_path, broker: str) -> list[str]:
@@ -81,6 +108,8 @@ def test_a_settings_failure_is_named_at_once_with_exit_code_2(tmp_path, secure_b
     env = {k: v for k, v in os.environ.items() if not k.startswith("DPSTREAM_")}
     env.update(secure_broker.env(listener))
     stand_ins = {"<other CA>": secure_broker.other_ca, "<missing>": str(tmp_path / "no-such-ca.pem")}
+    if failure == "expired client certificate":
+        stand_ins["<expired certificate>"], stand_ins["<expired key>"] = expired_certificate(secure_broker, tmp_path)
     for name, value in changes.items():
         if value is None:
             env.pop(name)
