@@ -52,8 +52,38 @@ def _text(value, name: str) -> Union[str, InvalidRecord]:
     return text
 
 
-def _event_time(obj: Mapping, name: str) -> Union[int, InvalidRecord]:
-    ts = obj.get(name)
+def field_reader(name: str):
+    """Reads a field of a decoded record by the name a query gives it. A dotted name
+    (``after.user_id``) reads nested objects, as in a Debezium change event's envelope, unless the
+    record has a field of that very name; a missing step reads as None (missing)."""
+    if "." not in name:
+        return lambda obj: obj.get(name)
+    steps = name.split(".")
+
+    def read(obj: Mapping):
+        if name in obj:
+            return obj[name]
+        for step in steps:
+            if not isinstance(obj, Mapping):
+                return None
+            obj = obj.get(step)
+        return obj
+
+    return read
+
+
+def set_field(obj: dict, name: str, value) -> None:
+    """Writes the field :func:`field_reader` reads (``produce --rebase-time``)."""
+    if "." in name and name not in obj:
+        *steps, last = name.split(".")
+        for step in steps:
+            obj = obj[step]
+        obj[last] = value
+    else:
+        obj[name] = value
+
+
+def _event_time(ts, name: str) -> Union[int, InvalidRecord]:
     if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts != int(ts):
         return InvalidRecord(f"field {name!r} must be an integer (epoch milliseconds)")
     return int(ts)
@@ -67,6 +97,10 @@ class EventParser:
         self.key_fields = list(key_fields)
         self.value_field = value_field
         self.time_field = time_field
+        self._user, self._time = field_reader(user_field), field_reader(time_field)
+        self._keys = [(name, field_reader(name)) for name in self.key_fields]
+        self._value = None if value_field is None else field_reader(value_field)
+        self._flat = "." not in "".join([user_field, time_field, *self.key_fields, value_field or ""])
 
     @classmethod
     def for_query(cls, query) -> "EventParser":
@@ -75,12 +109,12 @@ class EventParser:
     def from_mapping(self, obj: Union[Mapping, InvalidRecord]) -> Union[Event, InvalidRecord]:
         if isinstance(obj, InvalidRecord):
             return obj
-        user = _text(obj.get(self.user_field), self.user_field)
+        user = _text(self._user(obj), self.user_field)
         if isinstance(user, InvalidRecord):
             return user
         parts = []
-        for name in self.key_fields:
-            part = _text(obj.get(name), name)
+        for name, read in self._keys:
+            part = _text(read(obj), name)
             if isinstance(part, InvalidRecord):
                 return part
             parts.append(part)
@@ -88,13 +122,13 @@ class EventParser:
         if self.value_field is None:
             value = 1.0
         else:
-            raw_value = obj.get(self.value_field)
+            raw_value = self._value(obj)
             if isinstance(raw_value, bool) or not isinstance(raw_value, (int, float)):
                 return InvalidRecord(f"field {self.value_field!r} must be a number")
             value = float(raw_value)
             if not math.isfinite(value):
                 return InvalidRecord(f"field {self.value_field!r} is not finite")
-        ts = _event_time(obj, self.time_field)
+        ts = _event_time(self._time(obj), self.time_field)
         if isinstance(ts, InvalidRecord):
             return ts
         if not 0 <= ts < 1 << 53:
@@ -126,12 +160,17 @@ class EventParser:
     def _plain_batch(self, objs: Sequence) -> Optional["EventBatch"]:
         if not objs or set(map(type, objs)) != {dict}:
             return None
-        try:  # a missing field: parsed record by record, for its reason
-            columns = [list(map(operator.itemgetter(name), objs)) for name in (self.user_field, *self.key_fields)]
-            times = list(map(operator.itemgetter(self.time_field), objs))
-            raw = None if self.value_field is None else list(map(operator.itemgetter(self.value_field), objs))
-        except KeyError:
-            return None
+        if self._flat:
+            try:  # a missing field: parsed record by record, for its reason
+                columns = [list(map(operator.itemgetter(name), objs)) for name in (self.user_field, *self.key_fields)]
+                times = list(map(operator.itemgetter(self.time_field), objs))
+                raw = None if self.value_field is None else list(map(operator.itemgetter(self.value_field), objs))
+            except KeyError:
+                return None
+        else:  # nested fields read as None when missing: the checks below send such a batch record by record
+            columns = [list(map(read, objs)) for read in (self._user, *(r for _, r in self._keys))]
+            times = list(map(self._time, objs))
+            raw = None if self._value is None else list(map(self._value, objs))
         for column in columns:  # exactly what _text accepts unchanged: non-empty strings, not too long
             if set(map(type, column)) != {str} or min(map(len, column)) == 0 or max(map(len, column)) > MAX_FIELD_CHARS:
                 return None
@@ -182,27 +221,29 @@ class UpdateParser:
     def __init__(self, query, items: Sequence[str]):
         self.query = query
         self.items = frozenset(items)
+        self._item, self._op, self._time = field_reader(query.item_field), field_reader(query.op_field), field_reader(query.time_field)
+        self._unit = None if query.unit_field is None else field_reader(query.unit_field)
 
     def from_mapping(self, obj: Union[Mapping, InvalidRecord]) -> Union[Update, InvalidRecord]:
         if isinstance(obj, InvalidRecord):
             return obj
         q = self.query
-        item = _text(obj.get(q.item_field), q.item_field)
+        item = _text(self._item(obj), q.item_field)
         if isinstance(item, InvalidRecord):
             return item
         if item not in self.items:
             return InvalidRecord(f"field {q.item_field!r} is not in the query's declared items")
-        op = obj.get(q.op_field)
+        op = self._op(obj)
         if op not in self.OPS:
             return InvalidRecord(f"field {q.op_field!r} must be 'insert' or 'delete'")
-        ts = _event_time(obj, q.time_field)
+        ts = _event_time(self._time(obj), q.time_field)
         if isinstance(ts, InvalidRecord):
             return ts
         if ts < q.start:
             return InvalidRecord(f"field {q.time_field!r} is before the query's start")
         unit = None
         if q.unit_field is not None:
-            unit = _text(obj.get(q.unit_field), q.unit_field)
+            unit = _text(self._unit(obj), q.unit_field)
             if isinstance(unit, InvalidRecord):
                 return unit
         return Update(item, op, (ts - q.start) // q.tick_ms + 1, ts, unit)

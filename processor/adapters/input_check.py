@@ -123,19 +123,16 @@ def detect_format(value: Optional[bytes]) -> tuple[str, Optional[int]]:
 
 
 def user_of(value: Optional[bytes], user_field: str) -> Optional[bytes]:
-    """The user field of a JSON object record as the message key bytes a producer would use
-    (a dotted path reaches into nested objects); None when there is none."""
+    """The user field of a JSON object record as the message key bytes ``dpstream produce``
+    would give it (a dotted path reaches into nested objects: topics/records.py field_reader);
+    None when there is none."""
+    from dpstream.processor.adapters.kafka_tools import user_key
+
     try:
         obj = json.loads(value) if value else None
     except (ValueError, UnicodeDecodeError):
         return None
-    for part in user_field.split("."):
-        if not isinstance(obj, dict) or part not in obj:
-            return None
-        obj = obj[part]
-    if obj is None or isinstance(obj, (dict, list)):
-        return None
-    return (obj if isinstance(obj, str) else json.dumps(obj)).encode()
+    return user_key(obj, user_field)
 
 
 def analyse(topic: str, partitions: int, records: list[SampledRecord], user_field: str, partitioner: str,

@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Optional, Sequence, TextIO
 
-from dpstream.topics.records import MAX_FIELD_CHARS
+from dpstream.topics.records import MAX_FIELD_CHARS, field_reader, set_field
 
 PRODUCER_DEFAULTS = {"partitioner": "murmur2_random", "linger.ms": 20, "batch.num.messages": 10_000,
                      "queue.buffering.max.messages": 1_000_000, "acks": "all"}
@@ -143,16 +143,16 @@ def check_broker(command: str, bootstrap: str, timeout: float = BROKER_WAIT_S) -
         raise no_broker(command, bootstrap, timeout)
 
 
-def _user_key(obj, user_field: str) -> Optional[bytes]:
+def user_key(obj, user_field: str) -> Optional[bytes]:
     """The decoded record's user id as its message key (None for records that are not JSON
     objects: they are still sent, and the worker dead-letters them)."""
     if not isinstance(obj, dict):
         return None
-    user = obj.get(user_field)
-    if isinstance(user, bool) or user is None:
-        return None
+    user = field_reader(user_field)(obj)
     if isinstance(user, float) and user.is_integer():
         user = int(user)
+    if isinstance(user, bool) or not isinstance(user, (str, int)):  # what the worker refuses as a user id
+        return None
     text = str(user)
     return text.encode()[: MAX_FIELD_CHARS * 4] if text else None
 
@@ -179,7 +179,7 @@ def file_lines(path: str) -> Iterator[bytes]:
 
 def _int_time(obj, time_field: str) -> Optional[int]:
     """The event's time as the worker reads it (integer epoch ms), or None (dead-lettered as malformed)."""
-    ts = obj.get(time_field) if isinstance(obj, dict) else None
+    ts = field_reader(time_field)(obj) if isinstance(obj, dict) else None
     if isinstance(ts, bool) or not isinstance(ts, (int, float)) or ts != ts or ts in (float("inf"), float("-inf")) or ts != int(ts):
         return None
     return int(ts)
@@ -211,7 +211,7 @@ def rebased(lines: Iterable[bytes], time_field: str, shift_ms: int) -> Iterator[
         if ts is None:
             yield raw
             continue
-        obj[time_field] = ts + shift_ms
+        set_field(obj, time_field, ts + shift_ms)
         yield json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
 
 
@@ -341,7 +341,7 @@ def produce(broker: str, topic: str, lines: Iterator[bytes], user_field: str = "
             obj = None  # still sent: the worker dead-letters it
         if report is not None:
             report.observe(obj, now_ms)
-        key = _user_key(obj, user_field)
+        key = user_key(obj, user_field)
         while True:
             try:
                 producer.produce(topic, raw, key, on_delivery=on_delivery)
