@@ -518,6 +518,8 @@ def cmd_tail(args: argparse.Namespace) -> int:
         raise ConfigError(f"--timeout: must be a positive number of seconds, got {args.idle_seconds}")
     if args.max_records is not None and args.max_records < 1:
         raise ConfigError(f"--max-messages: must be at least 1, got {args.max_records}")
+    if args.config:
+        config_with_kafka(args.config)
     try:
         seen = tail(broker_address(args.broker), args.topic, idle_seconds=args.idle_seconds, max_records=args.max_records,
                     from_beginning=not args.latest)
@@ -792,6 +794,8 @@ def build_parser() -> argparse.ArgumentParser:
     tailer.add_argument("--max-messages", "--max-records", dest="max_records", type=int, metavar="N",
                         help="stop after this many records")
     tailer.add_argument("--latest", action="store_true", help="only records published from now on")
+    tailer.add_argument("--config", help="the worker's config: only its kafka: client properties are used "
+                                         "(docs/operator-guide.md, \"Connecting to a secured cluster\")")
     tailer.set_defaults(func=cmd_tail)
 
     demo = sub.add_parser("demo", help="generate a small synthetic stream, replay it and summarize the result")

@@ -223,7 +223,7 @@ def test_one_properties_file_serves_kafkas_console_producer_and_an_elastic_worke
 
 @pytest.mark.broker
 @pytest.mark.parametrize("mechanism", ["SCRAM-SHA-256", "PLAIN"])
-def test_produce_and_check_input_take_the_configs_kafka_map(tmp_path, secure_broker, mechanism):
+def test_produce_tail_and_check_input_take_the_configs_kafka_map(tmp_path, secure_broker, mechanism):
     topic = f"sec-map-{mechanism.lower()}"
     config = tmp_path / "queries.yaml"
     config.write_text(f"queries:\n  - name: q\n    input_topic: {topic}\n    output_topic: {topic}-out\n    window: 1h\n"
@@ -237,6 +237,9 @@ def test_produce_and_check_input_take_the_configs_kafka_map(tmp_path, secure_bro
     assert done.returncode == 0, done.stderr
     report = _run(["check-input", "--broker", secure_broker.sasl_ssl, "--topic", topic, "--config", str(config), "--json"], env)
     assert report.returncode == 0 and json.loads(report.stdout)["records"] > 0, report.stderr
+    tailed = _run(["tail", "--broker", secure_broker.sasl_ssl, "--topic", topic, "--config", str(config), "--max-messages", "3",
+                   "--timeout", "20"], env)
+    assert tailed.returncode == 0 and len(tailed.stdout.splitlines()) == 3, tailed.stderr
     # the same settings with a wrong password: one line naming the config's property, exit 2
     config.write_text(config.read_text().replace(secure_broker.password, "not-the-password"))
     refused = _run(["check-input", "--broker", secure_broker.sasl_ssl, "--topic", topic, "--config", str(config)], env, timeout=60)
