@@ -19,9 +19,6 @@ import os
 import re
 import subprocess
 import sys
-import threading
-import urllib.parse
-from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
@@ -30,6 +27,7 @@ from dpstream.processor.config import ConfigError, load_config
 from dpstream.topics import client_properties as cp
 from dpstream.topics.kafka import KafkaSettingError, aiokafka_security
 from tests.conftest import ROOT
+from tests.oidc_provider import OidcProvider
 from tests.test_kafka_worker import Scenario
 
 DPSTREAM = [sys.executable, "-m", "dpstream.processor.cli"]
@@ -103,50 +101,25 @@ def test_the_java_oidc_settings_become_librdkafkas_and_need_all_their_parts(tmp_
         cp.client_security({cp.PROPERTIES_FILE_ENV: str(f)})
 
 
-class TokenEndpoint(BaseHTTPRequestHandler):
-    """An OAuth 2.0 token endpoint granting client credentials (RFC 6749 section 4.4) to one client."""
-    issued: list = []
-
-    def do_POST(self):  # noqa: N802 - http.server's name
-        form = urllib.parse.parse_qs(self.rfile.read(int(self.headers["Content-Length"])).decode())
-        expected = "Basic " + base64.b64encode(b"dpstream:the-secret").decode()
-        if self.headers.get("Authorization") != expected or form.get("grant_type") != ["client_credentials"]:
-            self.send_response(401)
-            self.end_headers()
-            return
-        token = f"token-{len(self.issued)}"
-        self.issued.append((token, form.get("scope")))
-        body = json.dumps({"access_token": token, "token_type": "bearer", "expires_in": 300}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
-
-
 def test_the_workers_aiokafka_clients_fetch_oauthbearer_tokens_from_the_token_endpoint():
-    server = HTTPServer(("127.0.0.1", 0), TokenEndpoint)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_port}/token"
+    provider = OidcProvider()
     settings = {"security.protocol": "SASL_PLAINTEXT", "sasl.mechanisms": "OAUTHBEARER", "sasl.oauthbearer.method": "oidc",
-                "sasl.oauthbearer.client.id": "dpstream", "sasl.oauthbearer.client.secret": "the-secret",
-                "sasl.oauthbearer.token.endpoint.url": url, "sasl.oauthbearer.scope": "kafka"}
+                "sasl.oauthbearer.client.id": provider.client_id, "sasl.oauthbearer.client.secret": provider.client_secret,
+                "sasl.oauthbearer.token.endpoint.url": provider.token_url, "sasl.oauthbearer.scope": "kafka"}
     try:
-        TokenEndpoint.issued = []
         translated = aiokafka_security(settings)
         assert translated["sasl_mechanism"] == "OAUTHBEARER" and "sasl_plain_password" not in translated
-        provider = translated["sasl_oauth_token_provider"]
-        assert asyncio.run(provider.token()) == "token-0" and asyncio.run(provider.token()) == "token-0"  # kept, not refetched
-        assert TokenEndpoint.issued == [("token-0", ["kafka"])]
+        provider_of_tokens = translated["sasl_oauth_token_provider"]
+        token = asyncio.run(provider_of_tokens.token())
+        assert asyncio.run(provider_of_tokens.token()) == token and provider.granted == 1  # kept, not fetched again
+        claims = json.loads(base64.urlsafe_b64decode(token.split(".")[1] + "=="))
+        assert claims["sub"] == provider.client_id and claims["scope"] == "kafka"  # the grant asked for the scope
         refused = aiokafka_security({**settings, "sasl.oauthbearer.client.secret": "wrong"})["sasl_oauth_token_provider"]
         with pytest.raises(KafkaSettingError, match="refused the client credentials.*sasl.oauthbearer.client.secret") as raised:
             asyncio.run(refused.token())
-        assert "wrong" not in str(raised.value)
+        assert "wrong" not in str(raised.value) and provider.refused == 1
     finally:
-        server.shutdown()
+        provider.close()
 
 
 def test_host_name_checking_follows_ssl_endpoint_identification_algorithm(tmp_path):

@@ -94,6 +94,17 @@ _PLAIN = st.fixed_dictionaries({"u": st.text(min_size=1, max_size=6), "k": st.te
 _EDIT = st.tuples(st.integers(0, 11), st.sampled_from(["u", "k", "ts", "v", "k2"]), st.one_of(st.just("drop"), _FIELD, _FIELD, _FIELD))
 
 
+def _edited(plain: list, edits: list) -> list:
+    """The plain records (with a second key field) after the edits: a field dropped or set."""
+    objs = [{**o, "k2": o["k"] + "/"} for o in plain]
+    for at, name, value in edits:
+        if value == "drop":
+            objs[at % len(objs)].pop(name, None)
+        else:
+            objs[at % len(objs)][name] = value
+    return objs
+
+
 @settings(max_examples=400, deadline=None)
 @given(st.lists(_PLAIN, min_size=1, max_size=12), st.lists(_EDIT, max_size=2), st.sampled_from([False, False, False, True]), st.sampled_from([("k",), ("k", "k2")]),
        st.sampled_from([None, "v"]))
@@ -114,12 +125,7 @@ def test_batch_parsing_equals_parsing_each_record(plain, edits, undecodable, key
     reasons as parsing each record alone: plain batches, and batches where one field of a record
     is missing, of another type, empty, too long, non-finite or out of range, or a record did
     not decode."""
-    objs = [{**o, "k2": o["k"] + "/"} for o in plain]
-    for at, name, value in edits:
-        if value == "drop":
-            objs[at % len(objs)].pop(name, None)
-        else:
-            objs[at % len(objs)][name] = value
+    objs = _edited(plain, edits)
     if undecodable:
         objs.insert(len(objs) // 2, InvalidRecord("not valid JSON"))
     parser = EventParser("u", key_fields, value_field, "ts")
@@ -139,12 +145,7 @@ def test_dotted_fields_read_a_debezium_envelope_as_the_flat_record(plain, edits,
     """A query naming ``after.u`` (a Debezium change event: ``{"before", "after", "op", ...}``)
     gets from each envelope exactly the event, or the refusal, the flat record gives with ``u``,
     by the batch path and one by one; a delete (``after`` null) is refused as missing its user."""
-    objs = [{**o, "k2": o["k"] + "/"} for o in plain]
-    for at, name, value in edits:
-        if value == "drop":
-            objs[at % len(objs)].pop(name, None)
-        else:
-            objs[at % len(objs)][name] = value
+    objs = _edited(plain, edits)
     envelopes = [{"before": None, "after": o if op == "c" else None, "op": op, "ts_ms": 1} for o in objs]
     flat = EventParser("u", key_fields, value_field, "ts")
     nested = EventParser("after.u", [f"after.{k}" for k in key_fields], value_field and f"after.{value_field}", "after.ts")
