@@ -247,6 +247,8 @@ STATISTICAL = (
 SLOW = (
     "tests/test_kafka_worker.py",
     "tests/test_kafka_security.py",
+    "tests/test_client_properties.py::test_one_properties_file_serves_kafkas_console_producer_and_an_elastic_worker",
+    "tests/test_client_properties.py::test_over_oauthbearer_the_console_producer_and_a_worker_share_one_properties_file",
     "tests/test_elastic_workers.py",
     "tests/test_kafka_chaos.py",
     "tests/test_status_page.py::test_status_page_in_a_browser_trigger_log_lines_and_committed_offsets",
@@ -261,12 +263,17 @@ SLOW = (
 )
 
 
+#: fixtures that start or need an Apache Kafka broker
+BROKER_FIXTURES = ("broker", "secure_broker", "oauth_broker", "chaos_kafka", "own_broker")
+
+
 def pytest_collection_modifyitems(config, items):
     """Markers from what a test uses, so a new test cannot forget them: ``broker`` for any test
-    using the broker or secure_broker fixture; ``statistical`` and ``slow`` from the lists above."""
+    using a broker fixture (the shared one, the secured and OAUTHBEARER ones, the chaos and outage
+    trials' own); ``statistical`` and ``slow`` from the lists above."""
     for item in items:
         base = item.nodeid.split("[")[0]
-        if {"broker", "secure_broker"} & set(getattr(item, "fixturenames", ())):
+        if set(BROKER_FIXTURES) & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.broker)
         if base in STATISTICAL:
             item.add_marker(pytest.mark.statistical)
