@@ -462,7 +462,7 @@ class DpstreamConfig(BaseModel):
     input_format: str = "json"
     #: Kafka client properties for every client a command opens with this config, by librdkafka's
     #: names (topics/client_properties.py; docs/operator-guide.md, "Connecting to a secured cluster")
-    kafka: dict[str, Union[str, int, float, bool]] = Field(default_factory=dict)
+    kafka: dict[str, Union[str, int, float, bool]] = Field(default_factory=dict, repr=False)  # may hold a password
 
     @field_validator("kafka")
     @classmethod

@@ -85,6 +85,14 @@ def test_a_property_without_an_equivalent_is_refused_naming_it(tmp_path, prop, v
         load_config(config)
 
 
+def test_a_password_in_the_configs_kafka_map_is_in_no_repr_of_the_config(tmp_path):
+    config = tmp_path / "queries.yaml"
+    config.write_text((ROOT / "examples" / "worker.yaml").read_text() + "kafka:\n  sasl.password: s3cret-pw\n")
+    loaded = load_config(config)
+    assert loaded.kafka == {"sasl.password": "s3cret-pw"}
+    assert "s3cret-pw" not in repr(loaded) and "s3cret-pw" not in str(loaded)
+
+
 def test_the_java_oidc_settings_become_librdkafkas_and_need_all_their_parts(tmp_path):
     f = tmp_path / "oauth.properties"
     f.write_text("security.protocol=SASL_SSL\nsasl.mechanism=OAUTHBEARER\n"
