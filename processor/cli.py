@@ -709,9 +709,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Faust app id (default dpstream); with the budget epoch and the run nonce it names the worker's "
                              "noise label")
     worker.add_argument("--partitioner", default=os.environ.get("DPSTREAM_PARTITIONER", "murmur2"),
-                        help="how producers map a user key to an input partition: murmur2 (Java clients' default; dpstream "
-                             "produce), consistent (librdkafka's default crc32) or fnv1a; a record on another partition is "
-                             "dead-lettered as wrong_partition (default $DPSTREAM_PARTITIONER or murmur2)")
+                        help="which input partition owns a user: the one this partitioner maps its user id to: murmur2 "
+                             "(Java clients' default; dpstream produce), consistent (librdkafka's default crc32) or fnv1a. A "
+                             "record on another partition, whatever its message key, is sent to the owner through the query's "
+                             "by-user topic: counted, at the cost of a second trip through Kafka. Set it to your producers' "
+                             "partitioner (dpstream check-input names it) to spare that (default $DPSTREAM_PARTITIONER or murmur2)")
     worker.add_argument("--fetch-records", type=int, default=_env_int("DPSTREAM_FETCH_RECORDS", 100_000),
                         help="most records one read from the broker hands over, over all owned partitions; each batch has a "
                              "fixed cost, so larger reads take in more events/s and hold the event loop longer "
@@ -949,8 +951,8 @@ CHECK_INPUT_HELP = """Read the last records of every partition of an input topic
 as counts and shares only (never a record's content, key or user id): how the records are keyed (by
 the user field, by something else, not at all); which partitioner places their keys
 (murmur2: Java clients and dpstream produce; consistent: librdkafka's default; fnv1a: Sarama), and
-how many are not on their user's partition under the worker's --partitioner (dropped today as
-wrong_partition, or malformed when not keyed by the user); the topic's and the records' timestamp
+how many are not on their user's partition under the worker's --partitioner (the worker sends
+those to it through a by-user topic: counted, with a second trip through Kafka); the topic's and the records' timestamp
 types (the worker needs LogAppendTime); and the records' format (JSON, the schema-registry wire
 format with its schema ids, or neither). See docs/operator-guide.md, "Writing to the input topic"."""
 

@@ -990,8 +990,10 @@ class InputWatermarks:
     partition has been read (``topic/partition`` -> Kafka timestamp in ms), from the watermark
     markers on its repartition topic (docs/privacy.md, "Time"). JSON; only ever moves forward."""
 
-    def __init__(self, store: Store):
-        self.store, self.key = store, sk.META + b"input-watermarks"
+    def __init__(self, store: Store, name: bytes = b"input-watermarks"):
+        # b"rerouted-watermarks": a stage-1 partition's view of the other input partitions, from
+        # the markers on its by-user topics (processor/adapters/worker.py, SourcePartition)
+        self.store, self.key = store, sk.META + name
 
     def get(self) -> dict[tuple[str, int], int]:
         raw = self.store.get(self.key)

@@ -47,15 +47,27 @@ def make_worker(path, cfg=None, ownership=Ownership(), repartitions=2, previous_
 
 
 def stage_two(worker: DpstreamWorker, messages, first_offset=None) -> None:
-    """Deliver stage-1 output to stage 2 as a broker would: per partition, increasing offsets
-    (after the partition's committed one, unless ``first_offset`` says where to start)."""
+    """Deliver stage-1 output as a broker would: per partition, increasing offsets (after the
+    partition's committed one, unless ``first_offset`` says where to start). Stage 2's records to
+    stage 2; events sent to another input partition (its by-user topic) to that partition's stage
+    1, whose own output is delivered in turn."""
     offsets: dict = {}
     for m in messages:
         if m.topic == DEAD_LETTER_TOPIC:
             continue
-        start = worker.stage2[(m.topic, m.partition)].last_offset + 1 if first_offset is None else first_offset
-        offset = offsets.get(m.partition, start)
-        offsets[m.partition] = offset + 1
+        key = (m.topic, m.partition)
+        if key in worker.lanes:
+            source = worker.lanes[key]
+            offset = offsets.get(key, source.lane_offset(m.topic) + 1)
+            offsets[key] = offset + 1
+            result, _ = worker.process_stage_one(source, {m.topic: [Record(offset, m.key, m.value, 0)]})
+            if result is not None:
+                result.commit()
+                stage_two(worker, result.messages)
+            continue
+        start = worker.stage2[key].last_offset + 1 if first_offset is None else first_offset
+        offset = offsets.get(key, start)
+        offsets[key] = offset + 1
         result = worker.process_repartitioned(m.topic, m.partition, [Record(offset, m.key, m.value, 0)])
         if result is not None:
             result.commit()
@@ -63,8 +75,10 @@ def stage_two(worker: DpstreamWorker, messages, first_offset=None) -> None:
 
 def announce(worker: DpstreamWorker, now_ms: int) -> None:
     """Every owned input partition has been read to its end at ``now_ms``: its watermark markers
-    reach stage 2 (as the worker's timer sends them)."""
-    stage_two(worker, worker.watermark_messages(now_ms, read_to_end=dict.fromkeys(worker.stage1, now_ms)))
+    reach stage 2 (as the worker's timer sends them, tick after tick: the markers on the by-user
+    topics first, then those they let stage 1 announce to stage 2)."""
+    for _ in range(3):
+        stage_two(worker, worker.watermark_messages(now_ms, read_to_end=dict.fromkeys(worker.stage1, now_ms)))
 
 
 def fire(worker: DpstreamWorker, now_ms: int):
@@ -156,21 +170,23 @@ def test_journaled_releases_are_republished_not_recomputed(tmp_path):
     w.close()
 
 
-def test_malformed_and_mis_keyed_records_are_dead_lettered_with_reason_and_bytes(tmp_path):
+def test_malformed_records_are_dead_lettered_with_reason_and_bytes_and_a_mis_keyed_one_is_counted(tmp_path):
     import base64
     import json
 
     w = make_worker(tmp_path / "d")
     good = events(10)
     bad = [Record(10, b"u1", b"{not json", 0), Record(11, b"u1", b'{"user_id":"u1","ts":5}', 0),
-           Record(12, b"someone-else", good[0].value, 0), Record(13, None, None, 0)]
+           Record(12, b"someone-else", good[0].value, good[0].timestamp), Record(13, None, None, 0)]
     out = w.process_input("in", 0, good + bad)
     letters = [json.loads(m.value) for m in out.messages if m.topic == DEAD_LETTER_TOPIC]
-    assert [base64.b64decode(d["original_b64"]) for d in letters] == [b"{not json", b'{"user_id":"u1","ts":5}', good[0].value, b""]
+    assert [base64.b64decode(d["original_b64"]) for d in letters] == [b"{not json", b'{"user_id":"u1","ts":5}', b""]
     reasons = [d["reason"] for d in letters]
-    assert reasons[0] == "not valid JSON" and "'key'" in reasons[1] and "message key" in reasons[2]
+    assert reasons[0] == "not valid JSON" and "'key'" in reasons[1]
     assert all("u1" not in r and "someone-else" not in r for r in reasons)  # reasons never quote content
-    assert sum(p.stats.dropped["malformed"] for p in w.pipelines()) == 4
+    assert sum(p.stats.dropped["malformed"] for p in w.pipelines()) == 3
+    # issue 31: the message key is not the user's, but the record is on its user's partition: counted
+    assert sum(p.stats.events_in for p in w.pipelines()) == 14
     w.close()
 
 
@@ -185,7 +201,7 @@ def test_dropped_events_are_reported_once_per_period_with_count_and_cause_never_
     w = make_worker(tmp_path / "d")
     name = next(iter(w.pipelines())).query.name
     good = events(10)
-    bad = [Record(10, b"u1", b"{not json", 0), Record(11, b"someone-else", good[0].value, 0)]
+    bad = [Record(10, b"u1", b"{not json", 0), Record(11, b"u1", b'{"key":"k","ts":5}', 0)]
     w.process_input("in", 0, good + bad).commit()
     report = DropReport("murmur2")
     said = report.lines(w.dropped_counts())
@@ -194,7 +210,7 @@ def test_dropped_events_are_reported_once_per_period_with_count_and_cause_never_
     lines = [(level, line) for level, line in said if level != logging.INFO]
     assert [level for level, _ in lines] == [logging.WARNING]
     assert lines[0][1].startswith(f"query {name}: since the last report, 2 events dropped as malformed (")
-    assert "a message key other than the record's 'user_id' field" in lines[0][1]
+    assert "a missing or ill-typed field such as 'user_id'" in lines[0][1]
     assert "u1" not in lines[0][1] and "someone-else" not in lines[0][1]  # counts and causes, never content
     assert report.lines(w.dropped_counts()) == []  # nothing new: nothing said
     w.process_input("in", 0, [Record(12, b"u2", b"[]", 0)]).commit()

@@ -80,6 +80,15 @@ def repartition_topic(query_name: str, app_id: str = "dpstream", epoch: str = "1
     return f"{safe}-{query_name}-by-key"
 
 
+def rerouting_topic(query_name: str, app_id: str = "dpstream", epoch: str = "1") -> str:
+    """Stage 1 -> stage 1 of one query: events read on an input partition that does not own
+    their user, on their way to the one that does (docs/operations.md, "Writing to the input
+    topic"). As many partitions as the query's input topic; partition p is read with input
+    partition p, into the same state. Named per application and epoch like
+    :func:`repartition_topic`: ``<app id>-<query>-by-user``."""
+    return repartition_topic(query_name, app_id, epoch)[:-len("-by-key")] + "-by-user"
+
+
 def topics_for(queries: Iterable, partitions: int = 8, dynamic: Iterable = (), app_id: str = "dpstream",
                epoch: str = "1") -> list[TopicSpec]:
     """Every topic the queries need, deduplicated by name (queries may share input/output).

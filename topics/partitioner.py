@@ -1,15 +1,13 @@
 """Kafka key partitioners, vectorized: which partition a producer writes a keyed record to.
 
-Why the worker checks this: stage 1 bounds each user's contributions in the state of *one* input
-partition (the partition the user's key maps to). If a producer writes one user's records to two
-partitions, two partition states each see that user, each bounds them separately, and the user
-contributes up to twice the bound to the released histograms (once per partition it is spread
-over). The noise is calibrated to the bound,
-so this is a privacy failure (the stated epsilon no longer holds for that user), not only an
-accuracy problem. The worker therefore recomputes, for every consumed keyed record,
-``partition_for(key, partition count, partitioner)`` and dead-letters the record as
-``wrong_partition`` when the record sits elsewhere. Every producer of one input topic must use the
-one partitioner the worker is configured with.
+Why the worker needs this: stage 1 bounds each user's contributions in the state of *one* input
+partition. If two partition states each saw one user, each would bound them separately, and the
+user would contribute up to twice the bound to the released histograms: a privacy failure (the
+noise is calibrated to the bound), not only an accuracy problem. So a user belongs to the
+partition ``partition_for(user id, partition count, partitioner)`` gives, and the worker sends an
+event read on any other partition there, through the query's by-user topic
+(processor/adapters/worker.py, stage 1), whatever the record's message key. Producers that
+partition by user id with the worker's partitioner spare that second trip through Kafka.
 
 Which client uses which partitioner for keyed records by default:
 

@@ -13,18 +13,16 @@ from typing import Iterable, Optional
 #: reasons that say something is wrong with the input or its producer (a warning); the others
 #: are the mechanism's own bounding (``contribution_bound``, ``per_key_bound``, ``duplicate``:
 #: expected, logged at info level)
-WARNING_REASONS = ("malformed", "wrong_partition", "late", "future", "key_collision", "budget")
+WARNING_REASONS = ("malformed", "late", "future", "key_collision", "budget")
 
 
 def likely_cause(reason: str, query, partitioner: Optional[str] = None) -> str:
     """What usually makes a worker drop events for ``reason`` and where to look."""
     tf = repr(getattr(query, "time_field", "ts"))
     causes = {
-        "malformed": (f"records that are not this query's input: not parsed (bad JSON, a missing or ill-typed field), or a "
-                      f"message key other than the record's {getattr(query, 'user_field', 'user_id')!r} field; each is "
-                      f"in the dead-letter topic with its reason (docs/operations.md, \"Topics and records\")"),
-        "wrong_partition": (f"the message key hashes ({partitioner or 'the worker partitioner'}) to another input partition "
-                            f"than the one the record is on: its producer does not use the worker's --partitioner"),
+        "malformed": (f"records that are not this query's input: not parsed (bad JSON, a missing or ill-typed field such "
+                      f"as {getattr(query, 'user_field', 'user_id')!r}); each is in the dead-letter topic with its reason "
+                      f"(docs/operations.md, \"Topics and records\")"),
         "late": (f"their trigger, by their {tf}, had fired when the broker stamped them: the worker goes by the stamp, "
                  f"not by {tf} (docs/operations.md, \"Trying it with a file\")"),
         "future": f"dated more than max_skew {getattr(query, 'max_skew', '')} after the broker's stamp (a producer's clock, or seconds for ms)",

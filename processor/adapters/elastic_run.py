@@ -12,6 +12,7 @@ from typing import Optional
 
 from dpstream.processor.adapters.consumer_group import GroupConsumer
 from dpstream.processor.adapters.delivery import TransactionAbandonedError
+from dpstream.processor.adapters.lane_reader import LaneReader
 from dpstream.processor.adapters.stage_batches import STAGES
 from dpstream.processor.adapters.worker_run import WorkerRun, group_id, log_positions
 from dpstream.topics.kafka import read_changelog
@@ -49,6 +50,8 @@ class ElasticRun(WorkerRun):
         self.turns: dict = {}
         #: held through a gain's or a regain's restores: never two restores of one store at once
         self.restoring = asyncio.Lock()
+        #: the by-user partitions of the owned input partitions (not group-assigned)
+        self.lanes = LaneReader(self.broker)
 
     # ------------------------------------------------------------------ transactions
     async def transact(self, role: str, sources, messages, offsets: Optional[dict] = None, fence: bool = True) -> None:
@@ -74,10 +77,10 @@ class ElasticRun(WorkerRun):
         """The state first, then one transaction with its changelog, the outputs and the
         consumer offsets, then the records count as read (watermarks); partitions lost since
         these records were fetched are left to their new owner."""
-        worker, step = self.worker, self.step(stage)
+        worker = self.worker
         async with self.publishers.lock(stage):
-            results = [r for topic, partition, records, source in items
-                       if worker.source_of((topic, partition)) is source and (r := step(topic, partition, records)) is not None]
+            # not a partition given up since these records were fetched
+            results, again = worker.process_batch(stage, [it for it in items if worker.source_of((it[0], it[1])) is it[3]])
             for r in results:
                 r.write()
             try:
@@ -88,6 +91,7 @@ class ElasticRun(WorkerRun):
                 return
             for r in results:
                 r.acknowledge()
+            self.batches.hand_back(stage, again)
 
     async def fire(self, now: int) -> None:
         """As for static ownership, but each trigger's state (its journal, published mark and
@@ -163,6 +167,7 @@ class ElasticRun(WorkerRun):
         gc = GroupConsumer(self.broker, group_id(s.app_id), worker.source_topics(), loop, self.gain, self.lose,
                            s.session_timeout, s.heartbeat_interval, on_lost=self.lost)
         self.consumer = gc
+        await self.lanes.start()
         self.health.heard_from_broker()
         self.health.set("ready")
         log.info("dpstream worker %s ready: joined consumer group %s", s.instance_id, group_id(s.app_id))
@@ -181,11 +186,18 @@ class ElasticRun(WorkerRun):
                 # (records fetched before that seek follow a batch that was given up)
                 if entry is not None and not gc.seeking(key):
                     batches.add(entry[0], key, entry[1], records)
+            # the by-user partitions follow their input partitions (lane_reader.py)
+            self.lanes.follow(worker.lanes, batches)
+            for key, records in (await self.lanes.fetch(batches.room())).items():
+                source = self.lanes.sources.get(key)
+                if source is not None and worker.lanes.get(key) is source:  # not moved while fetching
+                    batches.add("stage1", key, source, records)
             await batches.dispatch()
 
     async def close(self) -> None:
         if self.consumer is not None:  # hands over its partitions (on this loop) before it leaves
             await asyncio.get_running_loop().run_in_executor(None, self.consumer.close)
+        await self.lanes.close()
 
     async def gain(self, keys: list) -> dict:
         async with self.restoring:

@@ -1,5 +1,5 @@
 """``dpstream check-input``: what a sample of an input topic says about its producers, before a
-worker drops their records (docs/operator-guide.md, "Writing to the input topic").
+worker reads it (docs/operator-guide.md, "Writing to the input topic").
 
 It reads the last records of every partition (at most ``sample`` in all) and reports, as counts
 and shares only (never a record's content, key or user id):
@@ -8,7 +8,7 @@ and shares only (never a record's content, key or user id):
 * **partitioning**: for each partitioner the worker knows (topics/partitioner.py), the share of
   keyed records that sit on the partition it maps their key to, the partitioner the producers
   most likely use, and the share of records the worker, with ``--partitioner``, would not find
-  on their user's partition;
+  on their user's partition: those take the rerouted path (the query's by-user topic);
 * **timestamps**: the topic's ``message.timestamp.type`` and the records' own types;
 * **format**: JSON objects, the Confluent schema-registry wire format (magic byte 0 and a
   schema id), or neither.
@@ -50,8 +50,11 @@ class InputReport:
     keyed_otherwise: int = 0
     #: per partitioner: keyed records on the partition it maps their key to
     in_place: dict = field(default_factory=dict)
-    #: records not on the partition ``partitioner`` maps their user field to (or without one)
+    #: records not on the partition ``partitioner`` maps their user field to: the worker sends them
+    #: there through the query's by-user topic (docs/operator-guide.md, "Writing to the input topic")
     misplaced: int = 0
+    #: records without a user field the worker can read (dead-lettered as malformed)
+    no_user: int = 0
     formats: Counter = field(default_factory=Counter)
     schema_ids: set = field(default_factory=set)
     record_timestamps: Counter = field(default_factory=Counter)
@@ -68,7 +71,7 @@ class InputReport:
         return {"topic": self.topic, "partitions": self.partitions, "records": self.records,
                 "keying": {"none": self.unkeyed, "user_field": self.keyed_by_user, "other": self.keyed_otherwise},
                 "keyed_in_place": dict(self.in_place), "likely_partitioner": self.likely_partitioner(),
-                "partitioner": self.partitioner, "not_on_their_users_partition": self.misplaced,
+                "partitioner": self.partitioner, "not_on_their_users_partition": self.misplaced, "without_user_field": self.no_user,
                 "formats": dict(self.formats), "schema_ids": sorted(self.schema_ids),
                 "timestamp_type": {"topic": self.topic_timestamp_type, "records": dict(self.record_timestamps)}}
 
@@ -93,12 +96,16 @@ class InputReport:
                      else "no one partitioner places every keyed record (several producers, or keys ignored)")
             out.append(f"  partitioning: keyed records on their key's partition by partitioner: {matches}: {guess}")
         out.append(f"  with --partitioner {self.partitioner}: {share(self.misplaced)} are not on the partition of their "
-                   f"{self.user_field!r} (the worker drops them today: wrong_partition, or malformed when not keyed by it)")
+                   f"{self.user_field!r}: the worker sends them there through its by-user topic (each is counted, at the cost "
+                   f"of a second trip through Kafka); the others are bounded where they are")
+        if self.no_user:
+            out.append(f"  {share(self.no_user)} have no {self.user_field!r} the worker can read: dead-lettered as malformed")
         likely = self.likely_partitioner()
         if self.misplaced and likely and likely != self.partitioner and self.keyed_otherwise == 0:
             rest = (f"; the {self.unkeyed:,} without a key have no partition of their own (every client spreads them)"
                     if self.unkeyed else "")
-            out.append(f"  hint: start the worker with --partitioner {likely}: every keyed record sampled is then in place{rest}")
+            out.append(f"  hint: start the worker with --partitioner {likely}: every keyed record sampled is then in place, "
+                       f"with no second trip{rest}")
         ts = ", ".join(f"{k} {v:,}" for k, v in sorted(self.record_timestamps.items()))
         out.append(f"  timestamps: topic message.timestamp.type {self.topic_timestamp_type or 'unknown'}; records: {ts}")
         fmt = ", ".join(f"{k} {share(v)}" for k, v in self.formats.most_common())
@@ -147,7 +154,8 @@ def analyse(topic: str, partitions: int, records: list[SampledRecord], user_fiel
     users = [user_of(r.value, user_field) for r in records]
     with_user = [(r, u) for r, u in zip(records, users) if u is not None]
     home = partition_for([u for _, u in with_user], partitions, partitioner) if with_user else []
-    report.misplaced = len(records) - sum(int(p == r.partition) for p, (r, _) in zip(home, with_user))
+    report.misplaced = sum(int(p != r.partition) for p, (r, _) in zip(home, with_user))
+    report.no_user = len(records) - len(with_user)
     for r, u in zip(records, users):
         if r.key is None:
             report.unkeyed += 1

@@ -23,10 +23,14 @@ class PipelineMetrics:
                                  "Input records read for the query, valid or not (the refused ones are in "
                                  "dpstream_events_dropped_total too); dynamic queries: updates read", ["query"], registry=r)
         self.dropped = Counter("dpstream_events_dropped_total",
-                               "Input events dropped, by reason: malformed, wrong_partition, future, key_collision, late (these dead-lettered; "
+                               "Input events dropped, by reason: malformed, future, key_collision, late (these dead-lettered; "
                                "late at stage 2 only counted), "
                                "contribution_bound, per_key_bound, budget, duplicate "
                                "(a redelivered copy)", ["query", "reason"], registry=r)
+        self.rerouted = Counter("dpstream_events_rerouted_total",
+                                "Input events read on a partition that does not own their user (by --partitioner), sent to the "
+                                "one that does through the query's by-user topic (docs/operator-guide.md, \"Writing to the "
+                                "input topic\")", ["query"], registry=r)
         self.accumulated = Counter("dpstream_records_accumulated_total", "Bounded records stage 2 added to pending micro-batches",
                                    ["query"], registry=r)
         self.releases = Counter("dpstream_releases_total",

@@ -49,6 +49,16 @@ class StageBatches:
             self.firsts[stage] = time.monotonic()
         self.fetched[key] = records[-1].offset + 1
 
+    def hand_back(self, stage: str, items: list) -> None:
+        """Records a stage's agent could not process yet (a stage-1 partition replaying its last
+        batch before a crash: processor/adapters/worker.py): before any fetched since."""
+        for topic, partition, records, source in items:
+            entry = self.pending[stage].get((topic, partition))
+            self.pending[stage][(topic, partition)] = (source, list(records) + (entry[1] if entry else []))
+            self.counts[stage] += len(records)
+            if self.firsts[stage] is None:
+                self.firsts[stage] = time.monotonic()
+
     def drop(self, key) -> None:
         """A partition given up: its gathered records are its new owner's to read."""
         for st in STAGES:

@@ -41,6 +41,7 @@ from dpstream.topics.kafka import (
     client_security,
     read_compacted,
     repartition_topic,
+    rerouting_topic,
     restarts_key,
 )
 
@@ -126,6 +127,7 @@ def plan_start_over(config: DpstreamConfig, app_id: str, state_dir: Optional[str
     # this run's repartition topics (the next run's have new names: worker_epoch)
     epoch = worker_epoch(config, count)
     topics = {repartition_topic(q.name, app_id, epoch) for q in config.queries}
+    topics |= {rerouting_topic(q.name, app_id, epoch) for q in config.queries}
     topics |= {t for t in existing if t.startswith(prefix) and t.endswith("-changelog")}
     if delete_outputs:
         topics |= {q.output_topic for q in config.queries} | {q.output_topic for q in config.dynamic}

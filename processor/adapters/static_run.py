@@ -9,10 +9,18 @@ import logging
 import time
 
 from dpstream.processor.adapters.worker import InputWentBackError
-from dpstream.processor.adapters.worker_run import WorkerRun, group_id
+from dpstream.processor.adapters.worker_run import WorkerRun, group_id, log_positions
 from dpstream.topics.kafka import aiokafka_security, client_security, read_progress
 
 log = logging.getLogger("dpstream.worker")
+
+
+def lane_positions(broker: str, lanes) -> dict:
+    """The log start offset of each by-user topic partition in ``lanes``."""
+    from types import SimpleNamespace
+
+    refs = [SimpleNamespace(topic=t, partition=p) for t, p in lanes]
+    return {key: start for key, (start, _, _) in log_positions(broker, refs).items()} if refs else {}
 
 
 def _tp(topic: str, partition: int):
@@ -90,15 +98,18 @@ class StaticRun(WorkerRun):
         await consumer.start()
         self.consumer = consumer
         stage_of = {}
-        for key, src in [*worker.stage1.items(), *worker.stage2.items(), *worker.dynamic.items()]:
+        for key, src in [*worker.stage1.items(), *worker.stage2.items(), *worker.dynamic.items(), *worker.lanes.items()]:
             stage_of[_tp(*key)] = (self.stage_of(key), src)
+        lane_starts = await loop.run_in_executor(None, lambda: lane_positions(self.broker, worker.lanes))
         consumer.assign(list(stage_of))
         for tp, (_, src) in stage_of.items():
-            start = positions[(src.topic, src.partition)][0]
-            if src.last_offset + 1 < start:  # deleted by retention before this worker read them
-                log.error("%s: records at offsets %d to %d were deleted (retention) before this worker read them; "
-                          "going on from offset %d", src.name, src.last_offset + 1, start - 1, start)
-            consumer.seek(tp, max(src.last_offset + 1, start))  # the state's own offset, not a group commit
+            key = (tp.topic, tp.partition)
+            start = positions[key][0] if key in positions else lane_starts[key]
+            offset = src.lane_offset(tp.topic) if key in worker.lanes else src.last_offset
+            if offset + 1 < start:  # deleted by retention before this worker read them
+                log.error("%s-%d: records at offsets %d to %d were deleted (retention) before this worker read them; "
+                          "going on from offset %d", tp.topic, tp.partition, offset + 1, start - 1, start)
+            consumer.seek(tp, max(offset + 1, start))  # the state's own offset, not a group commit
         self.health.set("ready")
         log.info("dpstream worker %d/%d ready: %d input and %d repartition partitions", s.ownership.index, s.ownership.workers,
                  len(worker.stage1), len(worker.stage2))
@@ -135,14 +146,19 @@ class StaticRun(WorkerRun):
         partition once, its own store), all their messages sent with one acknowledgement wait
         (exactly once: one transaction, with the progress record of each partition), then every
         state write committed: one broker round trip per batch, not per partition."""
-        worker, step = self.worker, self.step(stage)
-        results = [r for topic, partition, records, _ in items if (r := step(topic, partition, records)) is not None]
+        worker = self.worker
+        results, again = worker.process_batch(stage, items)
         messages = [m for r in results for m in r.messages]
         if self.exactly_once:
             messages += [worker.progress_message(r) for r in results]
+        elif stage == "stage1":  # at least once: what is about to go out, to send again as it was
+            for r in results:
+                if r.source.lanes:
+                    r.source.write_plan(r.offsets())
         await self.publishers.send(messages, stage)  # bounded records and dead letters first,
         for r in results:  # then the state they cover
             r.commit()
+        self.batches.hand_back(stage, again)
 
     async def fire(self, now: int) -> None:
         worker, publishers = self.worker, self.publishers

@@ -50,7 +50,6 @@ never past the wall clock. Nothing one record claims moves any clock.
 """
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import operator
@@ -75,9 +74,9 @@ from dpstream.processor.engine.budget import (
 from dpstream.processor.engine.dynamic_stream import DynamicQueryState
 from dpstream.processor.engine.pipeline import (
     BoundedRecords,
-    EventColumns,
     PipelineStats,
     QueryPipeline,
+    RoutedEvents,
     Schedule,
     check_noise_epoch,
 )
@@ -98,7 +97,9 @@ from dpstream.topics.kafka import (
     PROGRESS_TOPIC,
     changelog_topic,
     repartition_topic,
+    rerouting_topic,
 )
+from dpstream.topics.partitioner import partition_for
 from dpstream.topics.records import (
     WATERMARK_KEY,
     EventParser,
@@ -146,11 +147,10 @@ def broker_stamped_max(records: Sequence["RecordLike"]) -> Optional[int]:
 def dead_letter_category(reason: str) -> str:
     """A dead letter's reason as one of the categories of ``dpstream_events_dropped_total``
     (docs/operations.md, "Topics and records"): the reason text itself may quote the record."""
-    for prefix, category in (("wrong_partition", "wrong_partition"), ("late:", "late"), ("future:", "future"),
-                             ("key id collision", "key_collision")):
+    for prefix, category in (("late:", "late"), ("future:", "future"), ("key id collision", "key_collision")):
         if reason.startswith(prefix):
             return category
-    return "malformed"  # the parser's reasons, a record not keyed by its user, an absent delete
+    return "malformed"  # the parser's reasons, an absent delete
 
 
 #: most bytes of one repartition message: half of Apache Kafka's default record limit (1 MB), so a
@@ -335,6 +335,48 @@ class SourcePartition:
         self._watermarks = InputWatermarks(store)
         self.watermarks: dict[tuple[str, int], int] = self._watermarks.get()
         self._topic_id = TextMark(store, b"topic-id")
+        #: stage 1: its lanes, the partitions of the queries' by-user topics read into this
+        #: state with the input partition (:meth:`DpstreamWorker.process_stage_one`): topic -> the
+        #: offset read up to, committed with the state
+        self.lanes: dict[str, int] = {}
+        self._lane_offsets: dict[str, IntegerMark] = {}
+        #: stage 1: how far each input partition's events sent here were read, from the markers
+        #: on the by-user topics ((by-user topic, input partition) -> ms), and the watermark last
+        #: announced on them
+        self._rerouted = InputWatermarks(store, b"rerouted-watermarks")
+        self.rerouted_marks: dict[tuple[str, int], int] = self._rerouted.get()
+        self.announced_own_ms: Optional[int] = None
+        #: stage 1: lane offsets to process first, in lane order, before anything else: the last
+        #: batch before a crash, whose outputs were delivered (exactly once: into the state
+        #: only) or may have been (at least once: sent again), so that every record gets the slot
+        #: it got then (docs/privacy.md, "Failures")
+        self.replay: dict[str, int] = {}
+        self.replay_sends = False
+        self._plan = TextMark(store, b"lane-plan")
+
+    def add_lane(self, topic: str) -> None:
+        """Stage 1: read ``topic``'s partition of this number into this state too (a by-user topic)."""
+        mark = self._lane_offsets[topic] = IntegerMark(self.store, b"offset:" + topic.encode())
+        self.lanes[topic] = mark.get(-1)
+        plan = json.loads(self._plan.get() or "{}")
+        replay = {lane: int(o) for lane, o in plan.items() if int(o) > self.lane_offset(lane)}
+        if replay:  # at least once: the last batch's outputs may be out; they go again, as they were
+            self.replay, self.replay_sends = replay, True
+
+    @property
+    def lane_order(self) -> list[str]:
+        """The order a batch's lanes are bounded in: the input, then the by-user topics."""
+        return [self.topic, *self.lanes]
+
+    def lane_offset(self, lane: str) -> int:
+        return self.last_offset if lane == self.topic else self.lanes.get(lane, -1)
+
+    def write_plan(self, offsets: dict[str, int]) -> None:
+        """At least once, a stage-1 partition with lanes: which records the batch about to be
+        sent covers, before it is sent (:attr:`replay`)."""
+        batch = WriteBatch()
+        self._plan.put(batch, json.dumps(offsets, sort_keys=True))
+        self.store.write(batch)
 
     def check_log(self, start: int, end: int, topic_id: Optional[str], read_to: Optional[int] = None) -> None:
         """Refuse a log that went back: another topic under the same name (its id changed), or
@@ -363,22 +405,47 @@ class SourcePartition:
     def name(self) -> str:
         return f"{self.topic}-{self.partition}"
 
-    def commit(self, batch: WriteBatch, last_offset: int, read_ms: Optional[int] = None) -> None:
-        """The state changes of records up to ``last_offset`` and that offset: one atomic write."""
-        self.write(batch, last_offset)
-        self.acknowledge(last_offset, read_ms)
+    def commit(self, batch: WriteBatch, last_offset: int, read_ms: Optional[int] = None, lanes: Optional[dict] = None,
+               marks: Optional[dict] = None) -> None:
+        """The state changes of records up to ``last_offset`` (and each lane's offset in
+        ``lanes``) and those offsets: one atomic write."""
+        self.write(batch, last_offset, lanes, marks)
+        self.acknowledge(last_offset, read_ms, lanes, marks)
 
-    def write(self, batch: WriteBatch, last_offset: int) -> None:
+    def write(self, batch: WriteBatch, last_offset: int, lanes: Optional[dict] = None, marks: Optional[dict] = None) -> None:
         self._offset.put(batch, last_offset)
+        for lane, offset in (lanes or {}).items():
+            if offset != self.lanes.get(lane):
+                self._lane_offsets[lane].put(batch, offset)
+        if marks:
+            self._rerouted.put(batch, {**self.rerouted_marks, **marks})
+        if self.lanes and self._plan.get():
+            self._plan.put(batch, "")
         self.store.write(batch)
 
-    def acknowledge(self, last_offset: int, read_ms: Optional[int] = None) -> None:
+    def acknowledge(self, last_offset: int, read_ms: Optional[int] = None, lanes: Optional[dict] = None,
+                    marks: Optional[dict] = None) -> None:
         """Records up to ``last_offset`` are written and their outputs delivered: they count for
         the watermark (elastic workers write the state first, then commit the transaction that
         carries its changelog: only then)."""
         self.last_offset = last_offset
+        if lanes:
+            self.lanes.update(lanes)
+        if marks:
+            self.rerouted_marks.update(marks)
+        if self.replay:
+            self.replay = {lane: o for lane, o in self.replay.items() if o > self.lane_offset(lane)}
         if read_ms is not None:
             self.read_ms = read_ms if self.read_ms is None else max(self.read_ms, read_ms)
+
+    def rerouted_watermark(self, partitions: int) -> Optional[int]:
+        """Stage 1: how far every input partition's events sent to this one have been read here
+        (the markers of every by-user topic from every input partition; None until each has
+        announced one). No lanes: no limit."""
+        if not self.lanes:
+            return 2**62
+        marks = [self.rerouted_marks.get((lane, p)) for lane in self.lanes for p in range(partitions)]
+        return None if None in marks else min(marks)
 
     def read_watermark(self, now_ms: int, end_ms: Optional[int], delay_ms: int) -> Optional[int]:
         """Stage 1 and dynamic updates: how far this partition has been read, as a time. The
@@ -418,15 +485,22 @@ class StageOneResult:
     messages: list[Message] = field(default_factory=list)
     invalid: Counter = field(default_factory=Counter)
     read_ms: Optional[int] = None  # the newest broker-stamped timestamp of the batch (broker_stamped_max)
+    #: stage 1: each lane's offset after this batch, and the by-user markers it read
+    lanes: dict = field(default_factory=dict)
+    marks: dict = field(default_factory=dict)
 
     def commit(self) -> None:
-        self.source.commit(self.batch, self.last_offset, self.read_ms)
+        self.source.commit(self.batch, self.last_offset, self.read_ms, self.lanes, self.marks)
 
     def write(self) -> None:
-        self.source.write(self.batch, self.last_offset)
+        self.source.write(self.batch, self.last_offset, self.lanes, self.marks)
 
     def acknowledge(self) -> None:
-        self.source.acknowledge(self.last_offset, self.read_ms)
+        self.source.acknowledge(self.last_offset, self.read_ms, self.lanes, self.marks)
+
+    def offsets(self) -> dict[str, int]:
+        """Every lane's offset after this batch, the input's first."""
+        return {self.source.topic: self.last_offset, **self.source.lanes, **self.lanes}
 
 
 @dataclass
@@ -524,6 +598,11 @@ class DpstreamWorker:
         for q in config.queries:
             self._by_input[q.input_topic].append(q)
         self._by_repartition = {self.repartition_topic(q.name): q for q in config.queries}
+        #: stage 1's lanes: each query's by-user topic, read with its input topic into the same
+        #: state (docs/operations.md, "Writing to the input topic")
+        self._by_rerouting = {self.rerouting_topic(q.name): q for q in config.queries}
+        #: (by-user topic, partition) -> the stage-1 source it is read into
+        self.lanes: dict[tuple[str, int], SourcePartition] = {}
         self._dynamic_queries: dict[str, list] = defaultdict(list)
         for q in config.dynamic:
             self._dynamic_queries[q.input_topic].append(q)
@@ -585,6 +664,10 @@ class DpstreamWorker:
                                                                              index=self.config.queries.index(q))
                                                                for q in self._by_input[topic]])
             self.stage1[key] = source
+            for q in self._by_input[topic]:
+                lane = self.rerouting_topic(q.name)
+                source.add_lane(lane)
+                self.lanes[(lane, partition)] = source
         elif topic in self._dynamic_queries:
             source = SourcePartition(topic, partition, store, [])
             self.dynamic[key] = source
@@ -601,6 +684,10 @@ class DpstreamWorker:
         """Give up a partition (it moved to another worker): its store is closed, its data kept
         on this volume for an incremental restore should it come back (state/changelog.py)."""
         key = (topic, partition)
+        source = self.stage1.get(key)
+        if source is not None:
+            for lane in source.lanes:
+                self.lanes.pop((lane, partition), None)
         for table in (self.stage1, self.stage2, self.dynamic):
             table.pop(key, None)
         self.dynamic_states.pop(key, None)
@@ -664,6 +751,14 @@ class DpstreamWorker:
         """This application's and epoch's stage 1 -> stage 2 topic of a query."""
         return repartition_topic(query_name, self.app_id, worker_epoch(self.config, self.restarts))
 
+    def rerouting_topic(self, query_name: str) -> str:
+        """This application's and epoch's stage 1 -> stage 1 topic of a query (:func:`rerouting_topic`)."""
+        return rerouting_topic(query_name, self.app_id, worker_epoch(self.config, self.restarts))
+
+    def rerouting_topics(self) -> dict[str, str]:
+        """Every query's by-user topic -> its input topic (the by-user topic has its partitions)."""
+        return {lane: q.input_topic for lane, q in self._by_rerouting.items()}
+
     def changelog_topic(self, source_topic: str) -> str:
         return changelog_topic(self.app_id, worker_epoch(self.config, self.restarts), source_topic)
 
@@ -724,8 +819,9 @@ class DpstreamWorker:
         return {topic: counts.get(topic, 0) for topic in self.source_topics()}
 
     def source_of(self, key: tuple[str, int]) -> Optional[SourcePartition]:
-        """The owned source partition ``(topic, partition)``, None if not owned (now)."""
-        return self.stage1.get(key) or self.stage2.get(key) or self.dynamic.get(key)
+        """The owned source partition ``(topic, partition)`` (for a by-user topic's partition: the
+        stage-1 source it is read into), None if not owned (now)."""
+        return self.stage1.get(key) or self.stage2.get(key) or self.dynamic.get(key) or self.lanes.get(key)
 
     @property
     def sources(self) -> list[SourcePartition]:
@@ -736,99 +832,186 @@ class DpstreamWorker:
             yield from src.pipelines
 
     # ------------------------------------------------------------------ stage 1
+    # Stage 1 bounds a user's contributions in the state of the input partition its user id maps
+    # to (--partitioner; docs/privacy.md, "Failures"). An event read anywhere else is sent there
+    # through the query's by-user topic, whose partition p is read into input partition p's state
+    # (its lane): a user's events are bounded in one state whatever partition its producer chose.
     def process_input(self, topic: str, partition: int, records: Sequence[RecordLike]) -> Optional[StageOneResult]:
         """Bound a batch of input records of one partition; nothing is written yet."""
-        source = self.stage1[(topic, partition)]
-        records = _undelivered(source, records, lambda done: self._bound_input(source, topic, partition, done))
-        return self._bound_input(source, topic, partition, records) if records else None
+        return self.process_stage_one(self.stage1[(topic, partition)], {topic: records})[0]
 
-    def _bound_input(self, source: SourcePartition, topic: str, partition: int, records: Sequence[RecordLike]) -> StageOneResult:
-        result = StageOneResult(source, WriteBatch(), records[-1].offset)
-        # the records' fields as columns once: per-record attribute access is much of a batch's cost
-        message_keys = list(map(_KEY, records))
-        stamps = np.fromiter(map(_TIMESTAMP, records), dtype=np.int64, count=len(records))
-        result.read_ms = broker_stamped_max(records)
-        parsed = self.decoder.decode(list(map(_VALUE, records)))  # once for every query
-        misplaced = self._misplaced(topic, partition, message_keys)
+    def process_batch(self, stage: str, items) -> tuple[list, list]:
+        """One dispatched batch of ``stage``: ``items`` are (topic, partition, records, source).
+        Returns the results to send and commit, and the items to read again with the next batch
+        (:meth:`process_stage_one`)."""
+        if stage != "stage1":
+            step = self.process_repartitioned if stage == "stage2" else self.process_dynamic
+            return [r for topic, partition, records, _ in items if (r := step(topic, partition, records)) is not None], []
+        grouped: dict[int, tuple[SourcePartition, dict]] = {}
+        for topic, _, records, source in items:
+            grouped.setdefault(id(source), (source, {}))[1][topic] = records
+        results, again = [], []
+        for source, lanes in grouped.values():
+            result, rest = self.process_stage_one(source, lanes)
+            if result is not None:
+                results.append(result)
+            again += [(lane, source.partition, recs, source) for lane, recs in rest.items()]
+        return results, again
+
+    def process_stage_one(self, source: SourcePartition, lanes: dict[str, Sequence[RecordLike]]
+                          ) -> tuple[Optional[StageOneResult], dict[str, list]]:
+        """Bound a batch of a stage-1 partition's records (``lanes``: input or by-user topic ->
+        its records), all in one pass: the state is read as committed, so two passes of one batch
+        would both see a user's count from before it. Returns the result (nothing is written
+        yet), and records to hand back for the next batch.
+
+        After a crash the first batch must be the one that was in flight (:attr:`SourcePartition.replay`),
+        in the same lane order, so that each record gets the (user, slot) it got then: records
+        past it wait (they are handed back). Exactly once, its outputs were delivered: it goes
+        into the state with nothing sent, and the rest follows at once."""
+        pending = {}
+        for lane in source.lane_order:
+            recs = lanes.get(lane)
+            if not recs:
+                continue
+            done = source.lane_offset(lane)
+            if recs[0].offset <= done:
+                recs = [r for r in recs if r.offset > done]  # redelivered: already in state
+            if recs:
+                pending[lane] = list(recs)
+        if source.replay:
+            chunk, rest, complete = self._replay_chunk(source, pending)
+            if source.replay_sends or not complete:
+                if not source.replay_sends and chunk:
+                    self._bound_lanes(source, chunk).commit()
+                    chunk = {}
+                return (self._bound_lanes(source, chunk) if chunk else None), rest
+            if chunk:
+                self._bound_lanes(source, chunk).commit()
+            pending = rest
+        return (self._bound_lanes(source, pending) if pending else None), {}
+
+    @staticmethod
+    def _replay_chunk(source: SourcePartition, pending: dict[str, list]) -> tuple[dict, dict, bool]:
+        """``pending`` split into the longest prefix of the replayed batch (lane by lane, in lane
+        order) and the rest; whether the prefix is the whole replayed batch."""
+        chunk, rest, blocked = {}, {}, False
+        for lane in source.lane_order:
+            recs = pending.get(lane, [])
+            upto = source.replay.get(lane)
+            if blocked or upto is None:
+                if recs:
+                    rest[lane] = recs
+                continue
+            k = sum(1 for r in recs if r.offset <= upto)
+            if k:
+                chunk[lane] = recs[:k]
+            if recs[k:]:
+                rest[lane] = recs[k:]
+            blocked = not k or recs[k - 1].offset < upto
+        return chunk, rest, not blocked
+
+    def _bound_lanes(self, source: SourcePartition, lanes: dict[str, list]) -> StageOneResult:
+        topic = source.topic
+        records = lanes.get(topic, [])
+        result = StageOneResult(source, WriteBatch(), records[-1].offset if records else source.last_offset)
+        parsed, stamps = None, None
+        if records:
+            stamps = np.fromiter(map(_TIMESTAMP, records), dtype=np.int64, count=len(records))
+            result.read_ms = broker_stamped_max(records)
+            parsed = self.decoder.decode(list(map(_VALUE, records)))  # once for every query
         for runner in source.runners:
-            pipe, q = runner.pipeline, runner.query
-            parser = self.parsers[q.name]
-
-            def reject(r, reason: str) -> None:
-                result.invalid[(q.name, reason)] += 1
-                result.messages.append(self._letter(q.name, reason, r.value or b"", f"{topic}/{partition}@{r.offset}"))
-
-            parsed_events = parser.parse_batch(parsed)  # per batch: columns, not one object per record
-            refused = dict(parsed_events.invalid)
-            malformed = len(refused)
-            index = parsed_events.index.tolist()
-            user_ids = [u.encode() for u in parsed_events.users]
-            whole = len(index) == len(records)  # every record parsed: index is 0..n-1
-            mismatch = map(operator.ne, message_keys if whole else [message_keys[i] for i in index], user_ids)
-            for j in itertools.compress(range(len(index)), mismatch):
-                # stage 1 counts a user's contributions in one partition's state: a record
-                # not keyed by its user could be counted in another partition too
-                refused[index[j]] = f"message key must be the {q.user_field!r} field (input is partitioned by user)"
-                malformed += 1
-            wrong = 0
-            for i, reason in misplaced.items():
-                if i not in refused:
-                    refused[i] = reason
-                    wrong += 1
-            for i in sorted(refused):
-                reject(records[i], refused[i])
-            pipe.stats.events_in += malformed + wrong
-            pipe.stats.dropped["malformed"] += malformed
-            pipe.stats.dropped["wrong_partition"] += wrong
-            if len(refused) == len(parsed_events.invalid):  # every parsed event kept
-                users, keys = user_ids, parsed_events.keys
-                values, ts, kept = parsed_events.values, parsed_events.ts, parsed_events.index
-            else:
-                keep = np.flatnonzero(~np.isin(parsed_events.index, np.fromiter(refused, dtype=np.int64, count=len(refused))))
-                users, keys = [user_ids[j] for j in keep.tolist()], [parsed_events.keys[j] for j in keep.tolist()]
-                values, ts, kept = parsed_events.values[keep], parsed_events.ts[keep], parsed_events.index[keep]
-            if not len(ts):
-                continue
-            events = EventColumns(self.pseudonyms.encoded_users(users), np.array(keys, dtype=object), self.pseudonyms.group_keys(keys),
-                                  values, ts)
-            stage_one = runner.stage_one(events, stamps[kept], result.batch)
-            bounded = stage_one.records
-            for e, reason in stage_one.refused:  # future events and key id collisions (counted by stage 1)
-                result.invalid[(q.name, reason)] += 1
-                origin = records[int(kept[e])]
-                result.messages.append(self._letter(q.name, reason, origin.value or b"", f"{topic}/{partition}@{origin.offset}"))
-            if not len(bounded):
-                continue
-            # by key; a hierarchy by its level-1 key, so a whole subtree is on one partition and
-            # its consistency step sees every level (docs/privacy.md, "Post-processing: hierarchical consistency")
-            target = (bounded.roots % np.uint64(self.repartitions)).astype(np.int64)
-            out_topic = self.repartition_topic(q.name)
-            for p in np.unique(target).tolist():
-                for value in encoded_parts(bounded.take(np.nonzero(target == p)[0])):
-                    result.messages.append(Message(out_topic, value, None, p))
+            q = runner.query
+            here = self._parse_input(runner, source, records, parsed, stamps, result) if records else None
+            lane = self.rerouting_topic(q.name)
+            moved = self._take_lane(lane, lanes.get(lane), result)
+            parts = [p for p in (here, moved) if p is not None and len(p)]
+            if parts:
+                self._bound_events(runner, RoutedEvents.concat(parts), records, result)
         return result
+
+    def _parse_input(self, runner: QueryRunner, source: SourcePartition, records: list, parsed, stamps: np.ndarray,
+                     result: StageOneResult) -> RoutedEvents:
+        """A query's events of input records: the invalid ones dead-lettered, those of users that
+        another partition owns sent there (by-user topic), the rest returned for bounding here."""
+        pipe, q = runner.pipeline, runner.query
+        topic, partition = source.topic, source.partition
+        parsed_events = self.parsers[q.name].parse_batch(parsed)  # per batch: columns, not one object per record
+        for i, reason in sorted(dict(parsed_events.invalid).items()):
+            result.invalid[(q.name, reason)] += 1
+            result.messages.append(self._letter(q.name, reason, records[i].value or b"", f"{topic}/{partition}@{records[i].offset}"))
+        pipe.stats.events_in += len(parsed_events.invalid)
+        pipe.stats.dropped["malformed"] += len(parsed_events.invalid)
+        kept = parsed_events.index
+        if not len(kept):
+            return None
+        user_ids = [u.encode() for u in parsed_events.users]
+        keys = parsed_events.keys
+        offsets = np.fromiter((records[i].offset for i in kept.tolist()), dtype=np.int64, count=len(kept))
+        events = RoutedEvents(self.pseudonyms.encoded_users(user_ids), self.pseudonyms.group_keys(keys),
+                              np.array(keys, dtype=object), parsed_events.values, parsed_events.ts, stamps[kept],
+                              np.full(len(kept), partition, dtype=np.int64), offsets)
+        home = partition_for(user_ids, self.input_partitions[topic], self.partitioner)
+        away = home != partition
+        if not away.any():
+            return events
+        # another partition's users: to it, through the query's by-user topic (pseudonyms only)
+        lane = self.rerouting_topic(q.name)
+        moving = np.flatnonzero(away)
+        for p in np.unique(home[moving]).tolist():
+            part = events.take(moving[home[moving] == p])
+            result.messages.append(Message(lane, part.encode(), None, p))
+        self.metrics.rerouted.labels(q.name).inc(len(moving))
+        return events.take(np.flatnonzero(~away))
+
+    def _take_lane(self, lane: str, records: Optional[list], result: StageOneResult) -> Optional[RoutedEvents]:
+        """A by-user topic's records: its markers (kept with the state) and its events."""
+        if not records:
+            return None
+        result.lanes[lane] = records[-1].offset
+        parts = []
+        for r in records:
+            if r.key == WATERMARK_KEY:
+                _, origin, ms = decode_watermark(r.value)
+                if ms > result.marks.get((lane, origin), result.source.rerouted_marks.get((lane, origin), -2**63)):
+                    result.marks[(lane, origin)] = ms
+            else:
+                parts.append(RoutedEvents.decode(r.value))
+        return RoutedEvents.concat(parts) if parts else None
+
+    def _bound_events(self, runner: QueryRunner, events: RoutedEvents, records: list, result: StageOneResult) -> None:
+        """Bound a query's events (this partition's own, then those sent here) and send the
+        bounded records on, by key."""
+        q = runner.query
+        topic, partition = result.source.topic, result.source.partition
+        stage_one = runner.stage_one(events.events(), events.stamps, result.batch)
+        first = records[0].offset if records else 0
+        for e, reason in stage_one.refused:  # late, future and key id collisions (counted by stage 1)
+            result.invalid[(q.name, reason)] += 1
+            origin, offset = int(events.origins[e]), int(events.offsets[e])
+            if origin == partition and records:
+                i = offset - first  # offsets have gaps where transaction markers are
+                original = (records[i] if 0 <= i < len(records) and records[i].offset == offset else
+                            next(r for r in records if r.offset == offset)).value
+                where = f"{topic}/{partition}@{offset}"
+            else:  # sent here by the partition it was read on: the dead letter names where it is
+                original, where = b"", f"{topic}/{origin}@{offset} (by way of partition {partition})"
+            result.messages.append(self._letter(q.name, reason, original or b"", where))
+        bounded = stage_one.records
+        if not len(bounded):
+            return
+        # by key; a hierarchy by its level-1 key, so a whole subtree is on one partition and
+        # its consistency step sees every level (docs/privacy.md, "Post-processing: hierarchical consistency")
+        target = (bounded.roots % np.uint64(self.repartitions)).astype(np.int64)
+        out_topic = self.repartition_topic(q.name)
+        for p in np.unique(target).tolist():
+            for value in encoded_parts(bounded.take(np.nonzero(target == p)[0])):
+                result.messages.append(Message(out_topic, value, None, p))
 
     def _letter(self, query: str, reason: str, original: bytes, source: str) -> Message:
         """A dead letter for ``query``, counted by reason category (:func:`dead_letter_category`)."""
         self.dead_letters[(query, dead_letter_category(reason))] += 1
         return Message(DEAD_LETTER_TOPIC, encode_json({"query": query, **dead_letter(reason, original, source)}))
-
-    def _misplaced(self, topic: str, partition: int, keys: Sequence[Optional[bytes]]) -> dict[int, str]:
-        """Records keyed by a user whose key hashes to another partition (by the configured
-        partitioner): counted here, the user could also be counted on that partition, up to C
-        more contributions. ``keys``: the records' message keys. Returns {record index: reason}."""
-        from dpstream.topics.partitioner import partition_for
-
-        keyed = [i for i, k in enumerate(keys) if k is not None] if None in keys else None
-        if keyed is not None:
-            keys = [keys[i] for i in keyed]
-        if not keys:
-            return {}
-        expected = partition_for(keys, self.input_partitions[topic], self.partitioner)
-        wrong = np.flatnonzero(expected != partition)
-        at = wrong if keyed is None else np.asarray(keyed, dtype=np.int64)[wrong]
-        return {i: f"wrong_partition: the message key hashes ({self.partitioner}) to partition {p}, not {partition}"
-                for i, p in zip(at.tolist(), expected[wrong].tolist())}
 
     # ------------------------------------------------------------------ stage 2
     def process_repartitioned(self, topic: str, partition: int, records: Sequence[RecordLike]) -> Optional[StageTwoResult]:
@@ -879,7 +1062,16 @@ class DpstreamWorker:
         ends = read_to_end or {}
         out = []
         for (topic, p), source in self.stage1.items():
-            mark = source.read_watermark(now_ms, ends.get((topic, p)), self.watermark_delay_ms)
+            partitions = self.input_partitions[topic]
+            own = source.read_watermark(now_ms, ends.get((topic, p)), self.watermark_delay_ms)
+            if own is not None and (source.announced_own_ms is None or own > source.announced_own_ms):
+                # to every partition of the by-user topics: this partition's events sent there
+                # were acknowledged before this marker, so it follows them
+                source.announced_own_ms = own
+                value = encode_watermark(topic, p, own)
+                out.extend(Message(lane, value, WATERMARK_KEY, r) for lane in source.lanes for r in range(partitions))
+            moved = source.rerouted_watermark(partitions)
+            mark = None if own is None or moved is None else min(own, moved)
             if mark is None or (source.announced_ms is not None and mark <= source.announced_ms):
                 continue
             source.announced_ms = mark
@@ -1021,9 +1213,15 @@ class DpstreamWorker:
         """Take in what the progress topic says was delivered (:func:`dpstream.topics.kafka.read_progress`):
         records up to each source's delivered offset are applied to the state with no output
         sent, and journaled triggers up to its published one are marked published, not sent."""
-        for source in [*self.stage1.values(), *self.stage2.values()]:
+        for source in self.stage2.values():
             done = progress.get(source.name)
             source.delivered_offset = int(done["offset"]) if done else -1
+        for source in self.stage1.values():
+            done = progress.get(source.name)
+            offsets = {source.topic: int(done["offset"]), **{k: int(v) for k, v in done.get("lanes", {}).items()}} if done else {}
+            replay = {lane: o for lane, o in offsets.items() if lane in source.lane_order and o > source.lane_offset(lane)}
+            if replay:  # the last batch's outputs are out: it goes into the state as it was, nothing sent
+                source.replay, source.replay_sends = replay, False
         for f in self.unpublished():
             done = progress.get(f"{f.source.name}/published")
             if done and (f.window, f.trigger) <= (int(done["window"]), int(done["trigger"])):
@@ -1036,8 +1234,12 @@ class DpstreamWorker:
             self.mark_dynamic_published(key, through)
 
     def progress_message(self, result: "StageOneResult | StageTwoResult") -> Message:
-        """The progress record of a processed batch: its outputs are delivered up to its last offset."""
-        return Message(PROGRESS_TOPIC, encode_json({"offset": result.last_offset}), f"{self.app_id}/{result.source.name}".encode())
+        """The progress record of a processed batch: its outputs are delivered up to its last
+        offset (stage 1: and each lane's)."""
+        value = {"offset": result.last_offset}
+        if isinstance(result, StageOneResult) and result.source.lanes:
+            value["lanes"] = {lane: o for lane, o in result.offsets().items() if lane != result.source.topic}
+        return Message(PROGRESS_TOPIC, encode_json(value), f"{self.app_id}/{result.source.name}".encode())
 
     def published_message(self, fired: FiredTrigger) -> Message:
         """The progress record of a trigger: its releases (and every earlier trigger's of its

@@ -98,18 +98,13 @@ class WorkerRun:
         """One dispatched batch of ``stage`` (stage1, stage2, dynamic)."""
         raise NotImplementedError
 
-    def step(self, stage: str):
-        """The worker's step for a stage's records."""
-        w = self.worker
-        return {"stage1": w.process_input, "stage2": w.process_repartitioned, "dynamic": w.process_dynamic}[stage]
-
     async def fire(self, now_ms: int) -> None:
         """The timer: fire every due trigger, decide dynamic ticks."""
         raise NotImplementedError
 
     def stage_of(self, key) -> str:
         w = self.worker
-        return "stage1" if key in w.stage1 else "stage2" if key in w.stage2 else "dynamic"
+        return "stage1" if key in w.stage1 or key in w.lanes else "stage2" if key in w.stage2 else "dynamic"
 
     # ------------------------------------------------------------------ watching
     def broker_silence(self) -> float:

@@ -31,6 +31,7 @@ from dpstream.topics.kafka import (
     kafka_error,
     read_epoch_marks,
     repartition_topic,
+    rerouting_topic,
     restarts_key,
     timestamp_types,
     topics_for,
@@ -92,6 +93,7 @@ class WorkerStartup:
         repartitions = {n for t, n in counts.items() if t not in inputs | dynamic_inputs}
         if len(repartitions) > 1:
             raise TopicLayoutError(f"repartition topics have different partition counts: {sorted(repartitions)}")
+        self.open_rerouting_topics(epoch, counts)
         # what this worker's state belonged to when it last started, kept outside its volume:
         # an empty state directory under the same epoch is a lost volume, refused (static); a
         # lost changelog topic, refused (group)
@@ -109,6 +111,19 @@ class WorkerStartup:
             mark["since_ms"] = int(time.time() * 1000)
             write_epoch_mark(broker, mark_key, mark)
         return worker
+
+    def open_rerouting_topics(self, epoch: str, counts: dict) -> None:
+        """Each query's by-user topic, with its input topic's partition count: its partition p is
+        read into input partition p's state (processor/adapters/worker.py, stage 1)."""
+        wanted = {rerouting_topic(q.name, self.s.app_id, epoch): counts[q.input_topic] for q in self.s.config.queries}
+        create_topics(self.broker, [TopicSpec(t, n, {"cleanup.policy": "delete"}, "stage 1 -> stage 1, events to the partition "
+                                              "that owns their user") for t, n in wanted.items()])
+        have = partition_counts(self.broker, set(wanted))
+        for topic, n in sorted(wanted.items()):
+            if have[topic] != n:
+                raise TopicLayoutError(f"by-user topic {topic} has {have[topic]} partitions, its input topic {n}: they must be "
+                                       f"equal (partition p of each is read into one state); delete it (dpstream reset) or "
+                                       f"give it {n} partitions")
 
     def check_timestamps(self, topics: set[str]) -> None:
         """Input topics must be stamped by the broker (LogAppendTime) unless --allow-create-time."""

@@ -18,6 +18,11 @@ alternation, ``--repeats`` times each:
   fails if the worker dropped anything but contributions over the bound;
 * worker, ``--assignment group``: the same with elastic workers' changelogs (every state write
   also goes to a changelog topic in the batch's transaction);
+* worker, stock producer: the same events in a second topic written by a confluent-kafka
+  ``Producer`` with every setting at its default (keyed by user id, librdkafka's crc32
+  partitioner, not the worker's murmur2): about 7 events in 8 are read on a partition that does
+  not own their user and go to it through the by-user topic, a second trip through Kafka
+  (docs/operator-guide.md, "Writing to the input topic");
 * workers (``--workers N``, default 2): N worker processes with one app id, worker i owning
   partitions p % N == i (what N replicas of the Helm chart run), started together and timed
   from when all are ready until their summed metrics show every admitted record accumulated.
@@ -172,14 +177,20 @@ def run_kafka_bench(broker: str, users: int, keys: int, repeats: int, partitions
     n = produce(broker, topic, synthetic_lines(users, keys, 1, now - span, span - 60_000))
     print(f"bench kafka: {n:,} events ({users:,} users, {keys:,} keys) in {topic}, {partitions} partitions, "
           f"produced in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    stock_topic = f"bench-stock-{tag}"
+    if baselines:
+        create_topics(broker, [TopicSpec(stock_topic, partitions, INPUT_TOPIC_CONFIG)])
+        produce_stock(broker, stock_topic, synthetic_lines(users, keys, 1, now - span, span - 60_000))
     with tempfile.TemporaryDirectory(prefix="dpstream-bench-cfg-") as tmp:
         config_path = Path(tmp) / "queries.yaml"
         config_path.write_text(f"queries:\n  - name: bench{tag}\n    input_topic: {topic}\n    output_topic: bench-out-{tag}\n"
                                f"    window: {window_days}d\n    triggers: 1\n    contribution_bound: 32\n    epsilon: 6\n    delta: 1.0e-9\n")
+        stock_config = Path(tmp) / "stock.yaml"
+        stock_config.write_text(config_path.read_text().replace(f"input_topic: {topic}\n", f"input_topic: {stock_topic}\n"))
         key_file = Path(tmp) / "noise.key"
         key_file.write_bytes(os.urandom(32))  # a throwaway secret: nothing here is published
         runs = ({"confluent_default": [], "confluent_tuned": [], "aiokafka_getmany": [], "worker": [], "worker_at_least_once": [],
-                 "worker_group": []}
+                 "worker_group": [], "worker_stock_producer": []}
                 if baselines else {"worker": []})
         scaled = f"workers_{workers}"
         if workers > 1:
@@ -189,14 +200,15 @@ def run_kafka_bench(broker: str, users: int, keys: int, repeats: int, partitions
                 runs["confluent_default"].append(baseline_rate(broker, topic, n))
                 runs["confluent_tuned"].append(baseline_rate(broker, topic, n, tuned=True))
                 runs["aiokafka_getmany"].append(aiokafka_rate(broker, topic, n))
-            trials = [("worker", 1, ())]  # exactly-once delivery, the default
+            trials = [("worker", 1, (), config_path)]  # exactly-once delivery, the default
             if baselines:  # what the transactions cost, and the changelogs of elastic workers, in the same run
-                trials.append(("worker_at_least_once", 1, ("--delivery", "at-least-once")))
-                trials.append(("worker_group", 1, ("--assignment", "group")))
+                trials.append(("worker_at_least_once", 1, ("--delivery", "at-least-once"), config_path))
+                trials.append(("worker_group", 1, ("--assignment", "group"), config_path))
+                trials.append(("worker_stock_producer", 1, (), stock_config))
             if workers > 1:
-                trials.append((scaled, workers, ()))
-            for name, count, extra in trials:
-                rate, metrics = worker_rate(broker, str(config_path), str(key_file), n, partitions, count, extra)
+                trials.append((scaled, workers, (), config_path))
+            for name, count, extra, config in trials:
+                rate, metrics = worker_rate(broker, str(config), str(key_file), n, partitions, count, extra)
                 refused = {k: v for k, v in metrics.items() if k.startswith("dropped:") and k != "dropped:contribution_bound" and v}
                 if refused or metrics.get("dpstream_records_accumulated_total", 0) <= 0:
                     raise RuntimeError(f"the worker refused events ({refused}): the run would measure refusals, not the product")
@@ -213,6 +225,7 @@ def run_kafka_bench(broker: str, users: int, keys: int, repeats: int, partitions
         "ratio_to_aiokafka_getmany": medians["worker"] / medians["aiokafka_getmany"],
         "ratio_exactly_once_to_at_least_once": medians["worker"] / medians["worker_at_least_once"],
         "ratio_group_to_static": medians["worker_group"] / medians["worker"],
+        "ratio_stock_producer_to_keyed": medians["worker_stock_producer"] / medians["worker"],
     }
     if workers > 1:
         result["workers"] = workers
@@ -223,12 +236,34 @@ def run_kafka_bench(broker: str, users: int, keys: int, repeats: int, partitions
           f"{result['ratio_to_confluent_tuned']:.2f}; worker / aiokafka: {result['ratio_to_aiokafka_getmany']:.2f}; "
           f"exactly-once / at-least-once: {result['ratio_exactly_once_to_at_least_once']:.2f} "
           f"({medians['worker_at_least_once']:,.0f} events/s at least once); --assignment group (changelogs) / static: "
-          f"{result['ratio_group_to_static']:.2f} ({medians['worker_group']:,.0f} events/s)"
+          f"{result['ratio_group_to_static']:.2f} ({medians['worker_group']:,.0f} events/s); a stock producer's topic (by-user "
+          f"topic for ~7/8) / keyed by murmur2: {result['ratio_stock_producer_to_keyed']:.2f} "
+          f"({medians['worker_stock_producer']:,.0f} events/s)"
           + (f"; {workers} worker processes together {medians[scaled]:,.0f} events/s, "
              f"{result[f'ratio_{scaled}_to_aiokafka_getmany']:.2f} of aiokafka" if workers > 1 else ""), file=sys.stderr)
     if json_path:
         Path(json_path).write_text(json.dumps({**result, "machine": machine()}, indent=2) + "\n")
     return result
+
+
+def produce_stock(broker: str, topic: str, lines) -> int:
+    """``lines`` as a confluent-kafka ``Producer`` with every setting at its default writes them,
+    keyed by their user id (what most librdkafka-based producers do)."""
+    from confluent_kafka import Producer
+
+    producer = Producer({"bootstrap.servers": broker, **client_security()})
+    n = 0
+    for line in lines:
+        while True:
+            try:
+                producer.produce(topic, line, key=str(json.loads(line)["user_id"]).encode())
+                break
+            except BufferError:  # its queue is full: let it deliver
+                producer.poll(0.1)
+        n += 1
+    if producer.flush(120) != 0:
+        raise RuntimeError("the stock producer did not deliver every record")
+    return n
 
 
 # ---------------------------------------------------------------------------------------------- live

@@ -224,6 +224,64 @@ class BoundedRecords:
 
 
 @dataclass
+class RoutedEvents:
+    """Parsed events of one query read on an input partition that does not own their users, on
+    their way to the one that does (what a by-user topic carries; docs/operations.md, "Writing
+    to the input topic"). Users travel as their pseudonyms, never as ids; each event keeps the
+    Kafka timestamp of the record it came from (the clock stage 1 judges it by) and that record's
+    position, which its dead letter names."""
+
+    users: np.ndarray  # uint64 pseudonyms
+    key_ids: np.ndarray  # uint64
+    keys: np.ndarray  # object (text)
+    values: np.ndarray  # float64
+    ts: np.ndarray  # int64 event time (ms)
+    stamps: np.ndarray  # int64 Kafka timestamp of the input record (ms)
+    origins: np.ndarray  # int64 input partition
+    offsets: np.ndarray  # int64 input offset
+
+    _COLUMNS = (("users", "<u8"), ("key_ids", "<u8"), ("values", "<f8"), ("ts", "<i8"), ("stamps", "<i8"), ("origins", "<u4"),
+                ("offsets", "<i8"))
+
+    def __len__(self) -> int:
+        return len(self.ts)
+
+    def take(self, index: np.ndarray) -> "RoutedEvents":
+        return RoutedEvents(*(getattr(self, f)[index] for f in self.__dataclass_fields__))
+
+    @classmethod
+    def concat(cls, parts: Sequence["RoutedEvents"]) -> "RoutedEvents":
+        if len(parts) == 1:
+            return parts[0]
+        return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in cls.__dataclass_fields__))
+
+    def events(self) -> EventColumns:
+        return EventColumns(self.users, self.keys, self.key_ids, self.values, self.ts)
+
+    def encode(self) -> bytes:
+        """Fixed-width little-endian columns, then the JSON list of the distinct keys' texts."""
+        uniq, first = np.unique(self.key_ids, return_index=True)
+        texts = json.dumps([self.keys[j] for j in first.tolist()], ensure_ascii=False).encode()
+        head = np.array([len(self), len(uniq)], dtype="<u4").tobytes()
+        cols = [getattr(self, name).astype(dtype).tobytes() for name, dtype in self._COLUMNS]
+        return b"".join([head, *cols, uniq.astype("<u8").tobytes(), texts])
+
+    @classmethod
+    def decode(cls, blob: bytes) -> "RoutedEvents":
+        n, m = np.frombuffer(blob[:8], dtype="<u4").tolist()
+        pos, cols = 8, {}
+        for name, dtype in cls._COLUMNS + (("uniq", "<u8"),):
+            size = np.dtype(dtype).itemsize * (m if name == "uniq" else n)
+            cols[name] = np.frombuffer(blob[pos:pos + size], dtype=dtype)
+            pos += size
+        texts = dict(zip(cols.pop("uniq").tolist(), json.loads(blob[pos:].decode())))
+        keys = np.array([texts[k] for k in cols["key_ids"].tolist()], dtype=object)
+        return cls(cols["users"].astype(np.uint64), cols["key_ids"].astype(np.uint64), keys, cols["values"].astype(np.float64),
+                   cols["ts"].astype(np.int64), cols["stamps"].astype(np.int64), cols["origins"].astype(np.int64),
+                   cols["offsets"].astype(np.int64))
+
+
+@dataclass
 class MicroBatch:
     """What stage 2 merges at a trigger: de-duplicated bounded records and new keys' texts."""
 

@@ -1,0 +1,84 @@
+"""Input from any producer is counted, not lost (issue 31, item 1), against the test broker.
+
+A plain confluent-kafka ``Producer`` with every setting at its default (librdkafka's
+consistent_random partitioner, not the worker's murmur2), keyed by user id, with every tenth
+record keyless: the first worker to meet it dead-lettered 88% of its records as
+``wrong_partition`` or ``malformed`` and released the hot key at an eighth of its count. Every
+event must now be counted once and the releases must equal replay's of the same events, with
+the static and the elastic (``--assignment group``) worker alike. Kafka's own console producer
+(round-robin, keyless) is the second producer: its records land wherever it likes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from dpstream.topics.kafka import DEAD_LETTER_TOPIC, INPUT_TOPIC_CONFIG, TopicSpec, create_topics
+from tests.conftest import ROOT
+from tests.test_kafka_worker import running
+
+pytestmark = pytest.mark.broker
+
+
+def _events(sc, n: int, lead_s: float) -> list[bytes]:
+    """``n`` events of the scenario's law, rewritten so that each user has exactly the
+    contribution bound (3): every event is then admitted whatever order a user's events arrive
+    in, and the releases must equal replay's. (A user over the bound keeps the first 3 to reach
+    its partition; with records on several partitions Kafka orders them only per partition, so
+    which 3 may differ from the file's order, the bound itself never.)"""
+    sc.write_events(n, users=n // 3, keys=30, lead_s=lead_s)
+    lines = []
+    for i, line in enumerate(sc.events.read_bytes().splitlines()):
+        obj = json.loads(line)
+        obj["user_id"] = f"u{i % (n // 3)}"
+        lines.append(json.dumps(obj, separators=(",", ":")).encode())
+    sc.events.write_bytes(b"\n".join(lines) + b"\n")
+    return lines
+
+
+@pytest.mark.parametrize("assignment", ["static", "group"])
+def test_a_stock_producers_records_keyed_by_user_or_not_are_all_counted_as_replay_counts_them(tmp_path, broker, assignment):
+    from confluent_kafka import Producer
+
+    with running(tmp_path, broker) as sc:
+        create_topics(sc.broker, [TopicSpec(sc.input, 4, INPUT_TOPIC_CONFIG)])
+        w = sc.ready_worker("one", extra=("--assignment", "group", "--instance-id", "one") if assignment == "group" else ())
+        lines = _events(sc, 6_000, lead_s=4)
+        producer = Producer({"bootstrap.servers": sc.broker})  # every setting left at its default
+        for i, line in enumerate(lines):
+            producer.produce(sc.input, line, key=None if i % 10 == 0 else json.loads(line)["user_id"].encode())
+        assert producer.flush(30) == 0
+        sc.wait_for_window_end()
+        expected = sc.replay()
+        assert len(expected) >= 8
+        sc.assert_published_equal(expected)
+        assert w.metric("dpstream_events_in_total", query=sc.query) == len(lines)
+        # librdkafka's crc32 and murmur2 agree on about a quarter of 4 partitions: the rest moved
+        assert w.metric("dpstream_events_rerouted_total", query=sc.query) > len(lines) / 2
+        assert not [d for d in sc.read(DEAD_LETTER_TOPIC) if d.get("query") == sc.query], "nothing is dead-lettered"
+
+
+def _console_produce_keyless(broker: str, topic: str, lines: list[bytes]) -> None:
+    """Kafka's own Java console producer (org.apache.kafka.tools.ConsoleProducer), every setting
+    at its default: no key, records spread over the partitions as it likes."""
+    libs = Path(os.environ.get("DPSTREAM_BROKER_DIR", ROOT / ".broker")) / "kafka-4.4.0" / "libs"
+    if not list(libs.glob("kafka-tools-4*.jar")):
+        libs = ROOT / ".broker" / "kafka-4.4.0" / "libs"
+    proc = subprocess.run(["java", "-cp", f"{libs}/*", "org.apache.kafka.tools.ConsoleProducer", "--bootstrap-server", broker,
+                           "--topic", topic], input=b"\n".join(lines) + b"\n", capture_output=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_kafkas_console_producer_writes_keyless_records_and_every_one_is_counted(tmp_path, broker):
+    with running(tmp_path, broker) as sc:
+        create_topics(sc.broker, [TopicSpec(sc.input, 4, INPUT_TOPIC_CONFIG)])
+        w = sc.ready_worker("one")
+        lines = _events(sc, 3_000, lead_s=8)  # the JVM takes a few seconds to start
+        _console_produce_keyless(sc.broker, sc.input, lines)
+        sc.wait_for_window_end()
+        sc.assert_published_equal(sc.replay())
+        assert w.metric("dpstream_events_in_total", query=sc.query) == len(lines)
