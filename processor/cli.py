@@ -586,7 +586,7 @@ def cmd_bench_kafka(args: argparse.Namespace) -> int:
                             partition_counts=counts, json_path=args.json, workers=args.workers)
     else:
         run_kafka_bench(broker_address(args.broker), users=args.users, keys=args.keys, repeats=args.repeats, partitions=counts[0],
-                        json_path=args.json, workers=args.workers)
+                        json_path=args.json, workers=args.workers, compare_with=args.compare_with)
     return 0
 
 
@@ -843,6 +843,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "until the worker no longer keeps up (a late drop, or records still unread 3 s after the "
                             "last one was sent), and report the highest steady rate against the bulk rate")
     kafka.add_argument("--live-seconds", type=float, default=20.0, help="seconds of live production per rate tried (default 20)")
+    kafka.add_argument("--compare-with", metavar="REV",
+                       help="also run the worker of this git commit of the checkout (a temporary worktree) on the same topic, "
+                            "in the same run, and report this worker's events/s over that one's")
     kafka.add_argument("--json", help="also write the results to this JSON file")
     kafka.set_defaults(func=cmd_bench_kafka)
     restore = bench_sub.add_parser("restore", help="seconds per GB for an elastic worker to restore a gained partition's "

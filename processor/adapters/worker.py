@@ -353,12 +353,14 @@ class SourcePartition:
         self.replay: dict[str, int] = {}
         self.replay_sends = False
         self._plan = TextMark(store, b"lane-plan")
+        self._planned = False  # a plan is written and not yet cleared
 
     def add_lane(self, topic: str) -> None:
         """Stage 1: read ``topic``'s partition of this number into this state too (a by-user topic)."""
         mark = self._lane_offsets[topic] = IntegerMark(self.store, b"offset:" + topic.encode())
         self.lanes[topic] = mark.get(-1)
         plan = json.loads(self._plan.get() or "{}")
+        self._planned = bool(plan)
         replay = {lane: int(o) for lane, o in plan.items() if int(o) > self.lane_offset(lane)}
         if replay:  # at least once: the last batch's outputs may be out; they go again, as they were
             self.replay, self.replay_sends = replay, True
@@ -377,6 +379,7 @@ class SourcePartition:
         batch = WriteBatch()
         self._plan.put(batch, json.dumps(offsets, sort_keys=True))
         self.store.write(batch)
+        self._planned = True
 
     def check_log(self, start: int, end: int, topic_id: Optional[str], read_to: Optional[int] = None) -> None:
         """Refuse a log that went back: another topic under the same name (its id changed), or
@@ -419,8 +422,9 @@ class SourcePartition:
                 self._lane_offsets[lane].put(batch, offset)
         if marks:
             self._rerouted.put(batch, {**self.rerouted_marks, **marks})
-        if self.lanes and self._plan.get():
+        if self._planned:
             self._plan.put(batch, "")
+            self._planned = False
         self.store.write(batch)
 
     def acknowledge(self, last_offset: int, read_ms: Optional[int] = None, lanes: Optional[dict] = None,
@@ -947,10 +951,11 @@ class DpstreamWorker:
             return None
         user_ids = [u.encode() for u in parsed_events.users]
         keys = parsed_events.keys
-        offsets = np.fromiter((records[i].offset for i in kept.tolist()), dtype=np.int64, count=len(kept))
+        # origin -1: "offsets" are positions in this batch's records (no per-record offset read
+        # on the direct path); the events that move get their partition and offset
         events = RoutedEvents(self.pseudonyms.encoded_users(user_ids), self.pseudonyms.group_keys(keys),
                               np.array(keys, dtype=object), parsed_events.values, parsed_events.ts, stamps[kept],
-                              np.full(len(kept), partition, dtype=np.int64), offsets)
+                              np.full(len(kept), -1, dtype=np.int64), kept.astype(np.int64))
         home = partition_for(user_ids, self.input_partitions[topic], self.partitioner)
         away = home != partition
         if not away.any():
@@ -960,6 +965,8 @@ class DpstreamWorker:
         moving = np.flatnonzero(away)
         for p in np.unique(home[moving]).tolist():
             part = events.take(moving[home[moving] == p])
+            part.origins[:] = partition
+            part.offsets = np.fromiter((records[i].offset for i in part.offsets.tolist()), dtype=np.int64, count=len(part))
             result.messages.append(Message(lane, part.encode(), None, p))
         self.metrics.rerouted.labels(q.name).inc(len(moving))
         return events.take(np.flatnonzero(~away))
@@ -985,15 +992,11 @@ class DpstreamWorker:
         q = runner.query
         topic, partition = result.source.topic, result.source.partition
         stage_one = runner.stage_one(events.events(), events.stamps, result.batch)
-        first = records[0].offset if records else 0
         for e, reason in stage_one.refused:  # late, future and key id collisions (counted by stage 1)
             result.invalid[(q.name, reason)] += 1
             origin, offset = int(events.origins[e]), int(events.offsets[e])
-            if origin == partition and records:
-                i = offset - first  # offsets have gaps where transaction markers are
-                original = (records[i] if 0 <= i < len(records) and records[i].offset == offset else
-                            next(r for r in records if r.offset == offset)).value
-                where = f"{topic}/{partition}@{offset}"
+            if origin < 0:  # read here: ``offset`` is its position in the batch
+                original, where = records[offset].value, f"{topic}/{partition}@{records[offset].offset}"
             else:  # sent here by the partition it was read on: the dead letter names where it is
                 original, where = b"", f"{topic}/{origin}@{offset} (by way of partition {partition})"
             result.messages.append(self._letter(q.name, reason, original or b"", where))

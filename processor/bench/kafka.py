@@ -32,6 +32,7 @@ same 2-core machine as the readers.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -138,12 +139,12 @@ def _metrics(port: int) -> dict:
 
 
 def worker_rate(broker: str, config_path: str, key_file: str, expected: int, partitions: int, workers: int = 1,
-                extra: tuple = ()) -> tuple[float, dict]:
+                extra: tuple = (), code: str | None = None) -> tuple[float, dict]:
     """``workers`` worker processes (worker i of N owns partitions p % N == i, as the Helm
     chart's replicas do), fresh state and one fresh app id; their summed metrics. ``extra``:
-    more worker options."""
+    more worker options; ``code``: run another commit's worker (:func:`older_code`)."""
     with tempfile.TemporaryDirectory(prefix="dpstream-bench-") as state:
-        procs, ports = _start_workers(broker, config_path, key_file, partitions, Path(state), workers, extra)
+        procs, ports = _start_workers(broker, config_path, key_file, partitions, Path(state), workers, extra, code)
         try:
             started = time.perf_counter()
             while True:
@@ -160,8 +161,32 @@ def worker_rate(broker: str, config_path: str, key_file: str, expected: int, par
             _stop_workers(procs)
 
 
+@contextlib.contextmanager
+def older_code(rev: str):
+    """A directory whose ``dpstream`` package is commit ``rev`` of this repository (a detached
+    git worktree, removed afterwards): a worker started with it on ``PYTHONPATH`` runs that
+    commit's code, in the same run as this one's (``bench kafka --compare-with``)."""
+    with tempfile.TemporaryDirectory(prefix="dpstream-bench-rev-") as tmp:
+        tree = Path(tmp) / "tree"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-f", str(tree), rev], check=True,
+                       capture_output=True)
+        try:
+            (Path(tmp) / "dpstream").symlink_to(tree)
+            yield tmp
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], capture_output=True)
+
+
 def run_kafka_bench(broker: str, users: int, keys: int, repeats: int, partitions: int, json_path: str | None,
-                    workers: int = 2, baselines: bool = True) -> dict:
+                    workers: int = 2, baselines: bool = True, compare_with: str | None = None) -> dict:
+    if compare_with:
+        with older_code(compare_with) as code:
+            return _run_kafka_bench(broker, users, keys, repeats, partitions, json_path, workers, baselines, (compare_with, code))
+    return _run_kafka_bench(broker, users, keys, repeats, partitions, json_path, workers, baselines)
+
+
+def _run_kafka_bench(broker: str, users: int, keys: int, repeats: int, partitions: int, json_path: str | None,
+                     workers: int = 2, baselines: bool = True, older: tuple | None = None) -> dict:
     from dpstream.processor.adapters.kafka_tools import produce, synthetic_lines
     from dpstream.topics.kafka import INPUT_TOPIC_CONFIG, TopicSpec, create_topics
 
@@ -195,12 +220,16 @@ def run_kafka_bench(broker: str, users: int, keys: int, repeats: int, partitions
         scaled = f"workers_{workers}"
         if workers > 1:
             runs[scaled] = []
+        if older:
+            runs["worker_at_compared"] = []
         for r in range(repeats):
             if baselines:
                 runs["confluent_default"].append(baseline_rate(broker, topic, n))
                 runs["confluent_tuned"].append(baseline_rate(broker, topic, n, tuned=True))
                 runs["aiokafka_getmany"].append(aiokafka_rate(broker, topic, n))
             trials = [("worker", 1, (), config_path)]  # exactly-once delivery, the default
+            if older:  # the same worker at another commit (--compare-with), on the same topic
+                trials.append(("worker_at_compared", 1, (), config_path))
             if baselines:  # what the transactions cost, and the changelogs of elastic workers, in the same run
                 trials.append(("worker_at_least_once", 1, ("--delivery", "at-least-once"), config_path))
                 trials.append(("worker_group", 1, ("--assignment", "group"), config_path))
@@ -208,7 +237,8 @@ def run_kafka_bench(broker: str, users: int, keys: int, repeats: int, partitions
             if workers > 1:
                 trials.append((scaled, workers, (), config_path))
             for name, count, extra, config in trials:
-                rate, metrics = worker_rate(broker, str(config), str(key_file), n, partitions, count, extra)
+                code = older[1] if older and name == "worker_at_compared" else None
+                rate, metrics = worker_rate(broker, str(config), str(key_file), n, partitions, count, extra, code)
                 refused = {k: v for k, v in metrics.items() if k.startswith("dropped:") and k != "dropped:contribution_bound" and v}
                 if refused or metrics.get("dpstream_records_accumulated_total", 0) <= 0:
                     raise RuntimeError(f"the worker refused events ({refused}): the run would measure refusals, not the product")
@@ -227,6 +257,11 @@ def run_kafka_bench(broker: str, users: int, keys: int, repeats: int, partitions
         "ratio_group_to_static": medians["worker_group"] / medians["worker"],
         "ratio_stock_producer_to_keyed": medians["worker_stock_producer"] / medians["worker"],
     }
+    if older:
+        result["compared_with"] = older[0]
+        result["ratio_worker_to_compared"] = medians["worker"] / medians["worker_at_compared"]
+        print(f"bench kafka: this worker / the worker at {older[0]}: {result['ratio_worker_to_compared']:.2f} "
+              f"({medians['worker_at_compared']:,.0f} events/s there)", file=sys.stderr)
     if workers > 1:
         result["workers"] = workers
         result[f"ratio_{scaled}_to_aiokafka_getmany"] = medians[scaled] / medians["aiokafka_getmany"]
@@ -271,11 +306,14 @@ LIVE_WINDOW_S, LIVE_TRIGGERS, LIVE_GRACE_S = 20, 4, 3.0
 
 
 def _start_workers(broker: str, config_path: str, key_file: str, partitions: int, state: Path, workers: int = 1,
-                   extra: tuple = ()) -> tuple[list, list[int]]:
-    """``workers`` worker processes with fresh state and one fresh app id, once all are ready."""
+                   extra: tuple = (), code: str | None = None) -> tuple[list, list[int]]:
+    """``workers`` worker processes with fresh state and one fresh app id, once all are ready.
+    ``code``: a directory whose ``dpstream`` is the code to run (:func:`older_code`), else this one."""
     ports = [_free_port() for _ in range(workers)]
     app_id = f"dpstream-bench-{uuid.uuid4().hex[:8]}"
     env = {**os.environ, "DPSTREAM_NOISE_KEY_FILE": key_file}
+    if code is not None:
+        env["PYTHONPATH"] = code
     procs = []
     group = "group" in extra  # elastic workers: the consumer group assigns, each has an instance id
     for i, port in enumerate(ports):

@@ -237,8 +237,8 @@ class RoutedEvents:
     values: np.ndarray  # float64
     ts: np.ndarray  # int64 event time (ms)
     stamps: np.ndarray  # int64 Kafka timestamp of the input record (ms)
-    origins: np.ndarray  # int64 input partition
-    offsets: np.ndarray  # int64 input offset
+    origins: np.ndarray  # int64 input partition (-1, never sent: read where it is bounded)
+    offsets: np.ndarray  # int64 input offset (origin -1: its position in the batch read)
 
     _COLUMNS = (("users", "<u8"), ("key_ids", "<u8"), ("values", "<f8"), ("ts", "<i8"), ("stamps", "<i8"), ("origins", "<u4"),
                 ("offsets", "<i8"))
