@@ -586,7 +586,7 @@ def cmd_bench_kafka(args: argparse.Namespace) -> int:
                             partition_counts=counts, json_path=args.json, workers=args.workers)
     else:
         run_kafka_bench(broker_address(args.broker), users=args.users, keys=args.keys, repeats=args.repeats, partitions=counts[0],
-                        json_path=args.json, workers=args.workers, compare_with=args.compare_with)
+                        json_path=args.json, workers=args.workers, compare_with=args.compare_with, fmt=args.format)
     return 0
 
 
@@ -843,6 +843,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "until the worker no longer keeps up (a late drop, or records still unread 3 s after the "
                             "last one was sent), and report the highest steady rate against the bulk rate")
     kafka.add_argument("--live-seconds", type=float, default=20.0, help="seconds of live production per rate tried (default 20)")
+    kafka.add_argument("--format", choices=("json", "avro"), default="json",
+                       help="avro: also write the events as Avro records of confluent-kafka's serializer (through a small "
+                            "in-memory schema registry) and run the worker on them, reporting avro / JSON events/s")
     kafka.add_argument("--compare-with", metavar="REV",
                        help="also run the worker of this git commit of the checkout (a temporary worktree) on the same topic, "
                             "in the same run, and report this worker's events/s over that one's")

@@ -155,6 +155,9 @@ class QueryConfig(BaseModel):
     #: events dated more than this after the clock (the worker's: the record's Kafka timestamp;
     #: replay's: its event-time clock) are dead-lettered as ``future`` and never move a clock
     max_skew: str = "1h"
+    #: this query's input topic's format (null: the config's input_format); every query of one
+    #: topic must agree (docs/operator-guide.md, "Formats and schema registries")
+    input_format: Optional[str] = None
     triggers: int = Field(100, ge=1, le=1 << 24)
     key_threshold: float = Field(0.0, ge=0)
     epsilon: float
@@ -206,6 +209,15 @@ class QueryConfig(BaseModel):
     def _finite(cls, value: float) -> float:
         if not math.isfinite(value):
             raise ValueError("must be finite")
+        return value
+
+    @field_validator("input_format")
+    @classmethod
+    def _query_input_format(cls, value: Optional[str]) -> Optional[str]:
+        from dpstream.topics.decoding import DECODERS
+
+        if value is not None and value not in DECODERS:
+            raise ValueError(f"must be one of {', '.join(DECODERS)}, got {value!r}")
         return value
 
     @field_validator("aggregate")
@@ -452,14 +464,43 @@ class BudgetConfig(BaseModel):
         return query.tenant
 
 
+class SchemaRegistryConfig(BaseModel):
+    """Where ``avro``, ``protobuf`` and ``json_schema`` input is decoded against
+    (docs/operator-guide.md, "Formats and schema registries"): a Confluent-compatible schema
+    registry. ``mock://NAME``: confluent-kafka's in-process mock (tests)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    url: str
+    #: ``user:password``; $DPSTREAM_SCHEMA_REGISTRY_USER_INFO wins (from a Kubernetes Secret)
+    basic_auth_user_info: Optional[str] = Field(None, repr=False)
+    ssl_ca_location: Optional[str] = None
+    ssl_certificate_location: Optional[str] = None
+    ssl_key_location: Optional[str] = None
+    ssl_key_password: Optional[str] = Field(None, repr=False)
+    #: decode into the subject's latest schema (a reader schema: Avro's schema resolution, or
+    #: confluent-kafka's migration rules) instead of each record's writer schema
+    use_latest_version: bool = False
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://", "mock://")):
+            raise ValueError(f"must start with http://, https:// or mock://, got {value!r}")
+        return value
+
+
 class DpstreamConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     queries: list[QueryConfig] = Field(default_factory=list)
     dynamic: list[DynamicQueryConfig] = Field(default_factory=list)
     budget: Optional[BudgetConfig] = None
-    #: how input records are encoded (dpstream.topics.decoding.DECODERS): json
+    #: how input records are encoded (dpstream.topics.decoding.DECODERS): json, avro, protobuf or
+    #: json_schema; a query's own ``input_format`` wins for its input topic
     input_format: str = "json"
+    #: the registry the avro, protobuf and json_schema formats are read against
+    schema_registry: Optional[SchemaRegistryConfig] = None
     #: Kafka client properties for every client a command opens with this config, by librdkafka's
     #: names (topics/client_properties.py; docs/operator-guide.md, "Connecting to a secured cluster")
     kafka: dict[str, Union[str, int, float, bool]] = Field(default_factory=dict, repr=False)  # may hold a password
@@ -473,6 +514,10 @@ class DpstreamConfig(BaseModel):
             return normalized(value, "kafka")
         except ClientPropertyError as exc:
             raise ValueError(str(exc).removeprefix("kafka: ")) from None
+
+    def format_of(self, query) -> str:
+        """The input format of a query's input topic."""
+        return getattr(query, "input_format", None) or self.input_format
 
     @field_validator("input_format")
     @classmethod
@@ -513,6 +558,15 @@ class DpstreamConfig(BaseModel):
             seen.add(q.name)
         # stage 1 keeps each user's contributions in the state of the input partition the user
         # is keyed to: queries reading one topic must agree on who the user is
+        formats: dict[str, str] = {}
+        for q in [*self.queries, *self.dynamic]:
+            fmt = self.format_of(q)
+            if formats.setdefault(q.input_topic, fmt) != fmt:
+                raise ValueError(f"queries: queries reading input_topic {q.input_topic!r} must share one input_format "
+                                 f"(each record is decoded once)")
+            if fmt in ("avro", "protobuf", "json_schema") and self.schema_registry is None:
+                raise ValueError(f"schema_registry: input_format {fmt!r} ({q.name!r}) is read against a schema registry: "
+                                 f"give its url")
         users_of: dict[str, str] = {}
         for q in self.queries:
             if users_of.setdefault(q.input_topic, q.user_field) != q.user_field:

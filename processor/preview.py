@@ -100,7 +100,7 @@ def _read_events(config: DpstreamConfig, path: Path) -> dict[str, _Events]:
     from dpstream.topics.decoding import decoder_for
     from dpstream.topics.records import EventParser
 
-    decoder = decoder_for(config.input_format)
+    decoder = decoder_for("json")  # a sample file is JSON lines, whatever the topic's input_format
     parsers = {q.name: EventParser.for_query(q) for q in config.queries}
     cols = {q.name: ([], [], [], []) for q in config.queries}  # users, keys, values, ts
 

@@ -78,8 +78,10 @@ def test_update_parser():
 
 
 def test_input_format_is_validated_by_name():
-    assert isinstance(decoder_for("json"), JsonRecordDecoder) and set(DECODERS) == {"json"}
+    assert isinstance(decoder_for("json"), JsonRecordDecoder) and set(DECODERS) == {"json", "avro", "protobuf", "json_schema"}
     with pytest.raises(ValidationError, match="input_format"):
+        DpstreamConfig(queries=[{"name": "q", "epsilon": 1.0, "delta": 1e-6}], input_format="csv")
+    with pytest.raises(ValidationError, match="schema_registry: input_format 'avro'"):  # tests/test_schema_registry.py
         DpstreamConfig(queries=[{"name": "q", "epsilon": 1.0, "delta": 1e-6}], input_format="avro")
     with pytest.raises(ValueError, match="input_format"):
         decoder_for("csv")

@@ -92,9 +92,14 @@ KAFKA_PROPERTIES = {  # client properties as a map (non-secret) and as a Secret'
                                                                "sasl.mechanism": "SCRAM-SHA-256"},
               "propertiesSecret": {"name": "kafka-client", "key": "client.properties"}},
 }
+SCHEMA_REGISTRY = {  # Avro input against a registry whose password is a Secret's
+    "queries": {**yaml.safe_load(EXAMPLE_QUERIES_TEXT), "input_format": "avro",
+                "schema_registry": {"url": "https://registry.example.com:8081", "ssl_ca_location": "/var/run/secrets/dpstream/kafka-tls/ca.pem"}},
+    "schemaRegistry": {"userInfoSecret": {"name": "registry-credentials", "key": "user-info"}},
+}
 VALUE_SETS = {"default": {}, "custom": CUSTOM, "create-secret": CREATE_SECRET, "queries-text": AS_STRING,
               "queries-mapping": AS_MAPPING, "dynamic-only": DYNAMIC_ONLY, "monitoring": MONITORING,
-              "kafka-properties": KAFKA_PROPERTIES}
+              "kafka-properties": KAFKA_PROPERTIES, "schema-registry": SCHEMA_REGISTRY}
 
 
 def render_files(values: dict | None = None) -> dict[str, str]:
@@ -1067,3 +1072,15 @@ def test_the_readme_helm_commands_render():
     # a queries file given with -f is read as values, and refused: the README must not say so
     with pytest.raises(helm_python.HelmValuesError):
         render_files(_values_of(["helm", "install", "dp", "helm/dpstream", "-f", "examples/queries.yaml"]))
+
+
+def test_the_schema_registry_password_comes_from_a_secret_and_the_config_names_the_registry():
+    files, docs = rendered("schema-registry")
+    _, _, container = worker(docs)
+    env = {e["name"]: e for e in container["env"]}
+    assert env["DPSTREAM_SCHEMA_REGISTRY_USER_INFO"]["valueFrom"] == {
+        "secretKeyRef": {"name": "registry-credentials", "key": "user-info"}}
+    config = only(docs, "ConfigMap")["data"]
+    assert "registry.example.com" in "".join(config.values()) and "user-info" not in "".join(config.values())
+    with pytest.raises(Exception, match="schema_registry"):
+        render_files({"queries": {**yaml.safe_load(EXAMPLE_QUERIES_TEXT), "schema_registry": {"uri": "x"}}})

@@ -377,6 +377,13 @@ def preflight(s: WorkerSettings) -> None:
         aiokafka_security(client_security())
     except KafkaSettingError as exc:
         raise WorkerRefusal(f"connecting to {broker}: {exc}") from None
+    if s.config.schema_registry is not None:  # avro, protobuf or json_schema input
+        from dpstream.topics.decoding import RegistrySettingError, check_registry
+
+        try:
+            check_registry(s.config.schema_registry)
+        except RegistrySettingError as exc:
+            raise WorkerRefusal(str(exc)) from None
     if not answered:
         raise WorkerRefusal(f"no Kafka broker answered at {broker} within {s.broker_timeout:g} s (--broker-timeout)"
                             f"{last_reason()}; start one (scripts/broker start) or pass --broker HOST:PORT{protocol_hint()}")

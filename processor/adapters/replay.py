@@ -309,7 +309,9 @@ class ReplayRunner:
         self._check_epoch()
         self.pipelines = [QueryPipeline(q, self.noise, self.store, self.pseudonyms, index=i) for i, q in enumerate(config.queries)]
         self.engine = Engine(self.pipelines)
-        self.decoder = decoder_for(config.input_format)
+        # replay reads JSON lines: input_format's schema-registry formats are the worker's Kafka input
+        # (the same events as JSON replay to the same releases: tests/test_decoding.py)
+        self.decoder = decoder_for("json")
         self.parsers = [EventParser.for_query(q) for q in config.queries]
         self.dynamic = [DynamicQueryState(q, self.noise, self.pseudonyms, self.store, index=i) for i, q in enumerate(config.dynamic)]
         self.start_ms = start_ms

@@ -595,7 +595,9 @@ class DpstreamWorker:
         self.stores = PartitionStores(self.state_dir, block_cache_mb, write_buffer_mb)
         self.stage1: dict[tuple[str, int], SourcePartition] = {}
         self.stage2: dict[tuple[str, int], SourcePartition] = {}
-        self.decoder = decoder_for(config.input_format)
+        #: by input topic: its records' decoder (input_format; a schema registry's client is shared)
+        self.decoders = {q.input_topic: decoder_for(config.format_of(q), config.schema_registry, q.input_topic)
+                         for q in [*config.queries, *config.dynamic]}
         self.parsers = {q.name: EventParser.for_query(q) for q in config.queries}
         self._plans = {q.name: plan_for(q) for q in config.queries}
         self._by_input: dict[str, list] = defaultdict(list)
@@ -923,7 +925,7 @@ class DpstreamWorker:
         if records:
             stamps = np.fromiter(map(_TIMESTAMP, records), dtype=np.int64, count=len(records))
             result.read_ms = broker_stamped_max(records)
-            parsed = self.decoder.decode(list(map(_VALUE, records)))  # once for every query
+            parsed = self.decoders[topic].decode(list(map(_VALUE, records)))  # once for every query
         for runner in source.runners:
             q = runner.query
             here = self._parse_input(runner, source, records, parsed, stamps, result) if records else None
@@ -1108,7 +1110,7 @@ class DpstreamWorker:
         topic, partition = key
         source = self.dynamic[key]
         batch, messages = WriteBatch(), []
-        for r, obj in zip(records, self.decoder.decode([r.value for r in records])):
+        for r, obj in zip(records, self.decoders[topic].decode([r.value for r in records])):
             for st in self.dynamic_states[key]:
                 reason = st.apply(obj, batch, clock_ms=r.timestamp)
                 if reason is not None:

@@ -23,6 +23,11 @@ alternation, ``--repeats`` times each:
   partitioner, not the worker's murmur2): about 7 events in 8 are read on a partition that does
   not own their user and go to it through the by-user topic, a second trip through Kafka
   (docs/operator-guide.md, "Writing to the input topic");
+* worker, ``--format avro``: the same events as Avro records of confluent-kafka's
+  ``AvroSerializer`` (the Confluent wire format; a small in-memory registry,
+  :mod:`dpstream.processor.bench.registry_server`, since none installs here), placed as the JSON
+  ones (docs/operator-guide.md, "Formats and schema registries");
+* worker at ``--compare-with REV``: this repository's worker at another commit, on the JSON topic;
 * workers (``--workers N``, default 2): N worker processes with one app id, worker i owning
   partitions p % N == i (what N replicas of the Helm chart run), started together and timed
   from when all are ready until their summed metrics show every admitted record accumulated.
@@ -178,15 +183,53 @@ def older_code(rev: str):
 
 
 def run_kafka_bench(broker: str, users: int, keys: int, repeats: int, partitions: int, json_path: str | None,
-                    workers: int = 2, baselines: bool = True, compare_with: str | None = None) -> dict:
-    if compare_with:
-        with older_code(compare_with) as code:
-            return _run_kafka_bench(broker, users, keys, repeats, partitions, json_path, workers, baselines, (compare_with, code))
-    return _run_kafka_bench(broker, users, keys, repeats, partitions, json_path, workers, baselines)
+                    workers: int = 2, baselines: bool = True, compare_with: str | None = None, fmt: str = "json") -> dict:
+    with contextlib.ExitStack() as stack:
+        older = (compare_with, stack.enter_context(older_code(compare_with))) if compare_with else None
+        registry = None
+        if fmt != "json":  # records of the format through a registry the worker process reaches over HTTP
+            from dpstream.processor.bench.registry_server import RegistryServer
+
+            registry = stack.enter_context(RegistryServer())
+        return _run_kafka_bench(broker, users, keys, repeats, partitions, json_path, workers, baselines, older, (fmt, registry))
+
+
+#: the Avro schema of the bench's events (what a producer using confluent-kafka's serializer registers)
+BENCH_AVRO_SCHEMA = {"type": "record", "name": "PageView", "namespace": "bench",
+                     "fields": [{"name": "user_id", "type": "string"}, {"name": "key", "type": "string"},
+                                {"name": "ts", "type": {"type": "long", "logicalType": "timestamp-millis"}}]}
+
+
+def produce_avro(broker: str, topic: str, lines, registry_url: str) -> int:
+    """``lines`` as Avro records of confluent-kafka's ``AvroSerializer`` (the Confluent wire
+    format, the schema registered at ``registry_url``), keyed by user id with the murmur2
+    partitioner, as ``dpstream produce`` places JSON ones."""
+    from confluent_kafka import Producer
+    from confluent_kafka.schema_registry import SchemaRegistryClient
+    from confluent_kafka.schema_registry.avro import AvroSerializer
+    from confluent_kafka.serialization import MessageField, SerializationContext
+
+    serialize = AvroSerializer(SchemaRegistryClient({"url": registry_url}), json.dumps(BENCH_AVRO_SCHEMA))
+    ctx = SerializationContext(topic, MessageField.VALUE)
+    producer = Producer({"bootstrap.servers": broker, "partitioner": "murmur2_random", "linger.ms": 20, **client_security()})
+    n = 0
+    for line in lines:
+        obj = json.loads(line)
+        value = serialize(obj, ctx)
+        while True:
+            try:
+                producer.produce(topic, value, key=str(obj["user_id"]).encode())
+                break
+            except BufferError:
+                producer.poll(0.1)
+        n += 1
+    if producer.flush(120) != 0:
+        raise RuntimeError("the Avro producer did not deliver every record")
+    return n
 
 
 def _run_kafka_bench(broker: str, users: int, keys: int, repeats: int, partitions: int, json_path: str | None,
-                     workers: int = 2, baselines: bool = True, older: tuple | None = None) -> dict:
+                     workers: int = 2, baselines: bool = True, older: tuple | None = None, fmt: tuple = ("json", None)) -> dict:
     from dpstream.processor.adapters.kafka_tools import produce, synthetic_lines
     from dpstream.topics.kafka import INPUT_TOPIC_CONFIG, TopicSpec, create_topics
 
@@ -202,6 +245,10 @@ def _run_kafka_bench(broker: str, users: int, keys: int, repeats: int, partition
     n = produce(broker, topic, synthetic_lines(users, keys, 1, now - span, span - 60_000))
     print(f"bench kafka: {n:,} events ({users:,} users, {keys:,} keys) in {topic}, {partitions} partitions, "
           f"produced in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    fmt_topic = f"bench-{fmt[0]}-{tag}"
+    if fmt[1] is not None:
+        create_topics(broker, [TopicSpec(fmt_topic, partitions, INPUT_TOPIC_CONFIG)])
+        produce_avro(broker, fmt_topic, synthetic_lines(users, keys, 1, now - span, span - 60_000), fmt[1])
     stock_topic = f"bench-stock-{tag}"
     if baselines:
         create_topics(broker, [TopicSpec(stock_topic, partitions, INPUT_TOPIC_CONFIG)])
@@ -212,6 +259,10 @@ def _run_kafka_bench(broker: str, users: int, keys: int, repeats: int, partition
                                f"    window: {window_days}d\n    triggers: 1\n    contribution_bound: 32\n    epsilon: 6\n    delta: 1.0e-9\n")
         stock_config = Path(tmp) / "stock.yaml"
         stock_config.write_text(config_path.read_text().replace(f"input_topic: {topic}\n", f"input_topic: {stock_topic}\n"))
+        fmt_config = Path(tmp) / "format.yaml"
+        if fmt[1] is not None:
+            fmt_config.write_text(config_path.read_text().replace(f"input_topic: {topic}\n", f"input_topic: {fmt_topic}\n")
+                                  + f"input_format: {fmt[0]}\nschema_registry:\n  url: {fmt[1]}\n")
         key_file = Path(tmp) / "noise.key"
         key_file.write_bytes(os.urandom(32))  # a throwaway secret: nothing here is published
         runs = ({"confluent_default": [], "confluent_tuned": [], "aiokafka_getmany": [], "worker": [], "worker_at_least_once": [],
@@ -222,6 +273,8 @@ def _run_kafka_bench(broker: str, users: int, keys: int, repeats: int, partition
             runs[scaled] = []
         if older:
             runs["worker_at_compared"] = []
+        if fmt[1] is not None:
+            runs[f"worker_{fmt[0]}"] = []
         for r in range(repeats):
             if baselines:
                 runs["confluent_default"].append(baseline_rate(broker, topic, n))
@@ -230,6 +283,8 @@ def _run_kafka_bench(broker: str, users: int, keys: int, repeats: int, partition
             trials = [("worker", 1, (), config_path)]  # exactly-once delivery, the default
             if older:  # the same worker at another commit (--compare-with), on the same topic
                 trials.append(("worker_at_compared", 1, (), config_path))
+            if fmt[1] is not None:  # the same events in another format (--format), same placement
+                trials.append((f"worker_{fmt[0]}", 1, (), fmt_config))
             if baselines:  # what the transactions cost, and the changelogs of elastic workers, in the same run
                 trials.append(("worker_at_least_once", 1, ("--delivery", "at-least-once"), config_path))
                 trials.append(("worker_group", 1, ("--assignment", "group"), config_path))
@@ -257,6 +312,10 @@ def _run_kafka_bench(broker: str, users: int, keys: int, repeats: int, partition
         "ratio_group_to_static": medians["worker_group"] / medians["worker"],
         "ratio_stock_producer_to_keyed": medians["worker_stock_producer"] / medians["worker"],
     }
+    if fmt[1] is not None:
+        result[f"ratio_{fmt[0]}_to_json"] = medians[f"worker_{fmt[0]}"] / medians["worker"]
+        print(f"bench kafka: {fmt[0]} records through a schema registry / JSON: {result[f'ratio_{fmt[0]}_to_json']:.2f} "
+              f"({medians[f'worker_{fmt[0]}']:,.0f} events/s)", file=sys.stderr)
     if older:
         result["compared_with"] = older[0]
         result["ratio_worker_to_compared"] = medians["worker"] / medians["worker_at_compared"]
