@@ -81,6 +81,7 @@ UNPINNED_FIELDS = {
     "output_topic": "where releases go, not what they are",
     "allowed_lateness": "the public trigger schedule: no noise scale, unit or field depends on it",
     "max_skew": "which records are refused as future: no noise scale, unit or field depends on it",
+    "input_format": "how the input's records are encoded, not what events they hold",
 }
 #: DynamicQueryConfig fields a dynamic query is not pinned to (see :data:`UNPINNED_FIELDS`)
 UNPINNED_DYNAMIC_FIELDS = {
