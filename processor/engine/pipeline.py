@@ -156,8 +156,47 @@ class EventColumns:
         return len(self.ts)
 
 
+class PackedColumns:
+    """Column batches that travel through Kafka (stage 1's output and its by-user events): a
+    take and a concat of all columns, and the wire form: fixed-width little-endian columns
+    (``_COLUMNS``), then the distinct key ids and the JSON list of their texts."""
+
+    _COLUMNS: tuple = ()
+
+    def take(self, index):
+        return type(self)(*(getattr(self, f)[index] for f in self.__dataclass_fields__))
+
+    @classmethod
+    def concat(cls, parts: Sequence):
+        """The records of ``parts`` one after the other (arrival order kept)."""
+        if len(parts) == 1:
+            return parts[0]
+        return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in cls.__dataclass_fields__))
+
+    def encode(self, texts: bool = True) -> bytes:
+        """The wire form (``texts=False``: no key texts, for a store that has them already)."""
+        cols = [getattr(self, name).astype(dtype).tobytes() for name, dtype in self._COLUMNS]
+        if not texts:
+            return b"".join([np.array([len(self), 0], dtype="<u4").tobytes(), *cols, b"[]"])
+        uniq, first = np.unique(self.key_ids, return_index=True)
+        names = json.dumps([self.keys[j] for j in first.tolist()], ensure_ascii=False).encode()
+        head = np.array([len(self), len(uniq)], dtype="<u4").tobytes()
+        return b"".join([head, *cols, uniq.astype("<u8").tobytes(), names])
+
+    @classmethod
+    def decode_columns(cls, blob: bytes) -> tuple[dict, dict]:
+        """The columns of :meth:`encode` as arrays, and {key id: key text}."""
+        n, m = np.frombuffer(blob[:8], dtype="<u4").tolist()
+        pos, cols = 8, {}
+        for name, dtype in cls._COLUMNS + (("uniq", "<u8"),):
+            size = np.dtype(dtype).itemsize * (m if name == "uniq" else n)
+            cols[name] = np.frombuffer(blob[pos:pos + size], dtype=dtype)
+            pos += size
+        return cols, dict(zip(cols.pop("uniq").tolist(), json.loads(blob[pos:].decode())))
+
+
 @dataclass
-class BoundedRecords:
+class BoundedRecords(PackedColumns):
     """Stage 1 output (what the repartition topic carries), in arrival order."""
 
     window: np.ndarray  # int64 window start
@@ -175,43 +214,8 @@ class BoundedRecords:
     def __len__(self) -> int:
         return len(self.slots)
 
-    def take(self, index) -> "BoundedRecords":
-        return BoundedRecords(*(getattr(self, f)[index] for f in self.__dataclass_fields__))
-
-    @classmethod
-    def concat(cls, parts: Sequence["BoundedRecords"]) -> "BoundedRecords":
-        """The records of ``parts`` one after the other (arrival order kept)."""
-        if len(parts) == 1:
-            return parts[0]
-        return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in cls.__dataclass_fields__))
-
     _COLUMNS = (("window", "<i8"), ("trigger", "<u4"), ("key_ids", "<u8"), ("users", "<u8"), ("slots", "<u2"), ("units", "<i8"),
                 ("previous", "<u4"), ("amend", "<u4"), ("levels", "<u1"), ("roots", "<u8"))
-
-    def encode(self, texts: bool = True) -> bytes:
-        """Wire form of stage-1 output (the repartition topic's message value): fixed-width
-        little-endian columns, then the JSON list of the distinct keys' texts (``texts=False``:
-        none, for a store that has them already: the pending micro-batches)."""
-        if not texts:
-            head = np.array([len(self), 0], dtype="<u4").tobytes()
-            return b"".join([head, *(getattr(self, name).astype(dtype).tobytes() for name, dtype in self._COLUMNS), b"[]"])
-        uniq, first = np.unique(self.key_ids, return_index=True)
-        texts = json.dumps([self.keys[j] for j in first.tolist()], ensure_ascii=False).encode()
-        head = np.array([len(self), len(uniq)], dtype="<u4").tobytes()
-        cols = [getattr(self, name).astype(dtype).tobytes() for name, dtype in self._COLUMNS]
-        return b"".join([head, *cols, uniq.astype("<u8").tobytes(), texts])
-
-    @classmethod
-    def decode_columns(cls, blob: bytes) -> tuple[dict, dict]:
-        """The columns of :meth:`encode` as arrays, and {key id: key text}."""
-        n, m = np.frombuffer(blob[:8], dtype="<u4").tolist()
-        pos, cols = 8, {}
-        for name, dtype in cls._COLUMNS + (("uniq", "<u8"),):
-            count = m if name == "uniq" else n
-            size = np.dtype(dtype).itemsize * count
-            cols[name] = np.frombuffer(blob[pos:pos + size], dtype=dtype)
-            pos += size
-        return cols, dict(zip(cols.pop("uniq").tolist(), json.loads(blob[pos:].decode())))
 
     @classmethod
     def decode(cls, blob: bytes) -> "BoundedRecords":
@@ -224,7 +228,7 @@ class BoundedRecords:
 
 
 @dataclass
-class RoutedEvents:
+class RoutedEvents(PackedColumns):
     """Parsed events of one query read on an input partition that does not own their users, on
     their way to the one that does (what a by-user topic carries; docs/operations.md, "Writing
     to the input topic"). Users travel as their pseudonyms, never as ids; each event keeps the
@@ -246,35 +250,12 @@ class RoutedEvents:
     def __len__(self) -> int:
         return len(self.ts)
 
-    def take(self, index: np.ndarray) -> "RoutedEvents":
-        return RoutedEvents(*(getattr(self, f)[index] for f in self.__dataclass_fields__))
-
-    @classmethod
-    def concat(cls, parts: Sequence["RoutedEvents"]) -> "RoutedEvents":
-        if len(parts) == 1:
-            return parts[0]
-        return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in cls.__dataclass_fields__))
-
     def events(self) -> EventColumns:
         return EventColumns(self.users, self.keys, self.key_ids, self.values, self.ts)
 
-    def encode(self) -> bytes:
-        """Fixed-width little-endian columns, then the JSON list of the distinct keys' texts."""
-        uniq, first = np.unique(self.key_ids, return_index=True)
-        texts = json.dumps([self.keys[j] for j in first.tolist()], ensure_ascii=False).encode()
-        head = np.array([len(self), len(uniq)], dtype="<u4").tobytes()
-        cols = [getattr(self, name).astype(dtype).tobytes() for name, dtype in self._COLUMNS]
-        return b"".join([head, *cols, uniq.astype("<u8").tobytes(), texts])
-
     @classmethod
     def decode(cls, blob: bytes) -> "RoutedEvents":
-        n, m = np.frombuffer(blob[:8], dtype="<u4").tolist()
-        pos, cols = 8, {}
-        for name, dtype in cls._COLUMNS + (("uniq", "<u8"),):
-            size = np.dtype(dtype).itemsize * (m if name == "uniq" else n)
-            cols[name] = np.frombuffer(blob[pos:pos + size], dtype=dtype)
-            pos += size
-        texts = dict(zip(cols.pop("uniq").tolist(), json.loads(blob[pos:].decode())))
+        cols, texts = cls.decode_columns(blob)
         keys = np.array([texts[k] for k in cols["key_ids"].tolist()], dtype=object)
         return cls(cols["users"].astype(np.uint64), cols["key_ids"].astype(np.uint64), keys, cols["values"].astype(np.float64),
                    cols["ts"].astype(np.int64), cols["stamps"].astype(np.int64), cols["origins"].astype(np.int64),
