@@ -167,6 +167,7 @@ class GroupConsumer:
         self.assigned = frozenset((tp.topic, tp.partition) for tp in self.consumer.assignment())
         self._refresh_metadata()
         self._positions = {(tp.topic, tp.partition): tp.offset for tp in self.consumer.position(self.consumer.assignment())}
+        last, bucket, bucket_topic = None, None, None
         for msg in msgs:
             err = msg.error()
             if err is not None:
@@ -177,7 +178,12 @@ class GroupConsumer:
                 if err.code() != KafkaError._PARTITION_EOF:
                     log.debug("consumer: %s", err)
                 continue
-            out.setdefault((msg.topic(), msg.partition()), []).append(ConsumedRecord(msg))
+            # a fetch returns runs of one partition's records: one dict look-up per run
+            partition = msg.partition()
+            if partition != last or bucket is None or msg.topic() != bucket_topic:
+                last, bucket_topic = partition, msg.topic()
+                bucket = out.setdefault((bucket_topic, partition), [])
+            bucket.append(ConsumedRecord(msg))
         return out
 
     async def fetch(self, max_records: int, timeout: float) -> dict[Key, list[ConsumedRecord]]:
