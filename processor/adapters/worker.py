@@ -885,6 +885,8 @@ class DpstreamWorker:
                 recs = [r for r in recs if r.offset > done]  # redelivered: already in state
             if recs:
                 pending[lane] = list(recs)
+        if source.replay:  # a lane gone since (its query removed) is nothing to wait for
+            source.replay = {lane: o for lane, o in source.replay.items() if lane in source.lane_order}
         if source.replay:
             chunk, rest, complete = self._replay_chunk(source, pending)
             if source.replay_sends or not complete:

@@ -357,3 +357,20 @@ def test_exactly_once_a_delivered_batch_goes_into_the_state_in_its_lane_order_wi
         assert cluster.kept_per_user() == {second.pseudonyms.encoded_users([user.encode()])[0]: C}
     finally:
         second.close()
+
+
+def test_a_replay_plan_naming_a_lane_of_a_removed_query_does_not_hold_the_partition_back(tmp_path):
+    w = make_worker(tmp_path / "w", 2)
+    source = w.stage1[("in", 0)]
+    source.write_plan({"in": 0, "dpstream-gone-by-user": 5})  # the query of that lane was removed since
+    w.close()
+    cluster = Cluster(make_worker(tmp_path / "w", 2))
+    try:
+        user = next(f"u{i}" for i in range(100) if kafka_partition(f"u{i}".encode(), 2) == 0)
+        for n in range(3):
+            cluster.produce(0, user.encode(), body(user, f"k{n}", START + 1000 + n), START + 1000 + n)
+        cluster.drain(END)
+        assert not cluster.w.stage1[("in", 0)].replay and cluster.w.stage1[("in", 0)].last_offset == 2
+        assert sum(cluster.kept_per_user().values()) == 3
+    finally:
+        cluster.w.close()
