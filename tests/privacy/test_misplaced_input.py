@@ -374,3 +374,29 @@ def test_a_replay_plan_naming_a_lane_of_a_removed_query_does_not_hold_the_partit
         assert sum(cluster.kept_per_user().values()) == 3
     finally:
         cluster.w.close()
+
+
+def test_a_far_future_or_late_event_that_takes_the_by_user_topic_is_refused_there_and_moves_nothing(tmp_path):
+    """Lateness and the future check go by each event's own Kafka timestamp wherever it is
+    bounded: an event dated hours after its stamp, and one stamped after its trigger fired, both
+    read on another partition than their user's, are dead-lettered by that partition as future
+    and late, naming where they were read, and the releases are those of the stream without them."""
+    user = next(f"u{i}" for i in range(100) if kafka_partition(f"u{i}".encode(), 2) == 0)
+    plain, attacked = Cluster(make_worker(tmp_path / "a", 2)), Cluster(make_worker(tmp_path / "b", 2))
+    try:
+        for cluster in (plain, attacked):
+            for i in range(300):
+                u = f"user-{i}"
+                ts = START + 100 * i
+                cluster.produce(kafka_partition(u.encode(), 2), u.encode(), body(u, f"k{i % 4}", ts), ts)
+        first = len(attacked.logs[("in", 1)])
+        attacked.produce(1, user.encode(), body(user, "k0", START + 5_000 + 7_200_000), START + 5_000)  # 2 h ahead
+        attacked.produce(1, None, body(user, "k1", START + 1_000), START + 12_000)  # stamped after trigger 1 fired
+        for cluster in (plain, attacked):
+            cluster.drain(END)
+        reasons = sorted((d["reason"].split(":")[0], d["source"]) for d in attacked.dead)
+        assert reasons == [("future", f"in/1@{first} (by way of partition 0)"), ("late", f"in/1@{first + 1} (by way of partition 0)")]
+        assert releases(attacked.w, END) == releases(plain.w, END)
+    finally:
+        plain.w.close()
+        attacked.w.close()
