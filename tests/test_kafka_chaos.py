@@ -351,12 +351,31 @@ def releases_after_the_window(sc: Scenario, fleet: Fleet, timeout: float = 120) 
     return expected, released
 
 
-def assert_releases_equal(expected: list[dict], released: list[dict]) -> None:
+def clocks(fleet: Fleet) -> str:
+    """Where each running worker stands: its input watermarks, lag and triggers, and its last
+    log lines (why releases are missing: a clock held back, or a worker stuck)."""
+    out = []
+    for w in fleet.live():
+        if w.proc.poll() is not None:
+            continue
+        try:
+            samples = w.metrics()
+        except OSError as exc:
+            out.append(f"worker {w.name}: /metrics unreachable: {exc}")
+            continue
+        shown = {f"{n}{dict(ls)}": v for (n, ls), v in sorted(samples.items())
+                 if n in ("dpstream_input_watermark_seconds", "dpstream_consumer_lag_records", "dpstream_triggers_fired_total")}
+        tail = [line for line in w.log.read_text(errors="replace").splitlines() if not line.startswith("%")][-6:]
+        out.append(f"worker {w.name} at {time.time():.1f}: {shown}\n    " + "\n    ".join(tail))
+    return "\n".join(out)
+
+
+def assert_releases_equal(expected: list[dict], released: list[dict], fleet: Fleet | None = None) -> None:
     assert_no_conflicting_releases(released)
     assert expected, "replay released nothing: the trial tests nothing"
     missing, extra = canonical(expected) - canonical(released), canonical(released) - canonical(expected)
     assert not missing and not extra, (f"releases differ from replay's: {len(missing)} of {len(expected)} missing, "
-                                       f"{len(extra)} not replay's")
+                                       f"{len(extra)} not replay's" + (f"\n{clocks(fleet)}" if fleet is not None else ""))
 
 
 def restores(w: Worker, start: int = 0, end: int | None = None) -> list[tuple[str, str]]:
@@ -608,7 +627,7 @@ def rebalance_storm(tmp_path, b: ChaosBroker, changes: int, window_s: int, trigg
         fleet.assert_healthy()
         assert done >= changes
         feed.check()
-        assert_releases_equal(expected, released)
+        assert_releases_equal(expected, released, fleet)
     finally:
         for t in leaving:
             t.join(60)
@@ -667,7 +686,7 @@ def test_a_broker_sigkill_and_restart_20_s_later_stops_no_worker(tmp_path, chaos
         assert 12 < down < 50, f"harness: the outage must pass the 10 s wait and stay under the 60 s --broker-timeout: {down:.0f} s"
         expected, released = releases_after_the_window(sc, fleet)
         fleet.assert_healthy()
-        assert_releases_equal(expected, released)
+        assert_releases_equal(expected, released, fleet)
     finally:
         fleet.close()
 
@@ -706,7 +725,7 @@ def test_a_20_s_blackhole_is_ridden_out_by_group_workers_with_incremental_restor
         expected, released = releases_after_the_window(sc, fleet)
         fleet.assert_healthy()
         feed.check()
-        assert_releases_equal(expected, released)
+        assert_releases_equal(expected, released, fleet)
         # they fell out of the group and came back: each restored partitions after the heal, and a
         # partition it held when the partition began comes back incrementally (in full only if the
         # worker warned about it: its last changes not sent, a store ahead of its changelog)
@@ -783,7 +802,7 @@ def test_a_blackhole_past_the_broker_timeout_waits_at_10_s_exits_at_the_timeout_
             fleet.start(f"w{i}", mode, index=i, workers=len(ws)).wait_ready()
         expected, released = releases_after_the_window(sc, fleet)
         fleet.assert_healthy()
-        assert_releases_equal(expected, released)
+        assert_releases_equal(expected, released, fleet)
     finally:
         fleet.close()
 
@@ -839,7 +858,7 @@ def test_workers_started_together_on_a_new_app_id_all_become_ready(tmp_path, cha
                 sc.write_events(10_000, users=1_000, keys=40, lead_s=4)
                 sc.produce_events()
                 expected, released = releases_after_the_window(sc, fleet)
-                assert_releases_equal(expected, released)
+                assert_releases_equal(expected, released, fleet)
                 checked = True
             print(f"start {rep}: CreateTopics requests sent together: {b.proxy.released[rounds:]}")
             failures += [f"start {rep}: {p}" for p in fleet.problems()]
