@@ -174,8 +174,22 @@ def read_compacted(bootstrap: str, topic: str, prefix: str = "", timeout: float 
         consumer.close()
 
 
+def changelog_ends_client(bootstrap: str):
+    """A client for :func:`read_changelog`'s end offsets, to share over the partitions of one
+    restore (a client per partition cost a connection and a metadata round trip each)."""
+    from confluent_kafka import Consumer
+
+    return Consumer({**_changelog_common(bootstrap, "ends"), "isolation.level": "read_uncommitted"})
+
+
+def _changelog_common(bootstrap: str, topic: str) -> dict:
+    return {"bootstrap.servers": bootstrap, "group.id": f"dpstream-restore-{topic}", "enable.auto.commit": False,
+            "fetch.max.bytes": CHANGELOG_MAX_BYTES + 1024 * 1024, "receive.message.max.bytes": 2 * CHANGELOG_MAX_BYTES,
+            **client_security()}
+
+
 def read_changelog(bootstrap: str, topic: str, partition: int, start: int, timeout: float = 120.0,
-                   batch: int = 10_000) -> tuple[int, Iterable[list[tuple[int, bytes, bytes | None]]]]:
+                   batch: int = 10_000, ends=None) -> tuple[int, Iterable[list[tuple[int, bytes, bytes | None]]]]:
     """The end offset of a changelog partition, and its committed records from offset ``start``
     to that end, in batches of ``(offset, key, value)`` (value None: a tombstone).
 
@@ -184,16 +198,15 @@ def read_changelog(bootstrap: str, topic: str, partition: int, start: int, timeo
     holds the read until it commits or aborts; after ``timeout`` s this raises, and nothing
     is processed with a partial state."""
 
-    from confluent_kafka import Consumer, TopicPartition
+    from confluent_kafka import TopicPartition
 
-    common = {"bootstrap.servers": bootstrap, "group.id": f"dpstream-restore-{topic}", "enable.auto.commit": False,
-              "fetch.max.bytes": CHANGELOG_MAX_BYTES + 1024 * 1024, "receive.message.max.bytes": 2 * CHANGELOG_MAX_BYTES,
-              **client_security()}
-    ends = Consumer({**common, "isolation.level": "read_uncommitted"})
+    common = _changelog_common(bootstrap, topic)
+    client = ends if ends is not None else changelog_ends_client(bootstrap)
     try:
-        low, high = ends.get_watermark_offsets(TopicPartition(topic, partition), timeout=min(timeout, 30))
+        low, high = client.get_watermark_offsets(TopicPartition(topic, partition), timeout=min(timeout, 30), cached=False)
     finally:
-        ends.close()
+        if ends is None:
+            client.close()
     return high, _read_changelog(common, topic, partition, max(start, low), high, timeout, batch)
 
 

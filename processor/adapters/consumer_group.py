@@ -7,12 +7,13 @@ cooperative-sticky assignor spreads their partitions over the workers; a worker 
 leaving moves only the partitions that must move, and the others go on being processed during
 the rebalance.
 
-aiokafka has no cooperative protocol, so this reads with confluent-kafka (librdkafka), whose
+aiokafka has no cooperative protocol, so the membership is librdkafka's (confluent-kafka), whose
 ``poll`` runs off the event loop. Its rebalance callbacks run in that thread; they hand the
 change to the event loop (``on_gain``/``on_lose`` coroutines) and wait: a gained partition is
-assigned at the offset its restored state has read up to, only once its store was restored from
-its changelog; a lost one is given up only after the transaction that may be carrying its
-outputs has finished.
+assigned only once its store was restored from its changelog; a lost one is given up only after
+the transaction that may be carrying its outputs has finished. The assigned partitions are
+paused at once: the worker fetches them with a reader of its own (partition_reader.py), which
+decodes records faster than librdkafka's Python objects are built.
 
 Fencing: every transaction of an elastic worker carries its partitions' consumer offsets
 (``send_offsets_to_transaction`` with :meth:`GroupConsumer.group_metadata`), which the group
@@ -27,11 +28,6 @@ import threading
 import time
 from typing import Awaitable, Callable, Optional
 
-from dpstream.processor.adapters.worker import (
-    CREATE_TIME,
-    LOG_APPEND_TIME,
-    InputWentBackError,
-)
 from dpstream.topics.kafka import client_security, kafka_error
 
 log = logging.getLogger("dpstream.worker")
@@ -42,27 +38,12 @@ LOSE_TIMEOUT_S = 60.0
 Key = tuple[str, int]
 
 
-class ConsumedRecord:
-    """A confluent-kafka message as the worker reads records (:class:`dpstream.processor.adapters.worker.RecordLike`)."""
-
-    __slots__ = ("offset", "key", "value", "timestamp", "timestamp_type")
-
-    def __init__(self, msg):
-        kind, ts = msg.timestamp()
-        self.offset = msg.offset()
-        self.key = msg.key()
-        self.value = msg.value()
-        self.timestamp = ts
-        # librdkafka: 1 CreateTime, 2 LogAppendTime (0: none)
-        self.timestamp_type = LOG_APPEND_TIME if kind == 2 else CREATE_TIME
-
-
 class GroupConsumer:
     """One worker's membership of the application's consumer group."""
 
     def __init__(self, broker: str, group_id: str, topics: list[str], loop: asyncio.AbstractEventLoop,
                  on_gain: Callable[[list[Key]], Awaitable[dict[Key, int]]], on_lose: Callable[[list[Key]], Awaitable[None]],
-                 session_timeout: float = 10.0, heartbeat_interval: float = 1.0, fetch_bytes: int = 32 * 1024 * 1024,
+                 session_timeout: float = 10.0, heartbeat_interval: float = 1.0,
                  on_lost: Optional[Callable[[list[Key]], Awaitable[None]]] = None):
         from confluent_kafka import Consumer
 
@@ -70,14 +51,14 @@ class GroupConsumer:
         self.broker, self.group_id = broker, group_id
         self._side = None  # see _side_client
         self._side_lock = threading.Lock()
+        #: held by a poll and by close: librdkafka's consumer is not closed under a running poll
+        self._poll_lock = threading.Lock()
+        self.closed = False
         self.on_gain, self.on_lose = on_gain, on_lose
         #: partitions taken away without a hand-over (this member was dropped from the group): the
         #: worker must not send anything for them, another may own them already
         self.on_lost = on_lost or on_lose
-        #: (topic, partition) -> offset: seeks asked for by the event loop, made by the poll thread
-        #: before its next fetch (librdkafka's consumer is driven from that thread only)
-        self._seeks: dict[Key, int] = {}
-        #: the partitions assigned to this member as of the last fetch (kept by the poll thread)
+        #: the partitions assigned to this member as of the last poll (kept by the poll thread)
         self.assigned: frozenset = frozenset()
         self.stopping = False
         self.failure: Optional[BaseException] = None  # raised by the next fetch
@@ -87,19 +68,15 @@ class GroupConsumer:
             "enable.auto.commit": False, "enable.auto.offset.store": False,
             # our own transactions' records count once committed (docs/operations.md, "Delivery")
             "isolation.level": "read_committed",
-            # partitions are assigned at the offset their state has read to; one out of range
-            # (the log went back) is an error, never a silent reset
+            # never fetched here (paused), but never a silent reset either
             "auto.offset.reset": "error",
             "session.timeout.ms": int(session_timeout * 1000), "heartbeat.interval.ms": int(heartbeat_interval * 1000),
             # a restore runs inside the rebalance callback, off the poll loop's clock
             "max.poll.interval.ms": 30 * 60 * 1000,
-            "fetch.max.bytes": fetch_bytes, "max.partition.fetch.bytes": 8 * 1024 * 1024,
-            "receive.message.max.bytes": fetch_bytes + 1024 * 1024,
             **client_security(),
         })
         self.consumer.subscribe(topics, on_assign=self._assigned, on_revoke=self._revoked, on_lost=self._lost)
         self._metadata = self.consumer.consumer_group_metadata()  # before any poll: no callback runs yet
-        self._positions: dict[Key, int] = {}
 
     # -- rebalance callbacks: in the poll thread, handed to the event loop
     def _assigned(self, consumer, partitions) -> None:
@@ -114,7 +91,9 @@ class GroupConsumer:
         except BaseException as exc:  # noqa: BLE001 - the worker stops (restore failed, input went back, ...)
             self.failure = exc
             return
-        consumer.incremental_assign([TopicPartition(t, p, offsets[(t, p)]) for t, p in keys])
+        tps = [TopicPartition(t, p, offsets[(t, p)]) for t, p in keys]
+        consumer.incremental_assign(tps)
+        consumer.pause(tps)  # fetched by the worker's own reader (partition_reader.py)
 
     def _revoked(self, consumer, partitions) -> None:
         self._refresh_metadata()
@@ -140,63 +119,26 @@ class GroupConsumer:
         except BaseException as exc:  # noqa: BLE001
             self.failure = exc
 
-    # -- reading
-    def seek(self, key: Key, offset: int) -> None:
-        """Read ``key`` from ``offset`` again (made by the poll thread before its next fetch;
-        records fetched before that are for the caller to drop: :meth:`seeking`)."""
-        self._seeks[key] = offset
+    # -- membership
+    def _poll(self, timeout: float) -> None:
+        """In the poll thread: serve the group (rebalance callbacks run here). Every assigned
+        partition is paused, so no record comes; an error event is only logged (librdkafka
+        retries on its own, and the broker watch stops a worker that hears nothing)."""
+        with self._poll_lock:
+            if self.closed:
+                return
+            msg = self.consumer.poll(timeout)
+            self.assigned = frozenset((tp.topic, tp.partition) for tp in self.consumer.assignment())
+            self._refresh_metadata()
+        if msg is not None and msg.error() is not None:
+            log.debug("consumer group: %s", msg.error())
 
-    def seeking(self, key: Key) -> bool:
-        """A seek of ``key`` is asked for and not made yet."""
-        return key in self._seeks
-
-    def _consume(self, max_records: int, timeout: float) -> dict[Key, list[ConsumedRecord]]:
-        from confluent_kafka import KafkaError, KafkaException, TopicPartition
-
-        out: dict[Key, list[ConsumedRecord]] = {}
-        assigned = {(tp.topic, tp.partition) for tp in self.consumer.assignment()}
-        for key in list(self._seeks):
-            offset = self._seeks.pop(key)  # atomic: a seek asked for meanwhile stays for the next fetch
-            if key in assigned:
-                try:
-                    self.consumer.seek(TopicPartition(*key, offset))
-                except KafkaException as exc:  # e.g. not fetching yet: again before the next fetch
-                    log.debug("seek of %s-%d to %d: %s", *key, offset, exc)
-                    self._seeks.setdefault(key, offset)
-        msgs = self.consumer.consume(max_records, timeout)
-        self.assigned = frozenset((tp.topic, tp.partition) for tp in self.consumer.assignment())
-        self._refresh_metadata()
-        self._positions = {(tp.topic, tp.partition): tp.offset for tp in self.consumer.position(self.consumer.assignment())}
-        last, bucket, bucket_topic = None, None, None
-        for msg in msgs:
-            err = msg.error()
-            if err is not None:
-                if err.code() in (KafkaError._AUTO_OFFSET_RESET, KafkaError.OFFSET_OUT_OF_RANGE):
-                    raise InputWentBackError(
-                        f"{msg.topic()}-{msg.partition()}: the offset this worker's state goes on from is no longer in the log: "
-                        f"the topic was recreated or the broker lost data. See docs/operations.md, \"When the input goes back\"")
-                if err.code() != KafkaError._PARTITION_EOF:
-                    log.debug("consumer: %s", err)
-                continue
-            # a fetch returns runs of one partition's records: one dict look-up per run
-            partition = msg.partition()
-            if partition != last or bucket is None or msg.topic() != bucket_topic:
-                last, bucket_topic = partition, msg.topic()
-                bucket = out.setdefault((bucket_topic, partition), [])
-            bucket.append(ConsumedRecord(msg))
-        return out
-
-    async def fetch(self, max_records: int, timeout: float) -> dict[Key, list[ConsumedRecord]]:
-        fetched = await self.loop.run_in_executor(None, self._consume, max_records, timeout)
+    async def poll(self, timeout: float) -> None:
+        """Serve the group for up to ``timeout`` s, off the event loop; raises what a rebalance
+        callback failed with (a restore failed, the input went back, ...)."""
+        await self.loop.run_in_executor(None, self._poll, timeout)
         if self.failure is not None:
             raise self.failure
-        return fetched
-
-    def position(self, key: Key) -> Optional[int]:
-        """The consumer's position (past transaction markers) after the last poll, None if
-        unknown (kept by the poll thread: see :meth:`_refresh_metadata`)."""
-        offset = self._positions.get(key, -1)
-        return offset if offset >= 0 else None
 
     def log_ends(self, keys: list[Key], timeout: float = 5.0) -> dict[Key, tuple[int, int]]:
         """Blocking: each partition's high watermark, with the wall-clock time (ms) taken just
@@ -259,7 +201,8 @@ class GroupConsumer:
         """Blocking (off the event loop: the hand-over of the partitions runs on it). Leave the
         group: the partitions are handed over (their last changes sent) and move at once,
         without waiting for the session timeout."""
-        self.consumer.close()
-        self.stopping = True
+        with self._poll_lock:
+            self.consumer.close()
+            self.closed = self.stopping = True
         if self._side is not None:
             self._side.close()

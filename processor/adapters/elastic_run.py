@@ -12,10 +12,10 @@ from typing import Optional
 
 from dpstream.processor.adapters.consumer_group import GroupConsumer
 from dpstream.processor.adapters.delivery import TransactionAbandonedError
-from dpstream.processor.adapters.lane_reader import LaneReader
+from dpstream.processor.adapters.partition_reader import OwnedPartitionReader
 from dpstream.processor.adapters.stage_batches import STAGES
 from dpstream.processor.adapters.worker_run import WorkerRun, group_id, log_positions
-from dpstream.topics.kafka import read_changelog
+from dpstream.topics.kafka import changelog_ends_client, read_changelog
 
 log = logging.getLogger("dpstream.worker")
 
@@ -50,8 +50,11 @@ class ElasticRun(WorkerRun):
         self.turns: dict = {}
         #: held through a gain's or a regain's restores: never two restores of one store at once
         self.restoring = asyncio.Lock()
-        #: the by-user partitions of the owned input partitions (not group-assigned)
-        self.lanes = LaneReader(self.broker)
+        #: reads the owned partitions and the by-user partitions of the owned input partitions
+        self.reader = OwnedPartitionReader(self.broker)
+        #: (topic, partition) -> the offset a gained partition is read from first (its state's,
+        #: or the log's start past records retention deleted)
+        self.read_from: dict = {}
 
     # ------------------------------------------------------------------ transactions
     async def transact(self, role: str, sources, messages, offsets: Optional[dict] = None, fence: bool = True) -> None:
@@ -151,7 +154,7 @@ class ElasticRun(WorkerRun):
             if src is None:
                 continue
             committed = src.last_offset + 1
-            position = gc.position(key)
+            position = self.reader.position(key)
             if committed >= high or (position is not None and position >= high and committed >= self.batches.fetched.get(key, 0)):
                 ends[key] = asked
         return ends
@@ -167,37 +170,49 @@ class ElasticRun(WorkerRun):
         gc = GroupConsumer(self.broker, group_id(s.app_id), worker.source_topics(), loop, self.gain, self.lose,
                            s.session_timeout, s.heartbeat_interval, on_lost=self.lost)
         self.consumer = gc
-        await self.lanes.start()
+        await self.reader.start()
         self.health.heard_from_broker()
         self.health.set("ready")
         log.info("dpstream worker %s ready: joined consumer group %s", s.instance_id, group_id(s.app_id))
-        batches = self.batches
+        membership = loop.create_task(self._keep_membership(gc))
+        try:
+            await self._read(membership)
+        finally:
+            membership.cancel()
+
+    async def _keep_membership(self, gc: GroupConsumer) -> None:
         while True:
+            await gc.poll(0.2)
+
+    async def _read(self, membership: asyncio.Task) -> None:
+        """Fetch what the worker owns now (partition_reader.py) into the stages' batches."""
+        worker, batches, reader = self.worker, self.batches, self.reader
+        while True:
+            if membership.done():
+                membership.result()  # a rebalance callback failed: the worker stops
             await asyncio.sleep(0)  # let the agents and the web server run
+            owned = {key: entry[1] for key, entry in self.owned.items()}
+            reader.follow(owned, worker.lanes, batches, self.read_from)
+            # a stage holding a full batch's records is not fetched for; the others go on
+            full = batches.full()
+            reader.pause_only({key for key in reader.sources if self.stage_of(key) in full} if full else set())
             room = batches.room()
             if room <= 0:
                 await asyncio.sleep(0.02)  # full: wait for a busy stage to take its batch
-                fetched = {}
-            else:
-                fetched = await gc.fetch(room, batches.wait_ms() / 1000)
-            for key, records in fetched.items():
+            fetched = await reader.fetch(room, batches.wait_ms()) if room > 0 else {}
+            for key, (source, records) in fetched.items():
                 entry = self.owned.get(key)
-                # not a partition given up meanwhile, nor one read again from its restored offset
-                # (records fetched before that seek follow a batch that was given up)
-                if entry is not None and not gc.seeking(key):
-                    batches.add(entry[0], key, entry[1], records)
-            # the by-user partitions follow their input partitions (lane_reader.py)
-            self.lanes.follow(worker.lanes, batches)
-            for key, records in (await self.lanes.fetch(batches.room())).items():
-                source = self.lanes.sources.get(key)
-                if source is not None and worker.lanes.get(key) is source:  # not moved while fetching
+                if entry is not None:
+                    if entry[1] is source:  # not given up nor taken up again while fetching
+                        batches.add(entry[0], key, source, records)
+                elif worker.lanes.get(key) is source:  # a by-user partition, its input partition still here
                     batches.add("stage1", key, source, records)
             await batches.dispatch()
 
     async def close(self) -> None:
         if self.consumer is not None:  # hands over its partitions (on this loop) before it leaves
             await asyncio.get_running_loop().run_in_executor(None, self.consumer.close)
-        await self.lanes.close()
+        await self.reader.close()
 
     async def gain(self, keys: list) -> dict:
         async with self.restoring:
@@ -215,13 +230,17 @@ class ElasticRun(WorkerRun):
         committed = await loop.run_in_executor(None, lambda: gc.committed(keys))
         now = int(time.time() * 1000)
         stores = {}
-        for topic, partition in keys:
-            changelog = worker.changelog_topic(topic)
+        ends = await loop.run_in_executor(None, changelog_ends_client, self.broker)  # one for all their end offsets
+        try:
+            for topic, partition in keys:
+                changelog = worker.changelog_topic(topic)
 
-            def reader(start, changelog=changelog, partition=partition):
-                return read_changelog(self.broker, changelog, partition, start)
+                def reader(start, changelog=changelog, partition=partition):
+                    return read_changelog(self.broker, changelog, partition, start, ends=ends)
 
-            stores[(topic, partition)] = await loop.run_in_executor(None, lambda t=topic, p=partition: worker.restore(t, p, reader, now))
+                stores[(topic, partition)] = await loop.run_in_executor(None, lambda t=topic, p=partition: worker.restore(t, p, reader, now))
+        finally:
+            await loop.run_in_executor(None, ends.close)
         async with _AllStageLocks(self.publishers):
             gained = [worker.add_source(t, p, stores[(t, p)]) for t, p in keys]
         positions = await loop.run_in_executor(None, lambda: log_positions(self.broker, gained))
@@ -233,7 +252,7 @@ class ElasticRun(WorkerRun):
             if src.last_offset + 1 < start:
                 log.error("%s: records at offsets %d to %d were deleted (retention) before they were read; going on from "
                           "offset %d", src.name, src.last_offset + 1, start - 1, start)
-            offsets[key] = max(src.last_offset + 1, start)
+            offsets[key] = self.read_from[key] = max(src.last_offset + 1, start)
             if committed.get(key, -1) > src.last_offset + 1:
                 log.error("%s: the group committed offset %d, but the restored state has read only to %d: its changelog "
                           "lost records", src.name, committed[key], src.last_offset)
@@ -257,6 +276,7 @@ class ElasticRun(WorkerRun):
                 entry = self.owned.pop(key, None)
                 self.batches.drop(key)
                 self.turns[key] = self.turns.get(key, 0) + 1
+                self.read_from.pop(key, None)
                 if entry is None:
                     continue
                 source = entry[1]
@@ -285,6 +305,7 @@ class ElasticRun(WorkerRun):
                 self.turns[key] = self.turns.get(key, 0) + 1
                 self.batches.drop(key)
                 entry = self.owned.pop(key, None)
+                self.read_from.pop(key, None)
                 if entry is not None:
                     entry[1].store.rollback()
                     self.worker.remove_source(*key)
@@ -360,8 +381,7 @@ class ElasticRun(WorkerRun):
                     if key not in current():  # moved meanwhile: its store stays at its checkpoint
                         worker.stores.release(f"{key[0]}-{key[1]}")
                         continue
-                    src = worker.add_source(*key, store)
-                    self.consumer.seek(key, src.last_offset + 1)  # first: records fetched before the seek are dropped
+                    src = worker.add_source(*key, store)  # a new source: read again from its state's offset
                     self.owned[key] = (self.stage_of(key), src)
                     self.turns[key] = self.turns.get(key, 0) + 1
                     taken.append(key)
