@@ -715,8 +715,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "by-user topic: counted, at the cost of a second trip through Kafka. Set it to your producers' "
                              "partitioner (dpstream check-input names it) to spare that (default $DPSTREAM_PARTITIONER or murmur2)")
     worker.add_argument("--fetch-records", type=int, default=_env_int("DPSTREAM_FETCH_RECORDS", 100_000),
-                        help="most records one read from the broker hands over, over all owned partitions; each batch has a "
-                             "fixed cost, so larger reads take in more events/s and hold the event loop longer "
+                        help="most records one read from the broker hands over, over all owned partitions, and most a stage "
+                             "gathers while busy (then its partitions wait, the other stages' are read on); each batch "
+                             "has a fixed cost, so larger reads take in more events/s and hold the event loop longer "
                              "(default $DPSTREAM_FETCH_RECORDS or 100,000)")
     worker.add_argument("--watermark-delay", default=os.environ.get("DPSTREAM_WATERMARK_DELAY", "2s"),
                         help="how far an input partition's watermark stays behind the newest broker-stamped "

@@ -341,6 +341,28 @@ def test_two_workers_split_the_partitions_and_release_the_same(scenario):
     assert min(w.metric("dpstream_releases_total", query=sc.query) for w in (a, b)) > 0
 
 
+@pytest.mark.parametrize("assignment", ["static", "group"])
+def test_a_backlog_many_times_the_fetch_limit_is_read_through_both_stages_and_released_as_replay(scenario, assignment):
+    """``--fetch-records 300`` against 20,000 events already in the topic: stage 1 holds a full
+    batch most of the time (its partitions are then paused, the other stages' fetched on), and
+    the worker must go on reading it: an elastic worker once stopped at its first full batch,
+    never dispatching it."""
+    from dpstream.topics.kafka import INPUT_TOPIC_CONFIG, TopicSpec, create_topics
+
+    sc = scenario
+    create_topics(sc.broker, [TopicSpec(sc.input, 4, INPUT_TOPIC_CONFIG)])  # as the worker creates it
+    sc.write_events(20_000, users=2_000, keys=60, lead_s=6)
+    sc.produce_events()  # the backlog is there before the worker starts
+    how = ("--assignment", "group", "--instance-id", "a") if assignment == "group" else ()
+    w = sc.worker("a", extra=how + ("--fetch-records", "300")).start()
+    sc.workers.append(w)
+    w.wait_ready()
+    assert sc.take_in(w, 20_000) == 20_000, "the worker stopped reading its backlog"
+    sc.wait_for_window_end()
+    sc.assert_published_equal(sc.replay())
+    assert w.metric("dpstream_records_accumulated_total", query=sc.query) > 0
+
+
 @pytest.mark.parametrize("delivery", ["exactly-once", "at-least-once"])
 def test_sigkill_mid_stream_and_restart_changes_nothing(scenario, delivery):
     sc = scenario

@@ -114,8 +114,16 @@ class StaticRun(WorkerRun):
         log.info("dpstream worker %d/%d ready: %d input and %d repartition partitions", s.ownership.index, s.ownership.workers,
                  len(worker.stage1), len(worker.stage2))
         batches = self.batches
+        paused: set = set()
         while True:
             await asyncio.sleep(0)  # a fetch that returns at once does not yield: let the agents and the web server run
+            # a stage holding a full batch's records is not fetched for; the others go on
+            full = batches.full()
+            pause = {tp for tp, (stage, _) in stage_of.items() if stage in full}
+            if pause != paused:
+                consumer.pause(*(pause - paused))
+                consumer.resume(*(paused - pause))
+                paused = pause
             room = batches.room()
             if room <= 0:
                 fetched = {}
