@@ -300,6 +300,67 @@ def _check(budget: QueryBudget) -> None:
             raise BudgetError("resolution", f"must be at most clamp ({budget.clamp!r}), got {budget.resolution!r}")
 
 
+def _log_e_plus_one(x: float) -> float:
+    """``log(e^x + 1)`` without forming ``e^x`` (``math.exp`` overflows above 709)."""
+    return x + math.log1p(math.exp(-x)) if x > 0 else math.log1p(math.exp(x))
+
+
+def _growing_terms(budget: QueryBudget, draws: int) -> list[tuple[float, float, float, float]]:
+    """The delta terms that grow as e^eps: per part, ``(eps share, delta it may use, beta units,
+    sampler units)`` with the part's term ``(e^(share eps) + 1) (beta units beta + sampler units)``
+    (docs/privacy.md, "Thresholding" and "Sampler"). A null beta is chosen so that its term is a
+    fixed share of delta, which the part's delta then leaves out."""
+    C, levels = budget.contribution_bound, budget.hierarchy_depth
+    tv = C * draws * SAMPLER_TV_BOUND  # one stream's sampler term per user, over e^eps + 1
+    if budget.composition in ("zcdp", "gdp"):
+        usable = budget.delta * (1.0 - DEFAULT_BETA_DELTA_SHARE if budget.beta is None else 1.0)
+        return [(1.0, usable, levels * C, levels * (1 + len(columns_of(budget))) * tv)]
+    terms, share = [], budget.key_selection_share
+    for s in _level_shares(budget):  # basic: each level's key selection and perturbation alone
+        delta_k = 2.0 * s * budget.delta / 3.0
+        terms.append((share * s, delta_k * (0.5 if budget.beta is None else 1.0), C, tv))
+        terms.append(((1.0 - share) * s, s * budget.delta / 3.0, 0.0, tv))
+    return terms
+
+
+def epsilon_ceiling(budget: QueryBudget, draws: int) -> float:
+    """The epsilon from which the delta terms that grow as e^eps (thresholding with a declared
+    beta, and the sampler's total variation) use up the query's delta: a declared epsilon must be
+    below it. ``draws``: noise draws of one stream that a user's increment reaches."""
+    ceiling = math.inf
+    beta = budget.beta or 0.0
+    for eps_share, usable, beta_units, sampler_units in _growing_terms(budget, draws):
+        ratio = usable / (beta_units * beta + sampler_units)  # e^(share eps) + 1 must stay below it
+        ceiling = min(ceiling, math.log(ratio - 1.0) / eps_share if ratio > 1.0 else 0.0)
+    return ceiling
+
+
+def _no_delta_left(budget: QueryBudget, draws: int) -> BudgetError:
+    """What to say when the terms of :func:`epsilon_ceiling` leave no delta: blame the field the
+    user set that makes them large, and say what to do."""
+    eps, ceiling = budget.epsilon, epsilon_ceiling(budget, draws)
+    terms = _growing_terms(budget, draws)
+    if budget.beta is not None:
+        # beta is what to change when its term outweighs the sampler's and a smaller beta fits
+        # (``beta_max`` <= 0: the sampler's term alone uses up delta at this epsilon)
+        beta_max = min((usable * math.exp(-_log_e_plus_one(share * eps)) - t) / b for share, usable, b, t in terms if b)
+        if beta_max > 0 and any(b * budget.beta >= t for _, _, b, t in terms if b):
+            return BudgetError("beta", f"{budget.beta!r} is too large for epsilon {eps!r}: the thresholding term "
+                                       f"(e^eps+1)*levels*C*beta uses up delta {budget.delta!r}; lower beta below "
+                                       f"{beta_max:.3g}, or leave it null (then its term takes "
+                                       f"{DEFAULT_BETA_DELTA_SHARE:.3g} of delta)")
+    if ceiling <= 0.0:
+        return BudgetError("delta", f"{budget.delta!r} is too small: the noise sampler's delta term alone exceeds it at "
+                                    f"any epsilon (docs/privacy.md, \"Sampler\")")
+    if budget.beta is None:
+        grows, fix = "the noise sampler's delta term grows as e^epsilon and leaves", ""
+    else:
+        grows, fix = "the noise sampler's and beta's delta terms grow as e^epsilon and leave", " at this beta, or leave beta null"
+    return BudgetError("epsilon", f"{eps!r} is too large for delta {budget.delta!r} at C = {budget.contribution_bound} and "
+                                  f"T = {budget.triggers}: {grows} no delta from epsilon {ceiling:.4g} on; set epsilon "
+                                  f"below {math.floor(ceiling * 10.0) / 10.0:g}{fix} (docs/privacy.md, \"Sampler\")")
+
+
 def _is_power_of_two(x: float) -> bool:
     mantissa, _ = math.frexp(x)
     return x > 0 and mantissa == 0.5
@@ -479,6 +540,8 @@ def _plan_levels(budget: QueryBudget) -> tuple[PrivacyPlan, ...]:
     kinds = columns_of(budget)
     ncols = len(kinds)
     parts = []  # per level: (rho_k, rho_m, eps_k, delta_k, eps_m, delta_m, beta)
+    if eps >= epsilon_ceiling(budget, draws):  # before e^eps, which overflows above 709
+        raise _no_delta_left(budget, draws)
 
     if budget.composition in ("zcdp", "gdp"):
         gdp = budget.composition == "gdp"
@@ -491,7 +554,7 @@ def _plan_levels(budget: QueryBudget) -> tuple[PrivacyPlan, ...]:
         delta_sampler = (math.exp(eps) + 1.0) * levels * (1 + ncols) * C * draws * SAMPLER_TV_BOUND
         delta_conv = delta - delta_beta - delta_sampler
         if delta_conv <= 0:
-            raise BudgetError("beta", f"the thresholding term (e^eps+1)*levels*C*beta = {delta_beta:.3g} leaves no delta")
+            raise _no_delta_left(budget, draws)  # rounding at the ceiling
         # GDP: mu^2 of the Gaussian parts adds exactly; rho = mu^2 / 2 is the same quantity in
         # zCDP units, so the split and the sigmas below are shared by both compositions
         rho = gdp_mu(eps, delta_conv * (1.0 - GDP_DISCRETE_MARGIN)) ** 2 / 2.0 if gdp else cks_rho(eps, delta_conv)
@@ -524,7 +587,7 @@ def _plan_levels(budget: QueryBudget) -> tuple[PrivacyPlan, ...]:
             sampler_m = (math.exp(eps_m) + 1.0) * C * draws * SAMPLER_TV_BOUND
             conv_k = delta_k - beta_term - sampler_k
             if conv_k <= 0:
-                raise BudgetError("beta", f"the thresholding term (e^eps_k+1)*C*beta = {beta_term:.3g} exceeds delta_k")
+                raise _no_delta_left(budget, draws)  # rounding at the ceiling
             rho_k = cks_rho(eps_k, conv_k)
             rho_m = cks_rho(eps_m, delta_m - sampler_m)
             parts.append((rho_k, rho_m, eps_k, delta_k, eps_m, delta_m, beta))

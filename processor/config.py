@@ -9,13 +9,14 @@ upper-cased and non-alphanumerics as ``_``; e.g. ``DPSTREAM_QUERY_URL_CLICKS_EPS
 """
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import math
 import os
 import re
 from pathlib import Path
-from typing import Literal, Mapping, Optional, Union
+from typing import Literal, Mapping, Optional, Union, get_args, get_origin
 
 import yaml
 from pydantic import (
@@ -586,6 +587,31 @@ def _format_location(loc: tuple) -> str:
     return out
 
 
+def _section_fields(loc: tuple) -> list[str]:
+    """The field names of the config section holding the last part of ``loc`` (a pydantic error
+    location): the model reached by walking the config's types along it, through lists, dicts
+    (``budget.principals.NAME``) and nulls."""
+    kind = DpstreamConfig
+    for part in loc[:-1]:
+        if isinstance(kind, type) and issubclass(kind, BaseModel):
+            field = kind.model_fields.get(part) if isinstance(part, str) else None
+            if field is None:
+                return []
+            kind = field.annotation
+        else:  # a list's index or a dict's key: the item's type
+            kind = get_args(kind)[-1] if get_args(kind) else None
+        while get_origin(kind) is Union:  # Optional[X]: X
+            kind = next(arg for arg in get_args(kind) if arg is not type(None))
+    return list(kind.model_fields) if isinstance(kind, type) and issubclass(kind, BaseModel) else []
+
+
+def _did_you_mean(name, fields) -> str:
+    """`` (did you mean 'x'?)`` with the known field closest to an unknown one, if any is close: a
+    typo must be easy to find."""
+    close = difflib.get_close_matches(str(name), fields, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def _env_overrides(raw: dict, environ: Mapping[str, str]) -> None:
     fields = set(QueryConfig.model_fields)
     for i, query in enumerate(raw.get("queries") or []):
@@ -596,7 +622,8 @@ def _env_overrides(raw: dict, environ: Mapping[str, str]) -> None:
             if var.startswith(prefix):
                 field_name = var[len(prefix):].lower()
                 if field_name not in fields:
-                    raise ConfigError(f"environment {var}: queries[{i}] has no field {field_name!r}")
+                    raise ConfigError(f"environment {var}: queries[{i}] has no field {field_name!r}"
+                                      f"{_did_you_mean(field_name, list(QueryConfig.model_fields))}")
                 query[field_name] = yaml.safe_load(text)
 
 
@@ -624,7 +651,10 @@ def config_from_mapping(raw, source: str = "config", environ: Mapping[str, str] 
         problems = []
         for err in exc.errors():
             where = _format_location(err["loc"])
-            message = "unknown field" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
+            if err["type"] == "extra_forbidden":
+                message = "unknown field" + _did_you_mean(err["loc"][-1], _section_fields(err["loc"]))
+            else:
+                message = err["msg"].removeprefix("Value error, ")
             if ": " in message and where and not message.startswith(("must", "Input", "Field", "unknown")):
                 field_name, message = message.split(": ", 1)
                 where = f"{where}.{field_name}"

@@ -296,6 +296,14 @@ GOOD = dict(epsilon=1.0, delta=1e-6, triggers=100, contribution_bound=4)
         (dict(beta=1.0), "beta"),
         (dict(beta=1e-3), "beta"),  # (e+1)*4*1e-3 >> delta: the beta term eats delta
         (dict(beta=1e-3, composition="basic"), "beta"),
+        # the sampler's term (e^eps+1)...2^-100 leaves no delta: the user's epsilon is to blame, even
+        # where e^eps overflows a float (docs/privacy.md, "Sampler")
+        (dict(epsilon=60.0), "epsilon"),
+        (dict(epsilon=1000.0), "epsilon"),
+        (dict(epsilon=1000.0, composition="basic"), "epsilon"),
+        (dict(epsilon=1000.0, counter="tree", hierarchy_depth=2), "epsilon"),
+        (dict(epsilon=1000.0, beta=1e-12), "epsilon"),  # even beta 0 would not do at this epsilon
+        (dict(delta=1e-29, composition="zcdp"), "delta"),  # the sampler's term alone exceeds it
         (dict(key_selection_share=0.0), "key_selection_share"),
         (dict(key_selection_share=1.0), "key_selection_share"),
         (dict(composition="advanced"), "composition"),

@@ -1,6 +1,7 @@
 """Config validation names the field; `dpstream plan` reports every term, with no secret."""
 import json
 import math
+import re
 import secrets
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import pytest
 
 from dpstream.accountant.counters import BLT
 from dpstream.processor.cli import main
-from dpstream.processor.config import ConfigError, load_config
+from dpstream.processor.config import ConfigError, load_config, plan_for
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "queries.yaml"
@@ -171,3 +172,56 @@ def test_a_budget_below_one_window_is_refused_at_load_naming_the_field(tmp_path,
     else:
         with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
             load_config(path)
+
+
+def query_with(tmp_path, extra: str, epsilon="6", delta="1.0e-9"):
+    return write(tmp_path, f"queries:\n  - name: q\n    epsilon: {epsilon}\n    delta: {delta}\n{extra}")
+
+
+@pytest.mark.parametrize("epsilon", ["60", "1000", "1.0e+300"])
+def test_a_too_large_epsilon_is_a_config_error_naming_epsilon_with_the_largest_that_works(tmp_path, epsilon):
+    """The sampler's delta term grows as e^epsilon (docs/privacy.md, "Sampler"): from about 40 at
+    delta 1e-9 it leaves no delta. The error blames epsilon, which the user set, not the beta the
+    user never set, and no epsilon overflows into a traceback; the largest epsilon it names works."""
+    done = subprocess.run([sys.executable, "-m", "dpstream.processor.cli", "plan", "--config",
+                           str(query_with(tmp_path, "", epsilon=epsilon))], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "queries[0].epsilon:" in done.stderr and "beta" not in done.stderr
+    below = float(re.search(r"set epsilon below ([0-9.]+)", done.stderr).group(1))
+    assert 38 < below < 41  # delta 1e-9, C 32, T 100, the blt: the ceiling is 39.47
+    config = load_config(query_with(tmp_path, "", epsilon=str(below)), environ={})
+    assert plan_for(config.queries[0]).delta_spent <= 1e-9
+
+
+def test_a_declared_beta_too_large_for_its_epsilon_names_beta_and_the_beta_that_works(tmp_path):
+    with pytest.raises(ConfigError, match=r"queries\[0\]\.beta: 1e-12 is too large for epsilon 20") as info:
+        load_config(query_with(tmp_path, "    beta: 1.0e-12\n", epsilon="20"), environ={})
+    below = float(re.search(r"lower beta below ([0-9.e+-]+)", str(info.value)).group(1))
+    config = load_config(query_with(tmp_path, f"    beta: {below * 0.99!r}\n", epsilon="20"), environ={})
+    assert plan_for(config.queries[0]).delta_spent <= 1e-9
+    load_config(query_with(tmp_path, "    beta: null\n", epsilon="20"), environ={})  # the other way out it names
+
+
+@pytest.mark.parametrize("section, where, suggestion", [
+    ("queries:\n  - {name: q, epsilon: 1, delta: 1.0e-6, epsilom: 1}\n", "queries[0].epsilom", "epsilon"),
+    ("queries:\n  - {name: q, epsilon: 1, delta: 1.0e-6, key_feilds: [a]}\n", "queries[0].key_feilds", "key_fields"),
+    ("dynamic:\n  - {name: d, start: 0, items: [a], epsilon: 1, tik: 1s}\n", "dynamic[0].tik", "tick"),
+    ("querys:\n  - {name: q, epsilon: 1, delta: 1.0e-6}\n", "querys", "queries"),
+    ("budget: {shadw: true}\n", "budget.shadw", "shadow"),
+    ("budget:\n  default: {max_epsilon: 5, max_delt: 1.0e-6}\n", "budget.default.max_delt", "max_delta"),
+    ("budget:\n  principals:\n    q: {max_epsilon: 5, refesh: 1d}\n", "budget.principals.q.refesh", "refresh"),
+    ("schema_registry: {url: 'http://registry', use_latest: true}\n", "schema_registry.use_latest", "use_latest_version"),
+])
+def test_an_unknown_field_at_any_level_suggests_the_field_meant(tmp_path, section, where, suggestion):
+    queries = "" if section.startswith(("queries", "dynamic", "querys")) else "queries:\n  - {name: q, epsilon: 1, delta: 1.0e-6}\n"
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, queries + section), environ={})
+    assert f"{where}: unknown field (did you mean {suggestion!r}?)" in str(info.value)
+
+
+def test_an_unknown_field_like_none_gets_no_suggestion_and_an_override_gets_one(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        load_config(query_with(tmp_path, "    zzzz: 1\n"), environ={})
+    assert str(info.value).endswith("queries[0].zzzz: unknown field")
+    with pytest.raises(ConfigError, match=r"DPSTREAM_QUERY_Q_EPSILONN: queries\[0\] has no field 'epsilonn' \(did you mean 'epsilon'\?\)"):
+        load_config(query_with(tmp_path, ""), environ={"DPSTREAM_QUERY_Q_EPSILONN": "3"})
