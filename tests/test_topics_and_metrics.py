@@ -181,3 +181,47 @@ def test_trigger_and_lag_gauges_drop_what_the_worker_no_longer_owns():
     assert 'dpstream_next_trigger_timestamp_seconds{query="a"} 1.700000063e+09' in text
     assert 'query="b"' not in text.split("dpstream_next_trigger_timestamp_seconds gauge")[1].split("# HELP")[0]
     assert 'partition="1"' not in text and 'dpstream_consumer_lag_records{partition="0",topic="events"} 7.0' in text
+
+
+def test_the_dead_letter_topic_is_created_with_a_retention():
+    """Dead letters are raw input (docs/threat-model.md): deleted after $DPSTREAM_DEAD_LETTER_RETENTION
+    (default 7 days), in segments of at most a day, so a record outlives it by at most a day."""
+    from dpstream.processor.config import ConfigError
+    from dpstream.topics.kafka import DEAD_LETTER_RETENTION_ENV, dead_letter_topic_config
+
+    q = QueryConfig(name="a", epsilon=1, delta=1e-6)
+    spec = {s.name: s for s in topics_for([q])}[DEAD_LETTER_TOPIC]
+    day = 86_400_000
+    assert spec.config == {"cleanup.policy": "delete", "retention.ms": str(7 * day), "segment.ms": str(day)}
+    assert dead_letter_topic_config({DEAD_LETTER_RETENTION_ENV: "36h"})["retention.ms"] == str(36 * 3_600_000)
+    assert dead_letter_topic_config({DEAD_LETTER_RETENTION_ENV: "2h"}) == {"cleanup.policy": "delete", "retention.ms": "7200000",
+                                                                           "segment.ms": "7200000"}
+    for bad in ("a week", "0s", "-1"):
+        with pytest.raises(ConfigError, match=DEAD_LETTER_RETENTION_ENV):
+            dead_letter_topic_config({DEAD_LETTER_RETENTION_ENV: bad})
+
+
+def test_the_broker_keeps_the_dead_letter_retention(broker, monkeypatch):
+    """The worker's dead-letter spec, created on a real broker under a name of this test's own: the
+    broker takes the config and reports it as the topic's (not its defaults)."""
+    import dataclasses
+    import uuid
+
+    from confluent_kafka.admin import AdminClient, ConfigResource
+
+    from dpstream.topics.kafka import DEAD_LETTER_RETENTION_ENV, create_topics
+
+    monkeypatch.setenv(DEAD_LETTER_RETENTION_ENV, "3d")
+    spec = {s.name: s for s in topics_for([QueryConfig(name="a", epsilon=1, delta=1e-6)])}[DEAD_LETTER_TOPIC]
+    name = f"test-dead-letters-{uuid.uuid4().hex[:10]}"
+    assert create_topics(broker, [dataclasses.replace(spec, name=name)]) == [name]
+    admin = AdminClient({"bootstrap.servers": broker})
+    try:
+        (future,) = admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, name)]).values()
+        entries = future.result(30)
+        assert entries["retention.ms"].value == str(3 * 86_400_000)
+        assert entries["segment.ms"].value == "86400000"
+        assert entries["cleanup.policy"].value == "delete"
+        assert not entries["retention.ms"].is_default
+    finally:
+        admin.delete_topics([name])

@@ -330,3 +330,157 @@ consumer group gives each input, repartition and dynamic-update partition one ow
 {{- end }}
 {{- end }}
 {{- end }}
+
+{{/*
+The Kafka client settings of every dpstream process of the release (the workers and the reset
+Job): the properties files, then the DPSTREAM_KAFKA_* variables (topics/client_properties.py),
+and the schema registry's credentials. One definition, so that `dpstream reset` connects exactly
+as the workers do (docs/operator-guide.md, "Operations (Kubernetes)").
+*/}}
+{{- define "dpstream.kafkaEnv" -}}
+{{- $protocol := .Values.kafka.security.protocol -}}
+- name: DPSTREAM_BROKER
+  value: {{ .Values.kafka.bootstrapServers | quote }}
+{{- with include "dpstream.kafkaPropertiesFiles" . }}
+- name: DPSTREAM_KAFKA_PROPERTIES_FILE
+  value: {{ . | quote }}
+{{- end }}
+{{- if or (ne $protocol "PLAINTEXT") (not (include "dpstream.kafkaPropertiesFiles" .)) }}
+- name: DPSTREAM_KAFKA_SECURITY_PROTOCOL
+  value: {{ $protocol | quote }}
+{{- end }}
+{{- if hasPrefix "SASL_" $protocol }}
+- name: DPSTREAM_KAFKA_SASL_MECHANISM
+  value: {{ .Values.kafka.sasl.mechanism | quote }}
+- name: DPSTREAM_KAFKA_SASL_USERNAME
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.kafka.sasl.existingSecret }}
+      key: {{ .Values.kafka.sasl.usernameKey }}
+- name: DPSTREAM_KAFKA_SASL_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.kafka.sasl.existingSecret }}
+      key: {{ .Values.kafka.sasl.passwordKey }}
+{{- end }}
+{{- if .Values.kafka.tls.existingSecret }}
+- name: DPSTREAM_KAFKA_SSL_CA_LOCATION
+  value: {{ include "dpstream.kafkaTlsDir" . }}/{{ .Values.kafka.tls.caKey }}
+{{- end }}
+{{- if .Values.kafka.tls.certificateKey }}
+- name: DPSTREAM_KAFKA_SSL_CERTIFICATE_LOCATION
+  value: {{ include "dpstream.kafkaTlsDir" . }}/{{ .Values.kafka.tls.certificateKey }}
+- name: DPSTREAM_KAFKA_SSL_KEY_LOCATION
+  value: {{ include "dpstream.kafkaTlsDir" . }}/{{ .Values.kafka.tls.keyKey }}
+{{- end }}
+{{- if .Values.kafka.tls.keyPasswordKey }}
+- name: DPSTREAM_KAFKA_SSL_KEY_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.kafka.tls.existingSecret }}
+      key: {{ .Values.kafka.tls.keyPasswordKey }}
+{{- end }}
+{{- if .Values.schemaRegistry.userInfoSecret.name }}
+- name: DPSTREAM_SCHEMA_REGISTRY_USER_INFO
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.schemaRegistry.userInfoSecret.name }}
+      key: {{ .Values.schemaRegistry.userInfoSecret.key }}
+{{- end }}
+{{- end }}
+
+{{/* The mounts of the queries config and the Kafka client files (workers and reset Job). */}}
+{{- define "dpstream.configVolumeMounts" -}}
+- name: config
+  mountPath: {{ include "dpstream.configDir" . }}
+  readOnly: true
+{{- if .Values.kafka.tls.existingSecret }}
+- name: kafka-tls
+  mountPath: {{ include "dpstream.kafkaTlsDir" . }}
+  readOnly: true
+{{- end }}
+{{- if .Values.kafka.propertiesSecret.name }}
+- name: kafka-properties
+  mountPath: {{ include "dpstream.kafkaPropertiesDir" . }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{/* The volumes of those mounts. */}}
+{{- define "dpstream.configVolumes" -}}
+- name: config
+  configMap:
+    name: {{ include "dpstream.fullname" . }}
+{{- if .Values.kafka.propertiesSecret.name }}
+- name: kafka-properties
+  secret:
+    secretName: {{ .Values.kafka.propertiesSecret.name }}
+    items:
+      - key: {{ .Values.kafka.propertiesSecret.key }}
+        path: {{ .Values.kafka.propertiesSecret.key }}
+    defaultMode: 288  # 0440: readable by the owner and the pod's fsGroup only
+{{- end }}
+{{- if .Values.kafka.tls.existingSecret }}
+- name: kafka-tls
+  secret:
+    secretName: {{ .Values.kafka.tls.existingSecret }}
+    items:
+      - key: {{ .Values.kafka.tls.caKey }}
+        path: {{ .Values.kafka.tls.caKey }}
+      {{- if .Values.kafka.tls.certificateKey }}
+      - key: {{ .Values.kafka.tls.certificateKey }}
+        path: {{ .Values.kafka.tls.certificateKey }}
+      - key: {{ .Values.kafka.tls.keyKey }}
+        path: {{ .Values.kafka.tls.keyKey }}
+        mode: 288  # 0440: the private key, readable by the owner and the pod's fsGroup only
+      {{- end }}
+    defaultMode: 292  # 0444
+{{- end }}
+{{- end }}
+
+{{/* The TCP ports of kafka.bootstrapServers (host:port or kafka://host:port; no port: 9092,
+librdkafka's default), deduplicated, as a JSON list: the NetworkPolicy's default Kafka egress. */}}
+{{- define "dpstream.kafkaPorts" -}}
+{{- $ports := list }}
+{{- range $server := splitList "," .Values.kafka.bootstrapServers }}
+{{- $address := regexReplaceAll "^[a-zA-Z]+://" (trim $server) "" }}
+{{- if $address }}
+{{- $port := regexFind "[0-9]+$" (regexFind ":[0-9]+$" $address) | default "9092" }}
+{{- $ports = append $ports (int $port) }}
+{{- end }}
+{{- end }}
+{{- $ports | uniq | toJson }}
+{{- end }}
+
+{{/* The TCP port of a URL (its explicit port, else 443 for https and 80 for http). */}}
+{{- define "dpstream.urlPort" -}}
+{{- $url := urlParse . }}
+{{- $explicit := regexFind "[0-9]+$" (regexFind ":[0-9]+$" $url.host) }}
+{{- $explicit | default (ternary "443" "80" (eq (lower $url.scheme) "https")) }}
+{{- end }}
+
+{{/* Ports of the HTTPS/HTTP services the configuration names (JSON list): the schema registry
+(queries config, schema_registry.url) and an OIDC token endpoint (kafka.properties,
+sasl.oauthbearer.token.endpoint.url). One in kafka.propertiesSecret cannot be seen here:
+networkPolicy.extraEgress. */}}
+{{- define "dpstream.endpointPorts" -}}
+{{- $ports := list }}
+{{- $config := include "dpstream.queriesConfig" . | fromYaml }}
+{{- with $config.schema_registry }}{{- with .url }}
+{{- $ports = append $ports (int (include "dpstream.urlPort" .)) }}
+{{- end }}{{- end }}
+{{- with get .Values.kafka.properties "sasl.oauthbearer.token.endpoint.url" }}
+{{- $ports = append $ports (int (include "dpstream.urlPort" .)) }}
+{{- end }}
+{{- $ports | uniq | toJson }}
+{{- end }}
+
+{{/* Labels of the reset Job's pod: the release's, but not the workers' selector labels (the
+Services, the PodDisruptionBudget and the StatefulSet must not count it as a worker). */}}
+{{- define "dpstream.resetPodLabels" -}}
+helm.sh/chart: {{ include "dpstream.chart" . }}
+app.kubernetes.io/part-of: {{ include "dpstream.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: reset
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
