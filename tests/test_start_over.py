@@ -19,7 +19,7 @@ from dpstream.processor.adapters.start_over import StartOverError, check_state_d
 from dpstream.processor.mechanisms.noise import load_noise_secret
 from dpstream.state.store import PartitionStores, StateDirectoryError
 from tests.conftest import ROOT, TEST_SECRET
-from tests.test_kafka_worker import canonical, running
+from tests.test_kafka_worker import canonical, running, runs
 
 
 def cli(*args, env=None, timeout=120) -> subprocess.CompletedProcess:
@@ -122,12 +122,16 @@ def test_a_lost_volume_is_refused_then_reset_starts_over_under_a_new_noise_label
         assert "budget.epoch" in log
 
         dry = cli(*args)
-        assert dry.returncode == 1 and "with --yes" in dry.stderr
+        assert dry.returncode == 0 and "with --yes" in dry.stderr  # a dry run that printed its plan succeeded
+        # it says what the operator chooses: outputs kept, and privacy loss that adds up (issue 32)
+        assert f"would keep output topic(s) {sc.output}" in dry.stdout and "privacy loss adds up" in dry.stdout
         admin = AdminClient({"bootstrap.servers": broker})
         assert repartition_topic(sc.query, sc.app_id) in admin.list_topics(timeout=10).topics  # nothing was deleted
         done = cli(*args, "--yes")
         assert done.returncode == 0, done.stderr
         assert f"delete topic {repartition_topic(sc.query, sc.app_id)}" in done.stdout
+        assert f"keep output topic(s) {sc.output}" in done.stdout and "privacy loss adds up" in done.stdout
+        assert "output topics and their releases are kept" in done.stderr
         assert repartition_topic(sc.query, sc.app_id) not in admin.list_topics(timeout=10).topics
 
         # the same command line starts afresh, reads the input from its start and fires the
@@ -141,6 +145,9 @@ def test_a_lost_volume_is_refused_then_reset_starts_over_under_a_new_noise_label
         second = sc.replay(label)
         published = sc.published(first + second)
         assert canonical(published) == canonical(first) | canonical(second)
+        # on the same output topic (the application's claim was kept), each release names its run
+        assert runs(published) == {(sc.app_id, first[0]["run"]["noise_label"]), (sc.app_id, label)}
+        assert {r["run"]["restarts"] for r in published if r["run"]["noise_label"] == label} == {1}
         # new noise: the same (window, key, trigger) released again carries another value
         slot = lambda r: (r["window_start"], r["key"], r["trigger"])  # noqa: E731
         old = {slot(r): r["count"] for r in first}
@@ -151,17 +158,28 @@ def test_a_lost_volume_is_refused_then_reset_starts_over_under_a_new_noise_label
 @pytest.mark.broker
 @pytest.mark.slow
 def test_a_new_app_id_on_the_same_broker_reads_only_its_own_stage_one_records(tmp_path, broker):
-    """The lost-state refusal names a new --app-id as a way to start over. That application's
-    fresh state must take in only its own stage 1's records: with one repartition topic per
-    query name it also read the first application's, and released a window it never read."""
+    """The lost-state refusal names a new --app-id, with output topics of its own, as a way to
+    start over. That application's fresh state must take in only its own stage 1's records: with
+    one repartition topic per query name it also read the first application's, and released a
+    window it never read. On the first application's output topic it is refused (issue 32: the
+    two applications' values sat under the same keys)."""
     with running(tmp_path, broker) as sc:
         w, first = first_run(sc, "a")
         w.stop()
 
         # the second application: same query name, its own input topic and events
-        sc.app_id = sc.app_id + "-2"
+        first_app, sc.app_id = sc.app_id, sc.app_id + "-2"
         old_input, sc.input = sc.input, sc.input + "-2"
         sc.config.write_text(sc.config.read_text().replace(f"input_topic: {old_input}", f"input_topic: {sc.input}"))
+        refused = sc.worker("b").start()
+        assert refused.proc.wait(120) == 2
+        said = refused.log.read_text()
+        assert f"output topic {sc.output} belongs to application '{first_app}'" in said and "--delete-outputs" in said
+        assert canonical(sc.read(sc.output)) == canonical(first)  # it wrote nothing there
+
+        old_output, sc.output = sc.output, sc.output + "-2"
+        sc.config.write_text(sc.config.read_text().replace(f"output_topic: {old_output}", f"output_topic: {sc.output}"))
+        refused.log.write_text("")
         w2 = sc.worker("b").start()
         sc.workers.append(w2)
         w2.wait_ready()
@@ -171,4 +189,4 @@ def test_a_new_app_id_on_the_same_broker_reads_only_its_own_stage_one_records(tm
         second = sc.replay()
         assert second and {r["window_start"] for r in second}.isdisjoint({r["window_start"] for r in first})
         # exactly its own releases: none for the first application's window
-        assert canonical(sc.published(first + second)) == canonical(first) | canonical(second)
+        assert canonical(sc.published(second)) == canonical(second)

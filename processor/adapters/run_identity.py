@@ -309,5 +309,6 @@ def live_output_message(topic: str, what: str, closes: Optional[int], app_id: st
             f"lost (a new cluster? a mirror without the internal topics?). Starting afresh would release that window again "
             f"under a budget it forgot, so it is refused. To go on, {wait}start over on purpose: `dpstream reset --config "
             f"CONFIG --app-id {app_id} --state-dir DIR --broker BROKER --yes` (counts a start-over: the earlier run's releases "
-            f"no longer hold a start back), or use a new application id (--app-id {app_id}-2). See docs/operator-guide.md, "
+            f"no longer hold a start back), or use a new application id (--app-id {app_id}-2) with output topics of its own "
+            f"(docs/operations.md, \"Output topics\"). See docs/operator-guide.md, "
             f"\"Start over\"")

@@ -19,8 +19,12 @@ Starting over is therefore an explicit act, and this module is all of it:
   is reused. A release of an earlier start-over no longer holds a fresh start back.
 
 The input topics are kept: the next worker reads them from the start. That is a second release of
-the same users' data under a fresh budget, which the operator chooses here (docs/privacy.md,
-"Failures"). Output topics are kept unless ``--delete-outputs``.
+the same users' data under a fresh budget, which the operator chooses here: each user's privacy
+loss adds up over the runs (docs/privacy.md, "Failures"), and ``reset`` says so. Output topics are
+kept unless ``--delete-outputs``, and so is the application's claim on them
+(:mod:`dpstream.processor.adapters.output_claims`): its next run releases to them again, under
+the same keys. ``--delete-outputs`` deletes them and tombstones their claims, so that another
+application may use them; it refuses a topic another application owns.
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from dpstream.processor.adapters.output_claims import CLAIM_PREFIX, claims_by_topic, output_topics
 from dpstream.processor.adapters.worker import LAYOUT_FILE, RUN_FILE, worker_epoch
 from dpstream.processor.config import ConfigError, DpstreamConfig
 from dpstream.topics.kafka import (
@@ -66,12 +71,22 @@ class StartOverPlan:
     epoch_keys: list[str] = field(default_factory=list)
     progress_keys: list[str] = field(default_factory=list)
     restarts: int = 1
+    #: output topics left as they are (without --delete-outputs)
+    outputs_kept: list[str] = field(default_factory=list)
+    #: the claims (dpstream-epochs keys) on the output topics --delete-outputs deletes
+    claim_keys: list[str] = field(default_factory=list)
 
     def describe(self) -> list[str]:
         lines = []
         if self.state_dir is not None:
             lines.append(f"delete state directory {self.state_dir}")
         lines += [f"delete topic {t}" for t in self.topics]
+        if self.claim_keys:
+            lines.append(f"release {len(self.claim_keys)} claim(s) on the deleted output topics (another application may use them)")
+        if self.outputs_kept:
+            lines.append(f"keep output topic(s) {', '.join(self.outputs_kept)} and application {self.app_id!r}'s claim on them: "
+                         f"the new run's releases follow the earlier runs' under the same keys [query, window_start, key], each "
+                         f"naming its run (run.restarts {self.restarts}); --delete-outputs deletes them")
         if self.group:
             lines.append(f"delete the committed offsets of consumer group {self.group}")
         if self.epoch_keys or self.progress_keys:
@@ -80,6 +95,13 @@ class StartOverPlan:
         lines.append(f"record start-over {self.restarts} of {self.app_id!r}: the workers' noise label becomes "
                      f"...:restart{self.restarts}:<a new run nonce>")
         return lines
+
+    def privacy_note(self) -> str:
+        """What starting over costs the users (docs/privacy.md, "Failures"): said before it is done."""
+        return (f"privacy: the next run reads the input topics from their start and releases the same users' data again under "
+                f"a fresh budget; each user's privacy loss adds up over the runs of {self.app_id!r} (after this, "
+                f"{self.restarts + 1}): the total epsilon and delta are the sums of the runs'. See docs/privacy.md, "
+                f"\"Failures\", and docs/threat-model.md, \"Starting over is a privacy decision\"")
 
 
 def check_state_dir(path: Path) -> None:
@@ -129,10 +151,27 @@ def plan_start_over(config: DpstreamConfig, app_id: str, state_dir: Optional[str
     topics = {repartition_topic(q.name, app_id, epoch) for q in config.queries}
     topics |= {rerouting_topic(q.name, app_id, epoch) for q in config.queries}
     topics |= {t for t in existing if t.startswith(prefix) and t.endswith("-changelog")}
+    outputs = output_topics(config)
+    claim_keys = _claims_to_release(broker, app_id, outputs, existing, timeout) if delete_outputs else []
     if delete_outputs:
-        topics |= {q.output_topic for q in config.queries} | {q.output_topic for q in config.dynamic}
+        topics |= set(outputs)
     return StartOverPlan(app_id, path, sorted(topics & existing), group,
-                         sorted(k for k in marks if k != restarts_key(app_id)), sorted(progress), count + 1)
+                         sorted(k for k in marks if k != restarts_key(app_id)), sorted(progress), count + 1,
+                         [] if delete_outputs else [t for t in outputs if t in existing], claim_keys)
+
+
+def _claims_to_release(broker: str, app_id: str, outputs: list[str], existing: set[str], timeout: float) -> list[str]:
+    """The claims on ``outputs`` that ``--delete-outputs`` tombstones (every one on a topic it
+    deletes: the topic is gone), refusing a topic another application owns: its releases are
+    not this application's to delete."""
+    claims = claims_by_topic(_read_records_under(broker, EPOCH_TOPIC, CLAIM_PREFIX, timeout)) if EPOCH_TOPIC in existing else {}
+    for topic in outputs:
+        owner = claims.get(topic, [("", app_id)])[0][1]
+        if owner != app_id:
+            raise StartOverError(f"--delete-outputs: output topic {topic} belongs to application {owner!r}, not {app_id!r}: "
+                                 f"its releases are not this application's to delete. Start over without --delete-outputs, "
+                                 f"or reset application {owner!r} with --delete-outputs")
+    return sorted(key for topic in outputs for key, _ in claims.get(topic, []))
 
 
 def _check_broker(broker: str, timeout: float) -> None:
@@ -151,8 +190,12 @@ def _check_broker(broker: str, timeout: float) -> None:
 
 def _read_records(broker: str, topic: str, app_id: str, timeout: float) -> dict[str, dict]:
     """The application's records in one of the small compacted topics; a failure names the topic."""
+    return _read_records_under(broker, topic, f"{app_id}/", timeout)
+
+
+def _read_records_under(broker: str, topic: str, prefix: str, timeout: float) -> dict[str, dict]:
     try:
-        return read_compacted(broker, topic, f"{app_id}/", timeout=timeout)
+        return read_compacted(broker, topic, prefix, timeout=timeout)
     except Exception as exc:  # noqa: BLE001 (librdkafka's KafkaException, a read cut short: one line, not a traceback)
         raise StartOverError(f"reset: reading {topic} at {broker}: {exc.args[0] if exc.args else exc}") from None
 
@@ -184,6 +227,8 @@ def start_over(plan: StartOverPlan, broker: str, timeout: float = 30.0) -> None:
         publisher.produce(EPOCH_TOPIC, None, key.encode())
     for key in plan.progress_keys:
         publisher.produce(PROGRESS_TOPIC, None, key.encode())
+    for key in plan.claim_keys:  # after the topics are gone: until then the claims keep other applications off them
+        publisher.produce(EPOCH_TOPIC, None, key.encode())
     publisher.produce(EPOCH_TOPIC, json.dumps({"count": plan.restarts, "since_ms": int(time.time() * 1000)},
                                               sort_keys=True).encode(), restarts_key(plan.app_id).encode())
     publisher.flush()

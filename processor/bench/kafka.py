@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import statistics
@@ -388,6 +389,11 @@ def _start_workers(broker: str, config_path: str, key_file: str, partitions: int
     ``code``: a directory whose ``dpstream`` is the code to run (:func:`older_code`), else this one."""
     ports = [_free_port() for _ in range(workers)]
     app_id = f"dpstream-bench-{uuid.uuid4().hex[:8]}"
+    # each app id its own output topics: an output topic belongs to one application, and another
+    # is refused at start (docs/operations.md, "Output topics")
+    own_config = state / f"{app_id}.yaml"
+    own_config.write_text(re.sub(r"(?m)^(\s*output_topic: )(\S+)$", rf"\g<1>\g<2>-{app_id[-8:]}", Path(config_path).read_text()))
+    config_path = str(own_config)
     env = {**os.environ, "DPSTREAM_NOISE_KEY_FILE": key_file}
     if code is not None:
         env["PYTHONPATH"] = code
