@@ -27,12 +27,16 @@ Durability: each chunk of lines is bounded and appended to the pending micro-bat
 atomic write together with the number of lines consumed, the clocks and the held-back events;
 each trigger is one atomic write with its journal; output is written after the journal, and a
 per-window "published" marker lets a restarted run republish journaled releases it had not
-written. Invalid lines are reported (line number and reason, never content), counted,
-dead-lettered when asked, and skipped.
+written. With the lines consumed goes a fingerprint of them (:class:`InputPrefix`): a resumed run
+checks that its input starts with exactly those lines before it reads, republishes or charges
+anything, and refuses another file, naming the state directory (docs/user-guide.md, "Resuming and
+appending"); ``--append`` says that another file continues the stream. Invalid lines are
+reported (line number and reason, never content), counted, dead-lettered when asked, and skipped.
 """
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import os
 import sys
@@ -61,7 +65,7 @@ from dpstream.processor.engine.pipeline import (
 from dpstream.processor.engine.runner import Engine, Fired, QueryRunner
 from dpstream.processor.mechanisms.noise import NodeNoise, Pseudonymizer
 from dpstream.state.store import PartitionStores, WriteBatch
-from dpstream.state.tables import ClockState, EpochMarks, IntegerMark
+from dpstream.state.tables import ClockState, EpochMarks, IntegerMark, TextMark
 from dpstream.topics.decoding import decoder_for
 from dpstream.topics.records import (
     EventParser,
@@ -280,6 +284,56 @@ def _open_lines(path: Path) -> Iterator[bytes]:
         yield from fh
 
 
+class _LinesDigest:
+    """SHA-256, bytes and count of a file's first lines (about 0.3 us a line: hashing blocks of
+    lines instead was no faster). Each line counts with its newline, added to a last line read
+    without one: it then matches the same line once the file has grown past it."""
+
+    def __init__(self) -> None:
+        self.sha256, self.size, self.lines = hashlib.sha256(), 0, 0
+
+    def add(self, raw: bytes) -> None:
+        if not raw.endswith(b"\n"):  # only a file's last line lacks it
+            raw += b"\n"
+        self.sha256.update(raw)
+        self.size += len(raw)
+        self.lines += 1
+
+    def prefix(self, earlier: int, path: str) -> "InputPrefix":
+        return InputPrefix(earlier, self.lines, self.size, self.sha256.hexdigest(), path)
+
+
+@dataclass
+class InputPrefix:
+    """What a state directory covers of its current input file (meta ``input-prefix``, written in
+    the same batch as the lines consumed): ``earlier`` lines of the inputs before it (``--append``),
+    then its first ``lines`` lines, ``size`` bytes (decompressed, newline-terminated) with SHA-256
+    ``sha256``. ``path`` is the file as given, only to name it in a refusal."""
+
+    earlier: int
+    lines: int
+    size: int
+    sha256: str
+    path: str
+
+    def encode(self) -> str:
+        return json.dumps(self.__dict__, sort_keys=True)
+
+    @classmethod
+    def decode(cls, text: str) -> "InputPrefix":
+        return cls(**json.loads(text))
+
+
+@dataclass
+class _ResumePoint:
+    """Where a run reads its input from: stream lines of the inputs before this file (a line's
+    number is ``earlier`` plus its line in the file) and the file's lines the state already covers."""
+
+    earlier: int
+    skip: int
+    expected: Optional[InputPrefix]  # the fingerprint of the skipped lines (None: nothing to check)
+
+
 class ReplayError(ConfigError):
     """A replay cannot run as asked; the message names the option."""
 
@@ -289,6 +343,9 @@ class ReplayRunner:
                  noise_label: Optional[str] = None, start_ms: Optional[int] = None):
         self.config = config
         self.log = log
+        self.state_dir = state_dir
+        #: (input, append, where to read from) as checked by check_input, for the next run
+        self._resume: Optional[tuple[str, bool, _ResumePoint]] = None
         self._tmp = None
         if state_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="dpstream-state-")
@@ -394,20 +451,71 @@ class ReplayRunner:
         """Input lines a previous run on this state directory already covered (0: a fresh one)."""
         return self._lines.get(0)
 
+    @property
+    def _input_prefix(self) -> TextMark:
+        """The fingerprint of the input lines the state covers (:class:`InputPrefix`)."""
+        return TextMark(self.store, b"input-prefix")
+
+    def check_input(self, input_path: str, append: bool = False) -> None:
+        """Refuse an input that is not the one this state directory consumed, before anything is
+        read, republished or charged (:meth:`run` calls it; the CLI calls it before opening its
+        output). The input must start with the lines consumed, byte for byte; it may have grown.
+        ``append``: the file continues the stream after them and is read from its first line."""
+        if not Path(input_path).is_file():
+            raise ReplayError(f"--input: {input_path}: no such file")
+        consumed = self._lines.get(0)
+        stored = self._input_prefix.get()
+        if consumed == 0 or append:
+            self._resume = (input_path, append, _ResumePoint(consumed, 0, None))
+            return
+        if stored is None:
+            # written before inputs were fingerprinted: the count is all there is to go on
+            self.log.write(f"replay: state directory {self.state_dir} has no fingerprint of its input (written by an older "
+                           f"dpstream): assuming {input_path} is the input whose first {consumed:,} lines it covers\n")
+            self._resume = (input_path, append, _ResumePoint(0, consumed, None))
+            return
+        expected = InputPrefix.decode(stored)
+        found = self._fingerprint(Path(input_path), expected.lines)
+        if (found.lines, found.size, found.sha256) != (expected.lines, expected.size, expected.sha256):
+            how = (f"has only {found.lines:,} lines" if found.lines < expected.lines
+                   else f"differs from it in its first {expected.lines:,} lines")
+            raise ReplayError(f"--input: state directory {self.state_dir} covers the first {expected.lines:,} lines of "
+                              f"{expected.path}, and {input_path} {how}; resume with that input (it may have grown), use a "
+                              f"new --state-dir, or give --append if {input_path} continues the stream after those lines")
+        self._resume = (input_path, append, _ResumePoint(expected.earlier, expected.lines, expected))
+
+    @staticmethod
+    def _fingerprint(path: Path, lines: int) -> InputPrefix:
+        """The fingerprint of the first ``lines`` lines of ``path`` (fewer if it is shorter)."""
+        digest = _LinesDigest()
+        if lines > 0:
+            for raw in _open_lines(path):
+                digest.add(raw)
+                if digest.lines == lines:
+                    break
+        return digest.prefix(0, str(path))
+
     # -------------------------------------------------------------- run
     def run(self, input_path: str, output: TextIO, dead_letters: Optional[TextIO] = None,
             stop_after_lines: Optional[int] = None, on_progress: Optional[Callable[[str], None]] = None,
-            until_ms: Optional[int] = None) -> ReplaySummary:
+            until_ms: Optional[int] = None, append: bool = False) -> ReplaySummary:
+        """Read ``input_path`` on from where the state stands (``append``: the file continues the
+        stream; its first line is the stream's next). Line numbers (reports, dead letters,
+        ``stop_after_lines``) count along the stream, from the first input's first line."""
         if self.ledger is not None and until_ms is None:
             raise ReplayError("--until: the config has a budget ledger; give the replay's public end (--until TIME) so that "
                               "the windows charged do not depend on the data's time span")
+        if self._resume is None or self._resume[:2] != (input_path, append):
+            self.check_input(input_path, append)
+        at, self._resume = self._resume[2], None
         summary = ReplaySummary()
         started = time.perf_counter()
         self._republish(output, summary)
         consumed = self._lines.get(0)
         self._reported = 0
         last_progress = time.perf_counter()
-        line_no = 0
+        file_line = 0
+        digest = _LinesDigest()  # of the file's lines read so far (InputPrefix)
         chunk: list[tuple[int, bytes]] = []
 
         def flush():
@@ -417,6 +525,7 @@ class ReplayRunner:
             # bounded records, user slots, logged updates, lines consumed, clocks and held
             # events: one atomic write
             self._lines.put(batch, chunk[-1][0])
+            self._input_prefix.put(batch, digest.prefix(at.earlier, input_path).encode())
             for clock in self.clocks + self.dynamic_clocks:
                 clock.save(batch)
             self.store.write(batch)
@@ -429,20 +538,26 @@ class ReplayRunner:
             self._publish(self.engine.fire_due(clocks), output, summary)
 
         for raw in _open_lines(Path(input_path)):
-            line_no += 1
-            if line_no <= consumed:
-                continue
-            if stop_after_lines is not None and line_no > stop_after_lines:
+            file_line += 1
+            line_no = at.earlier + file_line
+            if file_line > at.skip and stop_after_lines is not None and line_no > stop_after_lines:
                 summary.stopped_early = True
                 break
+            digest.add(raw)
+            if file_line <= at.skip:
+                if file_line == at.skip and at.expected is not None and digest.sha256.hexdigest() != at.expected.sha256:
+                    raise ReplayError(f"--input: {input_path} changed while it was being read; run again")
+                continue
             chunk.append((line_no, raw))
             if len(chunk) >= CHUNK_LINES:
                 flush()
                 if on_progress and time.perf_counter() - last_progress > PROGRESS_SECONDS:
                     last_progress = time.perf_counter()
                     on_progress(self._progress_line(line_no, summary))
+        if file_line < at.skip and at.expected is not None:
+            raise ReplayError(f"--input: {input_path} changed while it was being read; run again")
         flush()
-        summary.lines = max(line_no, consumed) if not summary.stopped_early else stop_after_lines
+        summary.lines = max(at.earlier + file_line, consumed) if not summary.stopped_early else stop_after_lines
         if not summary.stopped_early:
             self._finish(output, summary, dead_letters, until_ms)
         summary.seconds = time.perf_counter() - started
