@@ -76,6 +76,12 @@ run on purpose; the worker's label is "worker:<app id>:<budget epoch>:<run nonce
 releases, its status page and its start's log line show it). Same input, config, secret and
 label: byte-identical output.
 
+Resume: a --state-dir keeps the lines it consumed and their fingerprint (SHA-256). The same
+--state-dir resumes the same --input where it stopped (the file may have grown by appended
+lines); another file, or one whose first lines changed, is refused with exit code 2 before
+anything is read or charged. --append says that --input continues the stream instead: it is read
+from its first line (docs/user-guide.md, "Resuming and appending").
+
 Invalid lines are reported by line number and reason (never content), counted and skipped;
 late and future events are counted once in the summary, not listed (--dead-letter keeps each).
 Releases of a hierarchical query also carry level, released_at, consistent_count and
@@ -238,14 +244,15 @@ def cmd_replay(args: argparse.Namespace) -> int:
     secret = load_noise_secret(args.noise_key_file)
     start, until = _time_arg("--start", args.start), _time_arg("--until", args.until)
     runner = ReplayRunner(config, secret, args.state_dir, noise_label=args.noise_label, start_ms=start)
-    resuming = runner.lines_consumed > 0
     log = (lambda line: print(line, file=sys.stderr)) if not args.quiet else None
     try:
+        runner.check_input(args.input, append=args.append)  # another file is refused before the outputs are touched
+        resuming = runner.lines_consumed > 0
         with open(args.output, "a" if resuming else "w") as out:
             dead = open(args.dead_letter, "a" if resuming else "w") if args.dead_letter else None
             try:
                 summary = runner.run(args.input, out, dead_letters=dead, stop_after_lines=args.stop_after_lines, on_progress=log,
-                                     until_ms=until)
+                                     until_ms=until, append=args.append)
             finally:
                 if dead:
                     dead.close()
@@ -287,14 +294,16 @@ under the configured budget epoch and noise secret (recorded in the dpstream-epo
 refuses to start: its volume was lost (`dpstream reset` starts over on purpose). So does a worker whose input log
 went back (a recreated topic, a broker that lost data), or whose input topic is stamped by its
 producers (CreateTime) without --allow-create-time. With a budget and several workers,
-budget.start is required: every worker charges the same windows. Topics are created if missing.
+budget.start is required: every worker charges the same windows. Topics are created if missing; the
+dead-letter topic, which holds raw input, with a retention of $DPSTREAM_DEAD_LETTER_RETENTION (default 7d).
 A refusal ends the worker with "dpstream worker: refused: REASON" as its last line on stderr and
 exit code 2; any other failure with "dpstream worker: stopped: ..." and 1 (docs/operations.md,
 "Health"); Faust's own logs show from WARNING up (all with --log-level debug).
 Health and metrics: http://HOST:WEB_PORT/healthz, /readyz (starting, ready, waiting-for-broker,
 stopping), /metrics, and a status page at / (/status.json: queries, windows, last and next trigger,
-releases, dead letters by reason, budget, partitions). Each trigger logs one line ("trigger fired:
-query=... window=... trigger=i/T keys_released=N duration_ms=..."). Consumer offsets are committed
+releases, dead letters by reason, budget, partitions). Each trigger logs one line for the worker ("trigger fired:
+query=... window=... trigger=i/T keys_released=N duration_ms=... partitions=P"; a catch-up, one "caught up N
+triggers" line), and a stop one line with its reason. Consumer offsets are committed
 to Kafka as the group <app id>-workers for lag tools (static workers: every 5 s, for monitoring
 only; the state stays the source of truth). See docs/operations.md."""
 
@@ -367,6 +376,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
         batch_linger = parse_duration_ms(args.batch_linger, allow_zero=True) / 1000
     except ValueError as exc:
         raise ConfigError(f"--batch-linger: {exc}") from None
+    from dpstream.topics.kafka import dead_letter_retention_ms
+
+    dead_letter_retention_ms()  # a bad $DPSTREAM_DEAD_LETTER_RETENTION is refused here, before the broker is asked
     settings = WorkerSettings(config=config, secret=secret, broker=args.broker, state_dir=args.state_dir, ownership=ownership,
                               partitions=args.partitions, web_port=args.web_port, web_host=args.web_host, app_id=args.app_id,
                               partitioner=args.partitioner, fetch_records=args.fetch_records, watermark_delay_ms=watermark_delay,
@@ -447,6 +459,23 @@ def cmd_budget(args: argparse.Namespace) -> int:
     for note in notes:
         print(f"note: {note}")
     return 0
+
+
+PRODUCE_HELP = """Send events to an input topic, for trying the worker (docs/operations.md, "Trying it
+with a file"): the lines of a JSONL file (--input), or a synthetic stream of the DP-SQLP paper's
+workload (--synthetic-users). Each record is keyed by its user (--user-field) and placed with
+murmur2, as Java clients place keys, so that it lands on its user's partition. A missing topic is
+created as the worker creates its input topics (LogAppendTime), not left to the broker's
+auto-creation (CreateTime, which the worker refuses). With --config it says how many events the
+worker's queries will drop as late or future; --rebase-time dates an old file from now. No broker
+within --timeout: one line and exit code 1."""
+
+TAIL_HELP = """Print the releases of an output topic, one JSON object per line, as they arrive: from
+the topic's start (--latest: from now on), every partition, committed records only (a release of
+an aborted transaction is never shown: librdkafka's read_committed), without joining a consumer
+group or committing offsets. It runs until interrupted, or until --timeout seconds pass without a
+record or --max-messages are printed. A topic that does not exist yet is waited for within
+--timeout (the worker creates it when it starts); without --timeout it is an error at once."""
 
 
 def cmd_produce(args: argparse.Namespace) -> int:
@@ -533,7 +562,8 @@ def cmd_tail(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from dpstream.processor.demo import run_demo
 
-    run_demo(users=args.users, keys=args.keys, triggers=args.triggers, seed=args.seed, epsilon=args.epsilon, output_dir=args.output_dir)
+    run_demo(users=args.users, keys=args.keys, triggers=args.triggers, seed=args.seed, epsilon=args.epsilon, output_dir=args.output_dir,
+             noise_key_file=args.noise_key_file, noise_label=args.noise_label)
     return 0
 
 
@@ -665,10 +695,16 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--config", required=True, help="YAML file with a 'queries' list")
     replay.add_argument("--input", required=True, help="events, one JSON object per line (.jsonl or .jsonl.gz)")
     replay.add_argument("--output", required=True, help="releases are written here, one JSON object per line")
-    replay.add_argument("--state-dir", help="RocksDB state directory; reuse it to resume a stopped run (default: a temporary one)")
+    replay.add_argument("--state-dir", help="RocksDB state directory; reuse it to resume a stopped run with the same --input, which "
+                                            "may have grown (another file is refused; default: a temporary one)")
+    replay.add_argument("--append", action="store_true",
+                        help="with a used --state-dir: --input continues the stream after the lines the state covers; read it "
+                             "from its first line (line numbers continue the stream's)")
     replay.add_argument("--noise-key-file", help="file holding the noise secret (default: $DPSTREAM_NOISE_KEY_FILE or $DPSTREAM_NOISE_KEY)")
     replay.add_argument("--dead-letter", help="write invalid lines here with their reason (JSONL; holds raw input)")
-    replay.add_argument("--stop-after-lines", type=int, help="stop after this many input lines, keeping state (for partial runs)")
+    replay.add_argument("--stop-after-lines", type=int,
+                        help="stop after this many input lines, keeping state (for partial runs; with --append, lines count "
+                             "from the first input's first line)")
     replay.add_argument("--start", help="the clock's public start, epoch ms or ISO-8601 (default: taken from the first 50,000 lines); "
                                         "with a budget ledger, the first window charged")
     replay.add_argument("--until", help="the clock's public end, epoch ms or ISO-8601: triggers and dynamic ticks due by then are decided "
@@ -707,7 +743,8 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--web-host", default="0.0.0.0", help="address the web server binds (default 0.0.0.0)")
     worker.add_argument("--app-id", default=os.environ.get("DPSTREAM_APP_ID", "dpstream"),
                         help="Faust app id (default dpstream); with the budget epoch and the run nonce it names the worker's "
-                             "noise label")
+                             "noise label. It owns its output topics: another app id's worker on one of them is refused "
+                             "(docs/operations.md, \"Output topics\")")
     worker.add_argument("--partitioner", default=os.environ.get("DPSTREAM_PARTITIONER", "murmur2"),
                         help="which input partition owns a user: the one this partitioner maps its user id to: murmur2 "
                              "(Java clients' default; dpstream produce), consistent (librdkafka's default crc32) or fnv1a. A "
@@ -759,7 +796,8 @@ def build_parser() -> argparse.ArgumentParser:
     budget.add_argument("--json", action="store_true", help="print JSON")
     budget.set_defaults(func=cmd_budget)
 
-    producer = sub.add_parser("produce", help="send a JSONL file or a synthetic stream to an input topic, keyed by user")
+    producer = sub.add_parser("produce", help="send a JSONL file or a synthetic stream to an input topic, keyed by user",
+                              description=PRODUCE_HELP)
     _broker_arg(producer)
     producer.add_argument("--topic", default="events", help="input topic (default events)")
     producer.add_argument("--partitions", type=int, default=8,
@@ -788,7 +826,7 @@ def build_parser() -> argparse.ArgumentParser:
                                "records wait) before giving up with one line and exit code 1 (default 15)")
     producer.set_defaults(func=cmd_produce)
 
-    tailer = sub.add_parser("tail", help="print releases from an output topic, one JSON object per line")
+    tailer = sub.add_parser("tail", help="print releases from an output topic, one JSON object per line", description=TAIL_HELP)
     _broker_arg(tailer)
     tailer.add_argument("--topic", default="dp-histograms", help="output topic (default dp-histograms)")
     tailer.add_argument("--timeout", "--idle-seconds", dest="idle_seconds", type=float, metavar="SECONDS",
@@ -801,16 +839,28 @@ def build_parser() -> argparse.ArgumentParser:
                                          "(docs/operator-guide.md, \"Connecting to a secured cluster\")")
     tailer.set_defaults(func=cmd_tail)
 
-    demo = sub.add_parser("demo", help="generate a small synthetic stream, replay it and summarize the result")
+    demo = sub.add_parser("demo", help="generate a small synthetic stream, replay it and summarize the result",
+                          description="Generate a synthetic click stream, replay it through the pipeline and print, for the "
+                                      "largest released pages, the raw count, the bounded truth (what contribution bounding "
+                                      "keeps, what the noise is added to), the published count and its 95% interval, with "
+                                      "bias (bounded - raw) and noise (published - bounded) apart. A local, synthetic, "
+                                      "non-private printout: it shows raw counts of synthetic users.")
     demo.add_argument("--users", type=int, default=50_000, help="synthetic users (default 50,000)")
     demo.add_argument("--keys", type=int, default=5_000, help="key space size (default 5,000)")
     demo.add_argument("--triggers", type=int, default=24, help="triggers per one-day window (default 24)")
-    demo.add_argument("--seed", type=int, default=7)
-    demo.add_argument("--epsilon", type=float, default=6.0)
+    demo.add_argument("--seed", type=int, default=7, help="seed of the synthetic stream (default 7)")
+    demo.add_argument("--epsilon", type=float, default=6.0, help="the query's epsilon per user and day (default 6)")
     demo.add_argument("--output-dir", help="keep the generated events and releases here")
+    demo.add_argument("--noise-key-file", help="file holding the noise secret (default: $DPSTREAM_NOISE_KEY_FILE or $DPSTREAM_NOISE_KEY, "
+                                               "else a one-off random secret)")
+    demo.add_argument("--noise-label", help="repeat a run: the same secret and label print the same output (needs a secret, "
+                                            "as for replay; default: a random label)")
     demo.set_defaults(func=cmd_demo)
 
-    bench = sub.add_parser("bench", help="micro-benchmarks")
+    bench = sub.add_parser("bench", help="micro-benchmarks",
+                           description="Measure the engine, the worker and the paper's workloads, each against a baseline "
+                                       "run in the same process or the same run (docs/benchmarks.md); --json (and, where "
+                                       "offered, --plot) keeps the results (benchmarks/results/ holds the project's).")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     engine = bench_sub.add_parser("engine", help="noise nodes/s and tree updates/s of the DP engine (no I/O)")
     engine.add_argument("--repeats", type=int, default=5, help="runs per measurement; the median is reported")
@@ -928,7 +978,8 @@ def build_parser() -> argparse.ArgumentParser:
     reset.add_argument("--state-dir", default=os.environ.get("DPSTREAM_STATE_DIR", "./dpstream-state"),
                        help="the worker's state directory to delete (default $DPSTREAM_STATE_DIR or ./dpstream-state); "
                             "only a directory holding dpstream state is deleted")
-    reset.add_argument("--delete-outputs", action="store_true", help="also delete the queries' output topics (default: keep)")
+    reset.add_argument("--delete-outputs", action="store_true", help="also delete the queries' output topics and release the "
+                       "application's claim on them, so another application may use them (default: keep both)")
     reset.add_argument("--yes", action="store_true", help="do it (without: print what would be done)")
     _broker_arg(reset)
     reset.set_defaults(func=cmd_reset)
@@ -945,8 +996,11 @@ and the application's internal topics (repartition topics of the config's querie
 consumer group's offsets), forgets its epoch marks and delivery progress, and counts a start-over
 that gives the workers a new noise label (worker:<app id>:<epoch>.restart<N>:<new run nonce>). The next `dpstream
 worker` with the same command line then starts afresh and reads the input topics from their start:
-a second release of the same users' data under a fresh budget, which is the operator's choice.
-Without --yes it only prints what it would do."""
+a second release of the same users' data under a fresh budget, which is the operator's choice: each
+user's privacy loss adds up over the runs (docs/privacy.md, "Failures"). The output topics are kept,
+and the application's claim on them (docs/operations.md, "Output topics"): the new run's releases
+follow the old ones under the same keys, each naming its run. Without --yes it only prints what it
+would do, and exits 0."""
 
 KEYGEN_HELP = """Write a new noise secret: 32 random bytes as 64 hex digits and a newline (the one
 documented format; docs/user-guide.md, "The noise secret"), to a new file created with mode 0600.
@@ -1002,12 +1056,15 @@ def cmd_reset(args: argparse.Namespace) -> int:
     plan = plan_start_over(config, args.app_id, args.state_dir, args.broker, delete_outputs=args.delete_outputs)
     for line in plan.describe():
         print(("" if args.yes else "would ") + line)
+    print(plan.privacy_note())
     if not args.yes:
         print("reset: nothing done; run again with --yes to start over", file=sys.stderr)
-        return 1
+        return 0  # a dry run that printed its plan succeeded; a refusal is a ConfigError/StartOverError (exit 2)
     start_over(plan, args.broker)
+    kept = "its output topics were deleted" if args.delete_outputs else "its output topics and their releases are kept"
     print(f"reset: application {args.app_id!r} starts over; its next worker reads the input from the start under "
-          f"a new noise label (restart {plan.restarts})", file=sys.stderr)
+          f"a new noise label (restart {plan.restarts}); {kept}; the same users' privacy loss adds up over the runs "
+          f"(docs/privacy.md, \"Failures\")", file=sys.stderr)
     return 0
 
 

@@ -183,6 +183,15 @@ def _jaas(value: str, where: str) -> dict[str, str]:
 
 #: the worker config's ``kafka:`` map, once a command has loaded one
 _configured: dict[str, str] = {}
+#: the client.id of every client a worker process opens (:func:`use_client_id`), "" elsewhere
+_client_id: list[str] = [""]
+
+
+def use_client_id(client_id: str) -> None:
+    """Every client opened from now on names itself ``client_id`` to the broker (its
+    ``client.id``: the worker's own, so that a group's members, the broker's logs and quotas
+    tell the workers apart; docs/operations.md, "Consumer offsets")."""
+    _client_id[0] = client_id
 
 
 def use_config_properties(props: Mapping) -> None:
@@ -206,6 +215,8 @@ def client_properties(environ: Mapping[str, str] | None = None) -> tuple[dict[st
     for var, key in SECURITY_ENV.items():
         if environ.get(var):
             settings[key], sources[key] = environ[var], var
+    if _client_id[0]:
+        settings["client.id"], sources["client.id"] = _client_id[0], "the worker's client id"
     if settings.get("sasl.oauthbearer.method") == "oidc" or settings.get("sasl.mechanisms") == "OAUTHBEARER":
         missing = [k for k in ("sasl.oauthbearer.client.id", "sasl.oauthbearer.client.secret",
                                "sasl.oauthbearer.token.endpoint.url") if not settings.get(k)]

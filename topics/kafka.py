@@ -9,10 +9,12 @@ Creation goes through confluent-kafka's AdminClient; existing topics are left as
 """
 from __future__ import annotations
 
+import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Mapping, Optional
 
 from dpstream.topics.client_properties import (  # noqa: F401 - re-exported: the one door of every client's settings
     SECRET_SETTINGS,
@@ -23,6 +25,15 @@ from dpstream.topics.client_properties import (  # noqa: F401 - re-exported: the
 )
 
 DEAD_LETTER_TOPIC = "dpstream-dead-letters"
+#: The dead-letter topic holds raw input records, user ids included (docs/threat-model.md), so it
+#: is created with a retention: ``$DPSTREAM_DEAD_LETTER_RETENTION`` (a duration: '7d', '36h'),
+#: default 7 days. Kafka deletes whole segments only, and only closed ones: the segments roll
+#: every day (or every retention, if shorter), so a record is gone at most a segment's time plus
+#: the broker's retention check (log.retention.check.interval.ms, 5 min) after its retention
+#: (docs/operations.md, "Topics and records"). An existing topic keeps its settings.
+DEAD_LETTER_RETENTION_ENV = "DPSTREAM_DEAD_LETTER_RETENTION"
+DEAD_LETTER_RETENTION_DEFAULT = "7d"
+_DAY_MS = 86_400_000
 DYNAMIC_UPDATES_TOPIC = "dpstream-dynamic-updates"
 #: Which budget epoch and noise secret each worker's state belongs to, kept outside the worker's
 #: volume so that a lost volume is noticed (docs/privacy.md, "Failures"): compacted, keyed by
@@ -89,6 +100,25 @@ def rerouting_topic(query_name: str, app_id: str = "dpstream", epoch: str = "1")
     return repartition_topic(query_name, app_id, epoch)[:-len("-by-key")] + "-by-user"
 
 
+def dead_letter_retention_ms(environ: Optional[Mapping[str, str]] = None) -> int:
+    """How long the dead-letter topic keeps a record, from ``$DPSTREAM_DEAD_LETTER_RETENTION``
+    (default 7 days); a bad value is an error naming the variable."""
+    from dpstream.processor.config import ConfigError, parse_duration_ms
+
+    text = (os.environ if environ is None else environ).get(DEAD_LETTER_RETENTION_ENV) or DEAD_LETTER_RETENTION_DEFAULT
+    try:
+        return parse_duration_ms(text.strip())
+    except ValueError as exc:
+        raise ConfigError(f"{DEAD_LETTER_RETENTION_ENV}: {exc} (how long the dead-letter topic keeps raw input, "
+                          f"e.g. 7d)") from None
+
+
+def dead_letter_topic_config(environ: Optional[Mapping[str, str]] = None) -> dict:
+    """The dead-letter topic's config: deleted after its retention, in segments of at most a day."""
+    retention = dead_letter_retention_ms(environ)
+    return {"cleanup.policy": "delete", "retention.ms": str(retention), "segment.ms": str(min(retention, _DAY_MS))}
+
+
 def topics_for(queries: Iterable, partitions: int = 8, dynamic: Iterable = (), app_id: str = "dpstream",
                epoch: str = "1") -> list[TopicSpec]:
     """Every topic the queries need, deduplicated by name (queries may share input/output).
@@ -105,7 +135,7 @@ def topics_for(queries: Iterable, partitions: int = 8, dynamic: Iterable = (), a
     for q in dynamic:
         add(TopicSpec(q.input_topic, 1, INPUT_TOPIC_CONFIG, "insert/delete updates for the dynamic agent (one partition)"))
         add(TopicSpec(q.output_topic, 1, {"cleanup.policy": "compact"}, "dynamic counts, keyed by query"))
-    add(TopicSpec(DEAD_LETTER_TOPIC, 1, {"cleanup.policy": "delete"}, "invalid records with reason and original bytes"))
+    add(TopicSpec(DEAD_LETTER_TOPIC, 1, dead_letter_topic_config(), "invalid records with reason and original bytes"))
     add(TopicSpec(DYNAMIC_UPDATES_TOPIC, 1, INPUT_TOPIC_CONFIG, "insert/delete updates for the dynamic agent (one partition)"))
     add(TopicSpec(EPOCH_TOPIC, 1, {"cleanup.policy": "compact"}, "each worker's budget epoch and noise fingerprint (lost-volume check)"))
     add(TopicSpec(PROGRESS_TOPIC, 1, {"cleanup.policy": "compact"}, "what each source partition's outputs have delivered (exactly-once)"))
@@ -405,6 +435,28 @@ OFFSETS_STEP = "sending the consumer offsets"
 ABORT_TIMEOUT_S = 10.0
 
 
+class _CoordinatorRetries(logging.Filter):
+    """librdkafka retries finding the transaction coordinator while the broker creates or loads
+    ``__transaction_state`` (the first transactional producer of a fresh cluster, a coordinator
+    that moved): a normal path, logged at DEBUG only. When it persists, ``init_transactions``
+    times out and the worker stops saying so (:meth:`KafkaPublisher._call`); other lines pass."""
+
+    RETRIED = ("Not coordinator", "Coordinator load in progress", "Coordinator not available")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if "GETPID" in text and text.endswith("retrying") and any(r in text for r in self.RETRIED):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            return PRODUCER_LOG.isEnabledFor(logging.DEBUG)
+        return True
+
+
+#: librdkafka's own lines of the producers, through Python logging (formatted as the worker's
+#: lines, not printed by librdkafka straight to stderr)
+PRODUCER_LOG = logging.getLogger("dpstream.librdkafka.producer")
+PRODUCER_LOG.addFilter(_CoordinatorRetries())
+
+
 class KafkaPublisher:
     """A confluent-kafka producer that reports whether everything sent was acknowledged.
 
@@ -439,7 +491,7 @@ class KafkaPublisher:
         delivery = {"enable.idempotence": True, "transactional.id": transactional_id} if self.transactional else {"enable.idempotence": False}
         self.producer = Producer({"bootstrap.servers": bootstrap, "acks": "all", "linger.ms": 5,
                                   "queue.buffering.max.messages": 1_000_000, "message.max.bytes": 8 * 1024 * 1024,
-                                  **delivery, **client_security(), **(client_config or {})})
+                                  "logger": PRODUCER_LOG, **delivery, **client_security(), **(client_config or {})})
         if self.transactional:
             self._call("starting transactions", lambda: self.producer.init_transactions(timeout))
 
@@ -756,6 +808,8 @@ def aiokafka_security(settings: dict) -> dict:
     if not settings:
         return {}
     out = {"security_protocol": settings.get("security.protocol", "PLAINTEXT")}
+    if settings.get("client.id"):  # the worker's own (client_properties.use_client_id)
+        out["client_id"] = settings["client.id"]
     if "SSL" in out["security_protocol"]:
         out["ssl_context"] = _ssl_context(settings)
     if "SASL" in out["security_protocol"]:

@@ -137,7 +137,8 @@ class ElasticRun(WorkerRun):
         the worker has read and committed up to counts as read to its end at the time just
         before it asked."""
         gc, worker = self.consumer, self.worker
-        keys = [*worker.stage1, *worker.dynamic]
+        # the by-key partitions' ends too: their lag on the status page (partition_status)
+        keys = [*worker.stage1, *worker.dynamic, *worker.stage2]
         if gc is None:
             return {}
         try:
@@ -151,7 +152,7 @@ class ElasticRun(WorkerRun):
         ends = {}
         for key, (high, asked) in highs.items():
             src = worker.source_of(key)
-            if src is None:
+            if src is None or key in worker.stage2:
                 continue
             committed = src.last_offset + 1
             position = self.reader.position(key)
@@ -161,6 +162,12 @@ class ElasticRun(WorkerRun):
 
     def high_watermark(self, key):
         return self.highs.get(key, (None,))[0]
+
+    def read_offset(self, key, src) -> int:
+        """Past transaction markers once every record fetched is committed (the reader's position)."""
+        offset = src.last_offset + 1
+        position = self.reader.position(key)
+        return position if position is not None and position > offset >= self.batches.fetched.get(key, 0) else offset
 
     # ------------------------------------------------------------------ the group
     async def consume(self, loop) -> None:

@@ -45,6 +45,7 @@ from dpstream.processor.adapters.worker_run import group_id  # noqa: F401 - the 
 from dpstream.processor.adapters.worker_startup import CreateTimeInputError, TopicLayoutError
 from dpstream.processor.config import DpstreamConfig
 from dpstream.state.store import check_state_directory
+from dpstream.topics.client_properties import use_client_id
 from dpstream.topics.kafka import aiokafka_security, client_security
 
 log = logging.getLogger("dpstream.worker")
@@ -141,23 +142,39 @@ def trigger_tick_seconds(config: DpstreamConfig) -> float:
     return min(1.0, max(0.05, shortest / 10))
 
 
+def faust_group_id(s: WorkerSettings) -> str:
+    """Faust's app id, which its own consumer joins as a group (see :func:`build_app`)."""
+    return f"{s.app_id}-{s.instance_id}" if s.assignment == "group" else s.app_id
+
+
+def worker_client_id(s: WorkerSettings) -> str:
+    """The ``client.id`` of every Kafka client of this worker process (its producers, group
+    member, partition reader and Faust's own): ``<app id>-<instance id>-<pid>``, the instance id
+    being the host's name (a pod's name) unless --instance-id says otherwise. Kafka's tools list
+    a group's members by it (``kafka-consumer-groups --describe --members``), and the broker's
+    logs and quotas name clients by it: without one every client is ``rdkafka``."""
+    return f"{s.app_id}-{s.instance_id}-{os.getpid()}"
+
+
 def build_app(s: WorkerSettings) -> faust.App:
     """The Faust app of one worker: three agents (the stages), the timers and the web pages, all
     calling one :class:`dpstream.processor.adapters.worker_run.WorkerRun` (static or elastic)."""
     broker = broker_address(s.broker)
+    client_id = worker_client_id(s)
+    use_client_id(client_id)
     os.makedirs(s.state_dir, exist_ok=True)
     # Faust's own consumer joins a group named after its app id; our agents read in-memory channels,
     # so that group has nothing to share. Elastic workers give each its own: a worker joining or
     # leaving would otherwise rebalance every worker's Faust consumer too, and Faust suspends its
     # channels while it rebalances
-    faust_id = f"{s.app_id}-{s.instance_id}" if s.assignment == "group" else s.app_id
+    faust_id = faust_group_id(s)
     check_state_directory(Path(s.state_dir))  # before Faust makes its datadir in it
     app = faust.App(
         faust_id, broker=f"kafka://{broker.replace(',', ';kafka://')}", store="memory://", datadir=os.path.join(s.state_dir, "faust"),
         web_enabled=True, web_port=s.web_port,
         web_bind=s.web_host, web_host=s.web_host, processing_guarantee="at_least_once", topic_allow_declare=False,
         broker_session_timeout=s.session_timeout, broker_heartbeat_interval=s.heartbeat_interval, autodiscover=False,
-        broker_credentials=_faust_credentials(client_security()),
+        broker_credentials=_faust_credentials(client_security()), broker_client_id=client_id,
     )
     metrics = PipelineMetrics()
     health = WorkerHealth(metrics.ready)
@@ -206,6 +223,7 @@ def build_app(s: WorkerSettings) -> faust.App:
             return
         try:
             await run.fire(int(time.time() * 1000))
+            run.worker.log_triggers()  # one line per trigger fired on every owned partition
         except Exception as exc:  # noqa: BLE001
             await crash(exc)
 
@@ -226,6 +244,8 @@ def build_app(s: WorkerSettings) -> faust.App:
             if not health.stopping:
                 health.set(STOPPING, "consumer stopped")
             await run.close()
+            if run.worker is not None:
+                run.worker.log_triggers(force=True)  # triggers some partitions fired before the stop
 
     @app.timer(1.0, name="dpstream.watch_broker")
     async def watch_broker():
@@ -350,6 +370,54 @@ class _FaustNoise(logging.Filter):
         return _UNUSED_TOPIC not in template and not any(_UNUSED_TOPIC in str(a) for a in (record.args or ()))
 
 
+#: s a fresh cluster may take to make its group coordinator ready before the worker says so
+COORDINATOR_WARN_S = 15.0
+
+
+def quiet_library_noise(level: int) -> None:
+    """Below --log-level debug: mode's "Timer ... is overlapping" warnings are not problems for
+    this worker. Its timers do work that may outlast their period by design (a catch-up of many
+    triggers, a broker round trip); the next tick then simply comes later. A worker that falls
+    behind shows in dpstream_trigger_duration_seconds, dpstream_input_lag_records and its
+    readiness (docs/operations.md, "Health")."""
+    if level > logging.DEBUG:
+        logging.getLogger("mode.timers").setLevel(logging.ERROR)
+
+
+def wait_for_group_coordinator(broker: str, group: str, timeout: float) -> None:
+    """Until the broker names a coordinator for ``group`` (Faust's own consumer joins it): on a
+    fresh cluster the first request makes the broker create ``__consumer_offsets``, and until it
+    is loaded every client of a group is told "coordinator not available", which aiokafka logs
+    as ERRORs and WARNINGs while it retries. Retried quietly here (DEBUG); said at WARNING only
+    after :data:`COORDINATOR_WARN_S`; after ``timeout`` Faust starts anyway and says why."""
+    from confluent_kafka import KafkaException
+    from confluent_kafka.admin import AdminClient
+
+    from dpstream.processor.adapters.kafka_tools import RDKAFKA_LOG
+
+    admin = AdminClient({"bootstrap.servers": broker, "logger": RDKAFKA_LOG, **client_security()})
+    started = time.monotonic()
+    warned = False
+    while True:
+        try:
+            admin.describe_consumer_groups([group], request_timeout=5)[group].result()
+            return
+        except KafkaException as exc:
+            error = exc.args[0] if exc.args else None
+            name = error.name() if hasattr(error, "name") else str(exc)
+            if "COORDINATOR" not in name and not getattr(error, "retriable", lambda: False)():
+                log.debug("group coordinator of %s: %s (left to Faust's consumer)", group, exc)
+                return
+            log.debug("group coordinator of %s not ready yet: %s", group, name)
+        waited = time.monotonic() - started
+        if waited >= timeout:
+            return
+        if waited >= COORDINATOR_WARN_S and not warned:
+            log.warning("the broker at %s has had no group coordinator ready for %.0f s (a cluster still starting?)", broker, waited)
+            warned = True
+        time.sleep(0.5)
+
+
 def preflight(s: WorkerSettings) -> None:
     """Before Faust starts (its own failures are stack dumps): the web port is free, the Kafka
     clients' settings work (credentials, TLS files, values: refused at once, naming the setting;
@@ -387,6 +455,7 @@ def preflight(s: WorkerSettings) -> None:
     if not answered:
         raise WorkerRefusal(f"no Kafka broker answered at {broker} within {s.broker_timeout:g} s (--broker-timeout)"
                             f"{last_reason()}; start one (scripts/broker start) or pass --broker HOST:PORT{protocol_hint()}")
+    wait_for_group_coordinator(broker, faust_group_id(s), s.broker_timeout)
 
 
 def _quiet_worker(app: faust.App, loglevel: str):
@@ -401,6 +470,16 @@ def _quiet_worker(app: faust.App, loglevel: str):
             logger.setLevel(level if level <= logging.DEBUG else max(level, logging.WARNING))
             for handler in logger.handlers:
                 handler.addFilter(_FaustNoise(app.dpstream_health))
+            quiet_library_noise(level)
+
+        def _schedule_shutdown(self, sig) -> None:
+            health = app.dpstream_health
+            if health.stopped_by_signal is None:  # said once, however many signals follow
+                health.stopped_by_signal = sig.name
+                log.info("dpstream worker stopping: %s received", sig.name)
+                if not health.stopping:
+                    health.set(STOPPING, f"{sig.name} received")
+            super()._schedule_shutdown(sig)
 
     return QuietWorker(app, loglevel=loglevel, quiet=True, redirect_stdouts=False)
 
@@ -409,6 +488,7 @@ def run_worker(s: WorkerSettings, loglevel: str = "info") -> int:
     """Run until SIGTERM/SIGINT (0), or until a failure: then its reason is the last line on
     stderr, ``dpstream worker: refused: ...`` (exit code 2: the operator must act, see
     :func:`refusals`) or ``dpstream worker: stopped: ...`` (1) (docs/operations.md, "Health")."""
+    use_client_id(worker_client_id(s))  # the preflight's clients too
     try:
         preflight(s)
     except WorkerRefusal as exc:
@@ -430,4 +510,7 @@ def run_worker(s: WorkerSettings, loglevel: str = "info") -> int:
         _exit_now(*stop_line(stopped_by))
     elif code:
         _exit_now(code, f"dpstream worker: stopped: Faust failed (exit code {code}; its log above says why)")
+    # the last line of a clean stop, as a failure's is (docs/operations.md, "Health")
+    print(f"dpstream worker: stopped on {app.dpstream_health.stopped_by_signal or 'request'} (exit code {code})",
+          file=sys.stderr, flush=True)
     return code

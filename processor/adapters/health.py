@@ -26,6 +26,8 @@ class WorkerHealth:
         self.heard = time.monotonic()
         #: the failure that stops the worker (said again as the last line: faust_app.run_worker)
         self.stopped_by: Optional[BaseException] = None
+        #: the signal (SIGTERM, SIGINT) that stopped the worker cleanly, for its last line
+        self.stopped_by_signal: Optional[str] = None
 
     def set(self, state: str, reason: str = "") -> None:
         self.state, self.reason = state, reason

@@ -84,6 +84,7 @@ class StaticRun(WorkerRun):
             progress = await loop.run_in_executor(None, lambda: read_progress(self.broker, s.app_id))
             worker.resume(progress)
         await self.publish(worker.unpublished())
+        worker.log_triggers(force=True)  # what an earlier run fired and this one sent
         for key in worker.dynamic:  # releases recomputed from the update log, not yet sent
             await self.publish_dynamic(key)
         # the logs must still hold what the state has read (a recreated topic, a broker that
@@ -208,6 +209,13 @@ class StaticRun(WorkerRun):
         fetched = [consumer.last_poll_timestamp(tp) for tp in consumer.assignment()] if consumer is not None else []
         now_ms = time.time() * 1000
         return min([(now_ms - t) / 1000 for t in fetched if t] + [self.health.silence()])
+
+    def read_offset(self, key, src) -> int:
+        """As the monitoring offsets count it (:meth:`offsets_read`): past transaction markers
+        once every record fetched is committed."""
+        offset = src.last_offset + 1
+        position = self.positions.get(key)
+        return position if position is not None and position > offset >= self.batches.fetched.get(key, 0) else offset
 
     def offsets_read(self) -> dict:
         """Each owned partition's offset its committed state has read to, or the consumer's

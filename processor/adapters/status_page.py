@@ -2,8 +2,8 @@
 
 :func:`render_status` turns what ``/status.json`` serves (:meth:`dpstream.processor.adapters.worker.DpstreamWorker.status`
 plus the worker's health state) into one page, with no script: queries, windows, last and next
-trigger, releases, dead letters by reason, the budget ledger, the partitions owned and the run's
-noise label. It shows what it is given, escaped; the data holds aggregates, counts and public
+trigger, releases, dead letters by reason, the budget ledger, the partitions owned with their lag
+and watermarks, and the run's noise label. It shows what it is given, escaped; the data holds aggregates, counts and public
 names only (no key, no user id, no record, no secret or fingerprint: docs/privacy.md, "What is
 public").
 """
@@ -105,15 +105,17 @@ def render_status(data: dict) -> str:
 
     out.append("<h2>Queries</h2>")
     out.append(_table(
-        ["query", "aggregate", "window", "triggers", "allowed lateness", "epsilon", "delta", "events in", "triggers fired", "releases"],
-        [[_cell(q["name"]), _cell(q.get("aggregate")), _cell(q.get("window") or (q.get("tick") and f"dynamic, tick {q['tick']}")),
+        ["query", "output topic", "aggregate", "window", "triggers", "allowed lateness", "epsilon", "delta", "events in",
+         "triggers fired", "releases"],
+        [[_cell(q["name"]), _cell(q.get("output_topic")), _cell(q.get("aggregate")), _cell(q.get("window") or (q.get("tick") and f"dynamic, tick {q['tick']}")),
           _cell(q.get("triggers"), True), _cell(q.get("allowed_lateness")), _cell(q.get("epsilon"), True), _cell(q.get("delta"), True),
           _cell(q.get("events_in"), True), _cell(q.get("triggers_fired"), True), _cell(q.get("releases"), True)] for q in queries],
         "No query configured."))
 
     out.append("<h2>Windows and triggers</h2>")
-    out.append(_table(["query", "open windows", "last trigger", "next trigger"],
-                      [[_cell(q["name"]), _html(_windows(q)), _html(_last(q)), _html(_next(q))]
+    out.append(_table(["query", "input watermark", "open windows", "last trigger", "next trigger"],
+                      [[_cell(q["name"]), _html(_t(q["input_watermark"]["at"]) if q.get("input_watermark") else None),
+                        _html(_windows(q)), _html(_last(q)), _html(_next(q))]
                        for q in queries if q.get("kind") == "windowed"],
                       "No windowed query."))
     out.append('<p class="muted">A trigger fires once every input partition has been read past its due time '
@@ -144,6 +146,15 @@ def render_status(data: dict) -> str:
     owned = data.get("partitions_owned") or {}
     out.append(_table(["topic", "partitions"], [[_cell(t), _cell(", ".join(map(str, ps)))] for t, ps in sorted(owned.items())],
                       "No partition owned."))
+    out.append("<h2>Lag and watermarks</h2>")
+    out.append(_table(["topic", "partition", "read", "read to", "log end", "lag", "watermark"],
+                      [[_cell(r["topic"]), _cell(r["partition"], True), _cell(r["kind"]), _cell(r["offset"], True),
+                        _cell(r["end"], True), _cell(r["lag"], True), _html(_t(r["watermark"]) if r.get("watermark") else None)]
+                       for r in data.get("partitions") or []],
+                      "No partition owned."))
+    out.append('<p class="muted">Lag: the log end the broker last reported minus the offset read to. An input '
+               'partition\'s watermark is the one it last announced to stage 2 (once it passes a fire time); a '
+               'by-key partition\'s is the input watermark its triggers fire by (docs/operations.md, "Status page").</p>')
     offsets = data.get("offsets_group")
     if offsets:
         out.append(f"<p class=\"muted\">Consumer offsets are committed to Kafka as group {escape(str(offsets))}, for lag tools "

@@ -64,6 +64,7 @@ import numpy as np
 
 from dpstream.accountant.ledger import recorded_entries, recorded_epoch
 from dpstream.processor.adapters.metrics import PipelineMetrics
+from dpstream.processor.adapters.trigger_log import TriggerLog, iso_utc
 from dpstream.processor.config import DpstreamConfig, plan_for
 from dpstream.processor.engine.budget import (
     LEDGER_STORE,
@@ -224,7 +225,7 @@ def lost_state_message(what: str, app_id: str, config: DpstreamConfig) -> str:
             f"noise, so it is refused. Either give the worker its state directory back, or start over on purpose: "
             f"`dpstream reset --config CONFIG --app-id {app_id} --state-dir DIR --broker BROKER --yes` "
             f"(deletes the state and the application's internal topics, and moves to a new noise label), or a new "
-            f"application id (--app-id {app_id}-2) or a new budget.epoch in the config "
+            f"application id (--app-id {app_id}-2, with output topics of its own) or a new budget.epoch in the config "
             f"({'now ' + repr(epoch) if epoch is not None else 'no budget section yet'}). "
             f"See docs/operator-guide.md, \"Start over\"")
 
@@ -573,6 +574,11 @@ class DpstreamWorker:
         #: (query, reason category), and each query's last trigger fired here (:meth:`trigger_fired`)
         self.dead_letters: Counter = Counter()
         self.last_fired: dict[str, dict] = {}
+        #: since start, the (window, trigger)s fired here per query, whatever the partitions that
+        #: fired each (the status page counts triggers, not partitions)
+        self.triggers_fired: dict[str, set] = defaultdict(set)
+        #: one log line per trigger for the whole worker (processor/adapters/trigger_log.py)
+        self.trigger_log = TriggerLog()
         self.state_dir = Path(state_dir)
         check_state_directory(self.state_dir)  # before the layout file is written into it
         #: the run nonce of the noise label (docs/privacy.md, "Noise"): the one the application's
@@ -1065,13 +1071,18 @@ class DpstreamWorker:
         partition -> that time; an idle partition must not hold back the schedule), less the
         watermark delay, and never past the wall clock. Stage 2 fires a
         trigger once every input partition's watermark has passed its fire time (docs/privacy.md,
-        "Time"), so a worker that was down, or behind, reads its backlog before it fires."""
+        "Time"), so a worker that was down, or behind, reads its backlog before it fires.
+
+        Stage 2 uses a watermark only to fire triggers, so a partition announces one the first
+        time, then only once it has passed another fire time of its queries
+        (:meth:`_passes_fire_time`): an idle, caught-up worker writes nothing, and its
+        consumer group shows lag 0 (docs/operations.md, "Consumer offsets")."""
         ends = read_to_end or {}
         out = []
         for (topic, p), source in self.stage1.items():
             partitions = self.input_partitions[topic]
             own = source.read_watermark(now_ms, ends.get((topic, p)), self.watermark_delay_ms)
-            if own is not None and (source.announced_own_ms is None or own > source.announced_own_ms):
+            if own is not None and self._passes_fire_time(source, source.announced_own_ms, own):
                 # to every partition of the by-user topics: this partition's events sent there
                 # were acknowledged before this marker, so it follows them
                 source.announced_own_ms = own
@@ -1079,13 +1090,21 @@ class DpstreamWorker:
                 out.extend(Message(lane, value, WATERMARK_KEY, r) for lane in source.lanes for r in range(partitions))
             moved = source.rerouted_watermark(partitions)
             mark = None if own is None or moved is None else min(own, moved)
-            if mark is None or (source.announced_ms is not None and mark <= source.announced_ms):
+            if mark is None or not self._passes_fire_time(source, source.announced_ms, mark):
                 continue
             source.announced_ms = mark
             value = encode_watermark(topic, p, mark)
             for pipe in source.pipelines:
                 out.extend(Message(self.repartition_topic(pipe.query.name), value, WATERMARK_KEY, q) for q in range(self.repartitions))
         return out
+
+    @staticmethod
+    def _passes_fire_time(source: SourcePartition, announced: Optional[int], mark: int) -> bool:
+        """Whether stage 2 needs ``mark`` announced: nothing announced yet (since start), or a
+        fire time of one of ``source``'s queries lies in (announced, mark]."""
+        if announced is None:
+            return True
+        return mark > announced and any(_fire_time_between(pipe.schedule, announced, mark) for pipe in source.pipelines)
 
     def stage_two_clock(self, source: SourcePartition, now_ms: int) -> Optional[int]:
         """The clock stage 2 fires a partition's triggers by: the input watermark, never past the
@@ -1265,19 +1284,19 @@ class DpstreamWorker:
         fired.fired.runner.published(fired.fired)
 
     def trigger_fired(self, fired: FiredTrigger, republished: bool = False) -> None:
-        """One log line per trigger, once its releases are out (docs/operations.md, "The trigger
-        log line"): the query, the window's start, the trigger, how many keys it released and how
-        long it took from the start of its computation until its releases were acknowledged
-        (committed, exactly once), and the repartition partition it fired on (each fires its own
-        share of the keys). Public values only: no key, no user. ``republished``: sent
-        again from the journal after a restart (computed by an earlier run, so no duration)."""
+        """A trigger's releases are out on one partition: for its log line (:meth:`log_triggers`,
+        docs/operations.md, "The trigger log line") the query, the window's start, the trigger,
+        how many keys it released and how long it took from the start of its computation until
+        its releases were acknowledged (committed, exactly once). Public values only: no key, no
+        user. ``republished``: sent again from the journal after a restart (computed by an
+        earlier run, so no duration)."""
         q = fired.pipeline.query
-        window = _iso(fired.window)
         if republished or fired.started is None:
-            log.info("trigger republished from the journal: query=%s window=%s trigger=%d/%d keys_released=%d partition=%d",
-                     q.name, window, fired.trigger, q.triggers, len(fired.releases), fired.source.partition)
+            self.trigger_log.add(q.name, q.triggers, fired.window, fired.trigger, len(fired.releases), fired.source.partition)
             return
         duration_ms = (time.perf_counter() - fired.started) * 1000
+        self.trigger_log.add(q.name, q.triggers, fired.window, fired.trigger, len(fired.releases), fired.source.partition,
+                             duration_ms)
         # the status page's last trigger: the latest (window, trigger) fired here, over the
         # partitions that fired it (each its own share of the keys)
         last, now_ms = self.last_fired.get(q.name), int(time.time() * 1000)
@@ -1287,8 +1306,15 @@ class DpstreamWorker:
         elif (fired.window, fired.trigger) == (last["window_start_ms"], last["trigger"]):
             last.update(at_ms=now_ms, keys_released=last["keys_released"] + len(fired.releases), partitions=last["partitions"] + 1,
                         duration_ms=max(last["duration_ms"], round(duration_ms, 1)))
-        log.info("trigger fired: query=%s window=%s trigger=%d/%d keys_released=%d duration_ms=%.0f partition=%d", q.name,
-                 window, fired.trigger, q.triggers, len(fired.releases), duration_ms, fired.source.partition)
+        # counted once per trigger, not per partition (the status page's "triggers fired")
+        self.triggers_fired[q.name].add((fired.window, fired.trigger))
+
+    def log_triggers(self, force: bool = False) -> list[str]:
+        """Log one line per trigger every owned repartition partition of its query has fired
+        (a catch-up of several in one line per query): :class:`TriggerLog`. ``force``: all
+        pending ones (the worker stops)."""
+        owned: Counter = Counter(src.pipelines[0].query.name for src in self.stage2.values())
+        return self.trigger_log.flush(owned, force)
 
     # ------------------------------------------------------------------ metrics
     def dropped_counts(self) -> list[tuple]:
@@ -1346,6 +1372,24 @@ class DpstreamWorker:
             self.metrics.observe_ledger(self.ledger.entries(now_ms), remaining)
 
     # ------------------------------------------------------------------ status page
+    def _query_watermark(self, query: str) -> Optional[dict]:
+        """The input watermark a query's triggers fire by here: the lowest over its owned
+        repartition partitions (None until each has heard from every input partition)."""
+        marks = [self._input_watermark(src) for src in self.stage2.values() if src.pipelines[0].query.name == query]
+        if not marks or None in marks:
+            return None
+        return {"ms": min(marks), "at": _iso(min(marks))}
+
+    def partition_watermark(self, key: tuple[str, int]) -> Optional[int]:
+        """The status page's watermark of an owned partition: for an input partition the one it
+        last announced to stage 2 (announced when it passes a fire time: :meth:`watermark_messages`),
+        for a repartition partition the input watermark it fires by."""
+        if key in self.stage1:
+            return self.stage1[key].announced_ms
+        if key in self.stage2:
+            return self._input_watermark(self.stage2[key])
+        return None
+
     def status(self, now_ms: int) -> dict:
         """What the status page shows (docs/operations.md, "Status page"), for this worker's
         partitions: per query its public settings, open windows, last and next trigger, releases
@@ -1375,7 +1419,8 @@ class DpstreamWorker:
                 if "at_ms" in last:
                     last["at"] = _iso(last["at_ms"])
             queries.append({
-                "name": q.name, "kind": "windowed", "aggregate": q.aggregate, "window": q.window, "triggers": q.triggers,
+                "name": q.name, "kind": "windowed", "output_topic": q.output_topic, "input_watermark": self._query_watermark(q.name),
+                "aggregate": q.aggregate, "window": q.window, "triggers": q.triggers,
                 "allowed_lateness": q.allowed_lateness, "epsilon": q.epsilon, "delta": q.delta,
                 "open_windows": [{"start": _iso(w), "start_ms": w, "triggers_fired": min(done), "triggers_fired_max": max(done)}
                                  for w, done in sorted(windows.items())],
@@ -1383,13 +1428,14 @@ class DpstreamWorker:
                 "next_trigger": None if not nexts else {"due": _iso(min(nexts)[0]), "due_ms": min(nexts)[0],
                                                          "window_start": _iso(min(nexts)[1]), "trigger": min(nexts)[2]},
                 "events_in": sum(p.stats.events_in for p in stage1),
-                "triggers_fired": sum(p.stats.triggers_fired for p in stage2),
+                "triggers_fired": len(self.triggers_fired[q.name]),
                 "releases": sum(p.stats.releases for p in stage2),
                 "dead_letters": {reason: n for (name, reason), n in sorted(self.dead_letters.items()) if name == q.name},
             })
         for q in self.config.dynamic:
             states = [st for sts in self.dynamic_states.values() for st in sts if st.query.name == q.name]
-            queries.append({"name": q.name, "kind": "dynamic", "aggregate": "count", "epsilon": q.epsilon, "delta": q.delta,
+            queries.append({"name": q.name, "kind": "dynamic", "output_topic": q.output_topic, "aggregate": "count",
+                            "epsilon": q.epsilon, "delta": q.delta,
                             "tick": q.tick, "events_in": sum(st.updates_in for st in states),
                             "releases": sum(st.releases for st in states),
                             "dead_letters": {reason: n for (name, reason), n in sorted(self.dead_letters.items()) if name == q.name}})
@@ -1410,8 +1456,16 @@ class DpstreamWorker:
                 "run": self.run_fields["run"], "queries": queries, "budget": budget, "partitions_owned": dict(owned)}
 
 
-def _iso(ms: int) -> str:
-    """ISO-8601 UTC; milliseconds only when not a whole second."""
-    ms = int(ms)
-    text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ms // 1000))
-    return f"{text}.{ms % 1000:03d}Z" if ms % 1000 else f"{text}Z"
+def _fire_time_between(schedule: Schedule, after: int, upto: int) -> bool:
+    """Whether a fire time (a trigger time plus the allowed lateness) of ``schedule`` lies in
+    (after, upto]: the first trigger time past ``after - lateness``, in its window or the next."""
+    start, end = after - schedule.lateness, upto - schedule.lateness
+    window = start - start % schedule.window_ms
+    trigger = (start - window) // schedule.interval + 1
+    if trigger > schedule.triggers:
+        window, trigger = window + schedule.window_ms, 1
+    return schedule.trigger_time(window, trigger) <= end
+
+
+#: ISO-8601 UTC (the trigger log line's and the status page's)
+_iso = iso_utc

@@ -20,6 +20,7 @@ from dpstream.processor.adapters.delivery import RolePublishers
 from dpstream.processor.adapters.health import WorkerHealth
 from dpstream.processor.adapters.metrics import PipelineMetrics
 from dpstream.processor.adapters.stage_batches import StageBatches
+from dpstream.processor.adapters.trigger_log import iso_utc as _iso
 from dpstream.processor.adapters.worker import DpstreamWorker, FiredTrigger
 from dpstream.processor.adapters.worker_startup import WorkerStartup
 from dpstream.topics.kafka import client_security, kafka_error
@@ -177,8 +178,31 @@ class WorkerRun:
         group = s.assignment == "group"
         data.update(state=self.health.state, reason=self.health.reason, assignment=s.assignment, delivery=s.delivery,
                     worker=f"instance {s.instance_id}" if group else f"worker {s.ownership.index} of {s.ownership.workers}",
-                    offsets_group=group_id(s.app_id))
+                    offsets_group=group_id(s.app_id), partitions=self.partition_status() if worker is not None else [])
         return data
+
+    def partition_status(self) -> list[dict]:
+        """Each owned partition's read position, log end, lag (end minus position, as Kafka's
+        consumer-groups tool counts it) and watermark, for the status page. The end is the one
+        the broker last reported (None before it did)."""
+        worker = self.worker
+        kinds = {**dict.fromkeys(worker.stage1, "input"), **dict.fromkeys(worker.stage2, "by key"),
+                 **dict.fromkeys(worker.dynamic, "updates")}
+        rows = []
+        for key, kind in sorted(kinds.items()):
+            src = worker.source_of(key)
+            if src is None:
+                continue
+            read_to, end = self.read_offset(key, src), self.high_watermark(key)
+            mark = worker.partition_watermark(key)
+            rows.append({"topic": key[0], "partition": key[1], "kind": kind, "offset": read_to, "end": end,
+                         "lag": None if end is None else max(0, end - read_to),
+                         "watermark": None if mark is None else _iso(mark)})
+        return rows
+
+    def read_offset(self, key, src) -> int:
+        """The offset the worker has read a partition up to (the next to read), committed."""
+        return src.last_offset + 1
 
     # ------------------------------------------------------------------ static publication
     async def publish(self, fired: list[FiredTrigger]) -> None:
@@ -187,7 +211,7 @@ class WorkerRun:
             # exactly once: the releases and the record that they are published, in one transaction
             await self.publishers.send(worker.release_messages(f) + ([worker.published_message(f)] if self.exactly_once else []))
             worker.mark_published(f)
-            worker.trigger_fired(f)  # its log line (docs/operations.md, "The trigger log line")
+            worker.trigger_fired(f)  # for its log line (docs/operations.md, "The trigger log line")
 
     async def publish_dynamic(self, key) -> None:
         worker = self.worker

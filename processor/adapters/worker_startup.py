@@ -15,6 +15,7 @@ import time
 from typing import Optional
 
 from dpstream.processor.adapters.metrics import PipelineMetrics
+from dpstream.processor.adapters.output_claims import claim_outputs
 from dpstream.processor.adapters.run_identity import agree_run
 from dpstream.processor.adapters.worker import (
     DpstreamWorker,
@@ -77,6 +78,8 @@ class WorkerStartup:
         marks = read_epoch_marks(broker)
         # `dpstream reset` counts start-overs here: each moves the worker to a new noise label
         restarts = int((marks.get(restarts_key(s.app_id)) or {}).get("count", 0))
+        # each output topic belongs to one application id: another's is refused (output_claims.py)
+        claim_outputs(broker, s.app_id, s.config, marks)
         # the run nonce of the noise label, the same for every worker of the application; a
         # fresh start over releases of a window still open is refused (run_identity.py)
         run = agree_run(broker, s, marks, restarts)

@@ -273,6 +273,7 @@ def _run_kafka_bench(broker: str, users: int, keys: int, repeats: int, partition
                                   + f"input_format: {fmt[0]}\nschema_registry:\n  url: {fmt[1]}\n")
         key_file = Path(tmp) / "noise.key"
         key_file.write_bytes(os.urandom(32))  # a throwaway secret: nothing here is published
+        key_file.chmod(0o600)  # a key file others may read is refused (processor/mechanisms/noise.py)
         runs = ({"confluent_default": [], "confluent_tuned": [], "aiokafka_getmany": [], "worker": [], "worker_at_least_once": [],
                  "worker_group": [], "worker_stock_producer": []}
                 if baselines else {"worker": []})
@@ -551,6 +552,7 @@ def run_live_bench(broker: str, start_rate: float, seconds: float, partitions: i
     with tempfile.TemporaryDirectory(prefix="dpstream-bench-key-") as tmp:
         key_file = Path(tmp) / "noise.key"
         key_file.write_bytes(os.urandom(32))  # a throwaway secret: nothing here is published
+        key_file.chmod(0o600)  # a key file others may read is refused (processor/mechanisms/noise.py)
         trials = []
         rate, best, failed = start_rate, None, None
         while rate <= 1_000_000:
