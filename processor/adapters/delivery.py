@@ -222,7 +222,7 @@ class RolePublishers:
 
         Errors no retry can mend (authorization, a message too large) are raised at once."""
         batch = [(m.topic, m.value, m.key, m.partition) for m in messages]
-        if not batch:
+        if not batch and not offsets:  # offsets alone: an elastic worker's commit past transaction markers
             return
         attempt_timeout = GROUP_TRANSACTION_TIMEOUT_MS / 1000 if self.group else self.timeout
         first_failure = None

@@ -55,6 +55,8 @@ class ElasticRun(WorkerRun):
         #: (topic, partition) -> the offset a gained partition is read from first (its state's,
         #: or the log's start past records retention deleted)
         self.read_from: dict = {}
+        #: (topic, partition) -> the consumer offset this worker's last transaction committed for it
+        self.committed_at: dict = {}
 
     # ------------------------------------------------------------------ transactions
     async def transact(self, role: str, sources, messages, offsets: Optional[dict] = None, fence: bool = True) -> None:
@@ -74,7 +76,36 @@ class ElasticRun(WorkerRun):
         at.update(offsets or {})
         tps = [TopicPartition(t, p, max(0, o)) for (t, p), o in at.items()] if fence else None
         await self.publishers.send_locked(list(messages) + changes, role, tps, self.consumer)
+        if fence:
+            self.committed_at.update(at)
         worker.checkpoint(taken, self.publishers.acknowledged(role), int(time.time() * 1000))
+
+    async def settle_offsets(self) -> None:
+        """Commit the reader's position of each owned partition whose every fetched record is
+        committed, when it is past the committed offset: a transaction's commit marker takes an
+        offset no record stands for, so the group's lag (as kafka-consumer-groups counts it)
+        would stay at 1 per partition of a transactional topic forever. Offsets only, in a
+        transaction of the partition's stage (fenced as every commit is, KIP-447); once per
+        change, so an idle worker writes nothing periodic (docs/operations.md, "Consumer offsets")."""
+        from confluent_kafka import TopicPartition
+
+        worker, due = self.worker, {}
+        for key, (stage, src) in list(self.owned.items()):
+            target = self.read_offset(key, src)
+            if target > self.committed_at.get(key, src.last_offset + 1):
+                due.setdefault(stage, {})[key] = (src, target)
+        for stage, entries in due.items():
+            async with self.publishers.lock(stage):
+                current = {k: t for k, (src, t) in entries.items() if worker.source_of(k) is src}
+                if not current:
+                    continue
+                try:
+                    await self.publishers.send_locked([], stage, [TopicPartition(t, p, o) for (t, p), o in current.items()],
+                                                      self.consumer)
+                except TransactionAbandonedError as exc:  # nothing to give up: the next tick tries again
+                    log.debug("offsets past transaction markers not committed: %s", exc)
+                    continue
+                self.committed_at.update(current)
 
     async def process(self, items, stage: str) -> None:
         """The state first, then one transaction with its changelog, the outputs and the
@@ -131,6 +162,7 @@ class ElasticRun(WorkerRun):
                 await self.transact("dynamic", sources, messages)
             except TransactionAbandonedError as exc:
                 self.give_up_batch(sources, exc)
+        await self.settle_offsets()
 
     async def read_to_end(self) -> dict:
         """Each owned input and update partition's high watermark is asked of the broker; one
