@@ -700,7 +700,8 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--append", action="store_true",
                         help="with a used --state-dir: --input continues the stream after the lines the state covers; read it "
                              "from its first line (line numbers continue the stream's)")
-    replay.add_argument("--noise-key-file", help="file holding the noise secret (default: $DPSTREAM_NOISE_KEY_FILE or $DPSTREAM_NOISE_KEY)")
+    replay.add_argument("--noise-key-file", help="file holding the noise secret, mode 0600 (readable by group or others: refused; default: "
+                        "$DPSTREAM_NOISE_KEY_FILE or $DPSTREAM_NOISE_KEY)")
     replay.add_argument("--dead-letter", help="write invalid lines here with their reason (JSONL; holds raw input)")
     replay.add_argument("--stop-after-lines", type=int,
                         help="stop after this many input lines, keeping state (for partial runs; with --append, lines count "
@@ -720,7 +721,8 @@ def build_parser() -> argparse.ArgumentParser:
     _broker_arg(worker)
     worker.add_argument("--state-dir", default=os.environ.get("DPSTREAM_STATE_DIR", "./dpstream-state"),
                         help="RocksDB state of the owned partitions; must survive restarts (default $DPSTREAM_STATE_DIR or ./dpstream-state)")
-    worker.add_argument("--noise-key-file", help="file holding the noise secret (default: $DPSTREAM_NOISE_KEY_FILE or $DPSTREAM_NOISE_KEY)")
+    worker.add_argument("--noise-key-file", help="file holding the noise secret, mode 0600 (readable by group or others: refused; default: "
+                        "$DPSTREAM_NOISE_KEY_FILE or $DPSTREAM_NOISE_KEY)")
     worker.add_argument("--worker-index", type=int, default=_env_int("DPSTREAM_WORKER_INDEX", 0),
                         help="this worker's index i in [0, N) (default $DPSTREAM_WORKER_INDEX or 0)")
     worker.add_argument("--workers", type=int, default=_env_int("DPSTREAM_WORKERS", 1),

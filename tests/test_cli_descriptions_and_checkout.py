@@ -83,6 +83,8 @@ def paths_the_docs_write() -> dict[str, str]:
         for line in shell_lines(doc.read_text()):
             for match in WRITES.finditer(line):
                 path = (match.group(1) or match.group(2)).strip("[]'\"").removeprefix("$PWD/").removeprefix("./").rstrip("/")
+                if path.startswith("$"):
+                    continue  # under a directory a variable names ("$scratch/...": mktemp -d), not the checkout
                 path = re.sub(r"\$\{?\w+\}?", "1", path)  # ./dpstream-state-w$w: the first worker's
                 if path and not path.startswith(("/", "~", "&")) and not re.fullmatch(r"[A-Z_.]+", path):
                     is_dir = "--state-dir" in match.group(0) or "--output-dir" in match.group(0)

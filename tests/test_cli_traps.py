@@ -93,6 +93,7 @@ def test_tail_help_has_the_quick_starts_options():
 def secret_file(tmp_path: Path) -> Path:
     path = tmp_path / "noise.key"
     path.write_text(TEST_SECRET_HEX + "\n")
+    path.chmod(0o600)  # a key file others may read is refused (processor/mechanisms/noise.py)
     return path
 
 

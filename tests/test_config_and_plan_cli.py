@@ -148,6 +148,7 @@ def test_console_script_runs_without_a_secret(tmp_path):
 def test_worker_refuses_a_bad_fetch_size_at_start_naming_it(tmp_path, capsys, monkeypatch, args, env, field):
     key = tmp_path / "noise.key"
     key.write_text(secrets.token_hex(32))
+    key.chmod(0o600)  # a key file others may read is refused (processor/mechanisms/noise.py)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     code = main(["worker", "--config", str(EXAMPLE), "--noise-key-file", str(key), "--state-dir", str(tmp_path / "s"), *args])

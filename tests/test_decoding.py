@@ -182,6 +182,7 @@ def test_debezium_change_events_replay_to_the_flat_events_releases(tmp_path):
     flat = [{"user_id": f"u{rng.randrange(300)}", "page": f"p{min(int(rng.paretovariate(1.2)), 12)}",
              "ts": 1_767_225_600_000 + i * 100} for i in range(6_000)]
     (tmp_path / "key").write_text(TEST_SECRET_HEX)
+    (tmp_path / "key").chmod(0o600)  # a key file others may read is refused (processor/mechanisms/noise.py)
     base = ("queries:\n  - name: pages\n    input_topic: cdc\n    output_topic: out\n    window: 10m\n    triggers: 2\n"
             "    contribution_bound: 3\n    epsilon: 4\n    delta: 1.0e-9\n")
     (tmp_path / "flat.yaml").write_text(base + "    user_field: user_id\n    key_fields: [page]\n    time_field: ts\n")

@@ -104,6 +104,7 @@ def test_noise_label_with_the_same_secret_repeats_exactly(capsys, monkeypatch, t
     # the same secret from a file (as replay's --noise-key-file) gives the same noise
     key_file = tmp_path / "noise.key"
     key_file.write_text(SECRET_HEX + "\n")
+    key_file.chmod(0o600)  # a key file others may read is refused (processor/mechanisms/noise.py)
     monkeypatch.delenv(SECRET_ENV)
     assert table(demo_stdout(capsys, "--noise-label", "demo-a", "--noise-key-file", str(key_file))) == table(first)
 

@@ -90,6 +90,7 @@ def _command(command: str, tmp_path, broker: str) -> list[str]:
     if command == "worker":
         key = tmp_path / "noise.key"
         key.write_text(TEST_SECRET_HEX + "\n")
+        key.chmod(0o600)  # a key file others may read is refused (processor/mechanisms/noise.py)
         return ["worker", "--config", str(config), "--broker", broker, "--state-dir", str(tmp_path / "state"),
                 "--noise-key-file", str(key), "--web-port", str(free_port()), "--web-host", "127.0.0.1",
                 "--broker-timeout", f"{BROKER_TIMEOUT_S}s", "--log-level", "warn"]

@@ -56,6 +56,7 @@ class Scenario:
             f"    contribution_bound: {contribution_bound}\n    epsilon: 6\n    delta: 1.0e-9\n")
         self.key_file = tmp_path / "noise.key"
         self.key_file.write_text(TEST_SECRET_HEX)
+        self.key_file.chmod(0o600)  # a key file others may read is refused (processor/mechanisms/noise.py)
         self.events = tmp_path / "events.jsonl"
         self.window_start = None
         self.workers: list = []

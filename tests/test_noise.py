@@ -255,6 +255,7 @@ KEY = bytes.fromhex(SECRET)
 def test_secret_from_explicit_file(tmp_path):
     f = tmp_path / "key"
     f.write_bytes(b"  " + SECRET.encode() + b"\n")
+    f.chmod(0o600)
     env = {SECRET_FILE_ENV: str(tmp_path / "other"), SECRET_ENV: "00" * 32}
     assert load_noise_secret(str(f), environ=env) == KEY
 
@@ -262,6 +263,7 @@ def test_secret_from_explicit_file(tmp_path):
 def test_secret_from_file_env(tmp_path):
     f = tmp_path / "key"
     f.write_bytes(SECRET.encode())
+    f.chmod(0o600)
     env = {SECRET_FILE_ENV: str(f), SECRET_ENV: "00" * 32}
     assert load_noise_secret(environ=env) == KEY
 
@@ -286,6 +288,7 @@ def test_short_secret_message_does_not_leak(tmp_path):
     assert short not in str(err.value) and short not in repr(err.value)
     f = tmp_path / "key"
     f.write_text(short + "\n")
+    f.chmod(0o600)
     with pytest.raises(NoiseSecretError) as err:
         load_noise_secret(str(f), environ={})
     assert short not in str(err.value)
@@ -304,6 +307,59 @@ def test_unreadable_secret_file(tmp_path):
     with pytest.raises(NoiseSecretError) as err:
         load_noise_secret(environ={SECRET_FILE_ENV: str(tmp_path), SECRET_ENV: SECRET})  # a directory
     assert SECRET not in str(err.value)
+
+
+def _owned_by(monkeypatch, uid: int) -> None:
+    """Make the secret file look owned by ``uid`` (root: 0, as the kubelet mounts a Secret; the
+    worker's user: 10001, as the Dockerfile runs it), which a test cannot chown to."""
+    import os
+
+    real_stat = os.stat
+
+    def stat(path, *args, **kwargs):
+        st = real_stat(path, *args, **kwargs)
+        return os.stat_result((st.st_mode, *st[1:4], uid, *st[5:]))
+
+    monkeypatch.setattr(os, "stat", stat)
+
+
+@pytest.mark.parametrize("uid", [10001, 0])
+@pytest.mark.parametrize("mode, who", [(0o644, "others"), (0o604, "others"), (0o640, "its group"), (0o620, "its group")])
+def test_a_secret_file_other_accounts_may_read_is_refused_naming_it(tmp_path, monkeypatch, uid, mode, who):
+    """Whoever reads the secret can remove the noise from every release (docs/threat-model.md):
+    a file group or others may read is refused with the fix, and nothing of the secret; a
+    root-owned file may be group-read (a Kubernetes Secret mount: next test)."""
+    f = tmp_path / "noise.key"
+    f.write_text(SECRET + "\n")
+    f.chmod(mode)
+    _owned_by(monkeypatch, uid)
+    if uid == 0 and mode == 0o640:
+        assert load_noise_secret(environ={SECRET_FILE_ENV: str(f)}) == KEY
+        return
+    with pytest.raises(NoiseSecretError) as err:
+        load_noise_secret(environ={SECRET_FILE_ENV: str(f)})
+    assert str(err.value) == (f"the noise secret file {f} is readable or writable by {who} (mode {mode:04o}): chmod 600 {f}")
+    f.chmod(0o400)
+    assert load_noise_secret(str(f), environ={}) == KEY
+
+
+def test_a_kubernetes_secret_mount_is_judged_by_its_target(tmp_path, monkeypatch):
+    """A Secret volume is a symlink (noise.key -> ..data/noise.key) to a file the kubelet owns as
+    root with the chart's defaultMode 0440 and the pod's fsGroup: group read of a root-owned file
+    is accepted (PostgreSQL's rule for its key file), others never; a loose target behind a
+    symlink (mode 0777 itself) is refused."""
+    data = tmp_path / "..2026_11_27_12_00_00.1" / "noise.key"
+    data.parent.mkdir()
+    data.write_text(SECRET + "\n")
+    (tmp_path / "..data").symlink_to(data.parent.name)
+    (tmp_path / "noise.key").symlink_to("..data/noise.key")
+    mounted = str(tmp_path / "noise.key")
+    _owned_by(monkeypatch, 0)
+    data.chmod(0o440)
+    assert load_noise_secret(mounted, environ={}) == KEY
+    data.chmod(0o444)
+    with pytest.raises(NoiseSecretError, match=f"by others \\(mode 0444\\): chmod 600 {mounted}"):
+        load_noise_secret(mounted, environ={})
 
 
 def test_repr_does_not_contain_the_secret():
@@ -365,3 +421,27 @@ def test_sampler_lookup_equals_a_plain_search_at_any_table_size(sigma):
     for i in list(range(50)) + rng.integers(50, 200_000, size=2000).tolist():
         u = int(hi[i]) << 64 | int(lo[i])
         assert got[i] == bisect.bisect_right(cum, u) - sampler.bound
+
+
+@pytest.mark.parametrize("command", [
+    ["replay", "--config", "examples/worker.yaml", "--input", "examples/events.jsonl", "--output", "{tmp}/out.jsonl",
+     "--start", "2026-01-01", "--until", "2026-01-01T01:00:00Z"],
+    ["worker", "--config", "examples/worker.yaml", "--state-dir", "{tmp}/state", "--broker", "127.0.0.1:9"],
+    ["demo", "--output-dir", "{tmp}/demo"],
+])
+def test_replay_worker_and_demo_refuse_a_world_readable_key_file_in_one_line(tmp_path, command):
+    """`chmod 600` is the fix the line names; nothing is written (no output, no state, no broker
+    asked: the worker's broker address here answers nothing)."""
+    import subprocess
+
+    from tests.conftest import ROOT
+
+    key = tmp_path / "noise.key"
+    key.write_text(SECRET + "\n")
+    key.chmod(0o644)
+    argv = [str(ROOT / ".venv/bin/dpstream"), *[a.format(tmp=tmp_path) for a in command], "--noise-key-file", str(key)]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [f"dpstream: the noise secret file {key} is readable or writable by others (mode 0644): "
+                                        f"chmod 600 {key}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["noise.key"]

@@ -161,3 +161,30 @@ def test_reset_keeps_the_claim_and_reset_with_delete_outputs_gives_it_up(tmp_pat
     assert owner(broker, topic) is None
     claim_outputs(broker, second, loaded, read_epoch_marks(broker))  # another application may now use it
     assert owner(broker, topic) == second
+
+
+def test_offsets_of_a_topic_just_created_are_asked_again_until_its_leaders_are_elected(monkeypatch):
+    """Two workers of a new application started together: one creates the output topic, the
+    other's start-up checks ask its offsets before the leaders are elected and librdkafka answers
+    NOT_LEADER_FOR_PARTITION; that stopped the second worker (the operator guide's elastic
+    block). Asked again, it passes; any other error, or past the wait, is raised."""
+    from confluent_kafka import KafkaError, KafkaException
+
+    from dpstream.processor.adapters import output_claims
+
+    answers = [KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE, (0, 42)]
+
+    def ask():
+        answer = answers.pop(0)
+        if isinstance(answer, tuple):
+            return answer
+        raise KafkaException(KafkaError(answer))
+
+    assert output_claims.once_leaders_are_elected(ask) == (0, 42)
+    answers[:] = [KafkaError.TOPIC_AUTHORIZATION_FAILED]
+    with pytest.raises(KafkaException):
+        output_claims.once_leaders_are_elected(ask)
+    monkeypatch.setattr(output_claims, "NEW_TOPIC_LEADER_WAIT_S", 0.0)
+    answers[:] = [KafkaError.NOT_LEADER_FOR_PARTITION, (0, 1)]
+    with pytest.raises(KafkaException):
+        output_claims.once_leaders_are_elected(ask)

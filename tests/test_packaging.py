@@ -56,6 +56,7 @@ def test_the_python_api_replays_exactly_what_the_cli_publishes(tmp_path):
     path.write_text("".join(json.dumps(e) + "\n" for e in events))
     key = tmp_path / "noise.key"
     key.write_text(TEST_SECRET_HEX)
+    key.chmod(0o600)  # a key file others may read is refused (processor/mechanisms/noise.py)
     config = ROOT / "examples" / "worker.yaml"
     out = tmp_path / "out.jsonl"
     done = subprocess.run([sys.executable, "-m", "dpstream.processor.cli", "replay", "--config", str(config), "--input", str(path),

@@ -79,6 +79,7 @@ def test_gzip_input_and_cli(tmp_path, rng, monkeypatch):
     assert main(["replay", "--config", str(cfg), "--input", str(gz), "--output", str(tmp_path / "o.jsonl"), "--quiet"]) == 2
     key_file = tmp_path / "key"
     key_file.write_text(TEST_SECRET_HEX)
+    key_file.chmod(0o600)  # a key file others may read is refused (processor/mechanisms/noise.py)
     assert main(["replay", "--config", str(cfg), "--input", str(gz), "--output", str(tmp_path / "o.jsonl"), "--quiet",
                  "--noise-key-file", str(key_file), "--noise-label", TEST_LABEL]) == 0
     plain = write_jsonl(tmp_path / "e.jsonl", events)

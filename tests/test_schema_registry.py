@@ -230,6 +230,7 @@ def test_a_wrong_registry_password_stops_the_worker_at_start_with_one_line_and_e
         cfg.write_text(f"input_format: avro\nschema_registry:\n  url: {url}\nqueries:\n  - name: q\n    epsilon: 1\n    delta: 1.0e-9\n")
         key = tmp_path / "k"
         key.write_text(TEST_SECRET_HEX)
+        key.chmod(0o600)  # a key file others may read is refused (processor/mechanisms/noise.py)
         env = {**os.environ, "DPSTREAM_NOISE_KEY_FILE": str(key), "DPSTREAM_SCHEMA_REGISTRY_USER_INFO": "dpstream:wrong"}
         proc = subprocess.run([sys.executable, "-m", "dpstream.processor.cli", "worker", "--config", str(cfg), "--broker",
                                "127.0.0.1:9", "--broker-timeout", "1s", "--state-dir", str(tmp_path / "s"), "--web-port", "0"],

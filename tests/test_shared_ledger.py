@@ -80,6 +80,7 @@ def test_several_workers_with_a_budget_need_its_public_start(tmp_path, capsys):
                     "delta: 1.0e-9}\n")
     key = tmp_path / "k"
     key.write_text(TEST_SECRET_HEX)
+    key.chmod(0o600)  # a key file others may read is refused (processor/mechanisms/noise.py)
     code = main(["worker", "--config", str(path), "--noise-key-file", str(key), "--workers", "2", "--worker-index", "1"])
     assert code != 0
     err = capsys.readouterr().err

@@ -113,6 +113,29 @@ def _claim(broker: str, app_id: str, topics: list[str]) -> None:
         raise OutputClaimError(claimed_message(*lost[0], app_id))
 
 
+#: seconds to wait for the leaders of a topic another worker created a moment ago
+NEW_TOPIC_LEADER_WAIT_S = 30.0
+
+
+def once_leaders_are_elected(ask):
+    """``ask()`` (an offsets query), asked again while the topic's partitions have no leader yet:
+    workers of a new application started together see the output topic one of them has just
+    created before its leaders are elected, and librdkafka then raises NOT_LEADER_FOR_PARTITION
+    (or LEADER_NOT_AVAILABLE, UNKNOWN_TOPIC_OR_PART) instead of waiting. Other errors, and these
+    after NEW_TOPIC_LEADER_WAIT_S, are raised."""
+    from confluent_kafka import KafkaError, KafkaException
+
+    not_yet = {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE, KafkaError.UNKNOWN_TOPIC_OR_PART}
+    deadline = time.monotonic() + NEW_TOPIC_LEADER_WAIT_S
+    while True:
+        try:
+            return ask()
+        except KafkaException as exc:
+            if exc.args[0].code() not in not_yet or time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
 def other_writers(broker: str, topic: str, app_id: str, per_partition: int = TAIL_RECORDS) -> list[str]:
     """The application ids other than ``app_id`` among the releases in the last ``per_partition``
     records of each partition of ``topic`` (none for a topic that does not exist yet)."""
@@ -126,7 +149,7 @@ def other_writers(broker: str, topic: str, app_id: str, per_partition: int = TAI
             return []
         starts, ends = [], {}
         for p in sorted(meta.partitions):
-            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=15)
+            low, high = once_leaders_are_elected(lambda: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=15))
             if high > low:
                 starts.append(TopicPartition(topic, p, max(low, high - per_partition)))
                 ends[p] = high

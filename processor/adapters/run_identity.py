@@ -259,6 +259,8 @@ def find_live_release(broker: str, app_id: str, config: DpstreamConfig, restarts
     transaction was computed with the run's noise all the same."""
     from confluent_kafka import Consumer, KafkaError, TopicPartition
 
+    from dpstream.processor.adapters.output_claims import once_leaders_are_elected
+
     consumer = Consumer({"bootstrap.servers": broker, "group.id": "dpstream-live-releases", "enable.auto.commit": False,
                          "isolation.level": "read_uncommitted", "enable.partition.eof": True, **client_security()})
     try:
@@ -267,9 +269,10 @@ def find_live_release(broker: str, app_id: str, config: DpstreamConfig, restarts
             if topic not in existing or existing[topic].error is not None:
                 continue  # a new output topic: nothing released yet
             asked = [TopicPartition(topic, p, now_ms - lookback) for p in sorted(existing[topic].partitions)]
-            starts = [tp for tp in consumer.offsets_for_times(asked, timeout=15) if tp.offset >= 0]
-            ends = {tp.partition: consumer.get_watermark_offsets(TopicPartition(topic, tp.partition), timeout=15)[1]
-                    for tp in starts}
+            # the topic may be one another worker of a new application has just created
+            starts = [tp for tp in once_leaders_are_elected(lambda: consumer.offsets_for_times(asked, timeout=15)) if tp.offset >= 0]
+            ends = {tp.partition: once_leaders_are_elected(
+                lambda tp=tp: consumer.get_watermark_offsets(TopicPartition(topic, tp.partition), timeout=15))[1] for tp in starts}
             todo = {tp.partition for tp in starts if tp.offset < ends[tp.partition]}
             if not todo:
                 continue

@@ -77,6 +77,7 @@ def load_noise_secret(path: Optional[str] = None, environ: Mapping[str, str] = o
     if source:
         try:
             raw = Path(source).read_bytes()
+            check_secret_file_mode(source)
         except OSError as exc:
             raise NoiseSecretError(f"cannot read the noise secret file {source}: {exc.strerror}") from None
         where = f"file {source}"
@@ -86,18 +87,31 @@ def load_noise_secret(path: Optional[str] = None, environ: Mapping[str, str] = o
     else:
         raise NoiseSecretError(
             f"no noise secret: set {SECRET_ENV} or {SECRET_FILE_ENV} (or pass --noise-key-file). "
-            "Releasing data needs it; `dpstream plan` does not. Make one with: "
-            "python3 -c 'import secrets; print(secrets.token_hex(32))'"
+            "Releasing data needs it; `dpstream plan` does not. Make one with: dpstream keygen --out noise.key"
         )
     return decode_secret(raw, where)
+
+
+def check_secret_file_mode(path: str) -> None:
+    """Refuse a noise secret file that other accounts may read: whoever reads it can remove the
+    noise from every release (docs/threat-model.md). The rule is PostgreSQL's for its TLS key
+    (``ssl_key_file``): owned by the reader, no access for group or others (0600, 0400); owned by
+    root, group read is allowed (0640, 0440), which is how Kubernetes mounts a Secret volume with
+    an fsGroup (the chart's defaultMode 0440: root-owned, the pod's group). ``os.stat`` follows
+    symlinks, so a Secret's ``..data/`` link is judged by its target. Others never."""
+    st = os.stat(path)
+    loose = st.st_mode & (0o077 if st.st_uid != 0 else 0o037)
+    if loose:
+        raise NoiseSecretError(f"the noise secret file {path} is readable or writable by "
+                               f"{'others' if loose & 0o007 else 'its group'} (mode {st.st_mode & 0o777:04o}): "
+                               f"chmod 600 {path}")
 
 
 def decode_secret(raw: bytes, where: str = "the secret") -> bytes:
     """Key material from the text of a secret file or variable.
 
-    Accepted: hex (e.g. ``secrets.token_hex(32)``), padded base64 (standard or URL-safe, e.g.
-    ``openssl rand -base64 32``), or raw binary bytes (e.g. ``head -c 32 /dev/urandom``), decoding to at least 16
-    bytes (128 bits). Refused: anything shorter, text that is neither hex nor base64 (a
+    Accepted: hex (what ``dpstream keygen`` writes, the documented format), padded base64
+    (standard or URL-safe), or raw binary bytes, decoding to at least 16 bytes (128 bits). Refused: anything shorter, text that is neither hex nor base64 (a
     passphrase is not key material), and keys of low variety (few distinct bytes, or bytes that
     are all printable text, as when a password is hex-encoded). Messages name ``where`` and never
     the content."""
@@ -118,8 +132,7 @@ def decode_secret(raw: bytes, where: str = "the secret") -> bytes:
             # padded base64 of random bytes has both cases (a 16-byte key misses one w.p. ~1e-5);
             # words typed by a person usually do not, or are not a multiple of 4 long
             raise NoiseSecretError(f"the noise secret in {where} is neither hex nor padded base64 of random bytes: a "
-                                   f"passphrase is not key material; make one with "
-                                   f"python3 -c 'import secrets; print(secrets.token_hex(32))'")
+                                   f"passphrase is not key material; make one with dpstream keygen --out noise.key")
     else:
         key, form = raw, "raw bytes"
     if len(key) < MIN_SECRET_BYTES:

@@ -107,6 +107,7 @@ def replay(config: DpstreamConfig, input_path, state_dir=None, label: Optional[s
 def secret_file(tmp_path) -> Path:
     path = Path(tmp_path) / "noise.key"
     path.write_text(TEST_SECRET_HEX)
+    path.chmod(0o600)  # a key file others may read is refused (processor/mechanisms/noise.py)
     return path
 
 
