@@ -71,21 +71,60 @@ def _broker_answers(address: str) -> bool:
 
 @pytest.fixture(scope="session")
 def broker() -> str:
-    """A real Kafka-protocol broker: the one answering on the test port, else Tansu started by
-    the project's own script (and stopped by it at the end)."""
+    """A real Kafka-protocol broker: the one answering on the test port, else one started by the
+    project's own script. Under pytest-xdist the first process to need it starts it (under a
+    file lock, so only one does) and the run's controller stops it at the end
+    (:func:`pytest_unconfigure`); a broker that was already running is left alone."""
+    import fcntl
+
     address = f"127.0.0.1:{BROKER_PORT}"
-    started = False
-    if not _broker_answers(address):
-        proc = subprocess.run([str(ROOT / "scripts" / "broker"), "start", str(BROKER_PORT)], capture_output=True, text=True)
-        if proc.returncode != 0:
-            message = f"TEST BROKER COULD NOT START (scripts/broker start {BROKER_PORT}):\n{proc.stdout}{proc.stderr}"
-            if os.environ.get("CI"):
-                pytest.fail(message)
-            pytest.skip(message)
-        started = True
+    BROKER_RUN_DIR.mkdir(parents=True, exist_ok=True)
+    with open(BROKER_RUN_DIR / f"test-start-{BROKER_PORT}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        started = False
+        if not _broker_answers(address):
+            proc = subprocess.run([str(ROOT / "scripts" / "broker"), "start", str(BROKER_PORT)], capture_output=True, text=True)
+            if proc.returncode != 0:
+                message = f"TEST BROKER COULD NOT START (scripts/broker start {BROKER_PORT}):\n{proc.stdout}{proc.stderr}"
+                if os.environ.get("CI"):
+                    pytest.fail(message)
+                pytest.skip(message)
+            started = True
+            _STARTED_MARK.write_text(os.environ.get(RUN_VARIABLE, ""))
     yield address
-    if started:
-        subprocess.run([str(ROOT / "scripts" / "broker"), "stop", str(BROKER_PORT)], capture_output=True)
+    if started and not os.environ.get("PYTEST_XDIST_WORKER"):
+        _stop_started_broker()
+
+
+#: the test broker's files (scripts/broker: DPSTREAM_BROKER_DIR, else .broker in the checkout)
+BROKER_RUN_DIR = Path(os.environ.get("DPSTREAM_BROKER_DIR", ROOT / ".broker"))
+#: written by the process that started the test broker: the run it belongs to
+_STARTED_MARK = BROKER_RUN_DIR / f"broker-{BROKER_PORT}.started-by-tests"
+#: set by the run's first process (pytest_configure) and inherited by pytest-xdist's processes
+RUN_VARIABLE = "DPSTREAM_TEST_RUN"
+
+
+def _stop_started_broker() -> None:
+    subprocess.run([str(ROOT / "scripts" / "broker"), "stop", str(BROKER_PORT)], capture_output=True)
+    _STARTED_MARK.unlink(missing_ok=True)
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput"):  # the controller (or the one process without xdist)
+        import uuid
+
+        os.environ[RUN_VARIABLE] = uuid.uuid4().hex
+
+
+def pytest_unconfigure(config):
+    """The controller of an xdist run stops the test broker if one of its processes started it."""
+    if hasattr(config, "workerinput") or not os.environ.get(RUN_VARIABLE):
+        return
+    try:
+        if _STARTED_MARK.read_text() == os.environ[RUN_VARIABLE]:
+            _stop_started_broker()
+    except OSError:
+        pass
 
 
 # ---------------------------------------------------------------- the secured test broker (scripts/broker start-secure)
@@ -125,13 +164,23 @@ class SecureBroker:
 
 
 def free_port_block(size: int) -> int:
-    """A port p with p .. p + size - 1 all free (a test broker's listeners and its controller)."""
+    """A port p with p .. p + size - 1 all free (a test broker's listeners and its controller).
+
+    Under pytest-xdist each process looks in a band of its own below Linux's ephemeral range
+    (32768 and up), so two processes starting brokers at the same moment cannot pick the same
+    ports, and no client's ephemeral port can take one between the check and the broker's bind."""
+    import random
     import socket
 
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    band = int(worker[2:]) % 8 if worker.startswith("gw") and worker[2:].isdigit() else None
+    for _ in range(200):
+        if band is None:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+        else:
+            port = 20100 + 1500 * band + random.randrange(1500 - size)
         if port + size >= 65535:
             continue
         try:
@@ -267,18 +316,57 @@ SLOW = (
 BROKER_FIXTURES = ("broker", "secure_broker", "oauth_broker", "chaos_kafka", "own_broker")
 
 
+#: files whose tests run one after another in one process under pytest-xdist (scripts/test: -n 4
+#: --dist loadgroup, with :func:`pytest_xdist_make_scheduler`), by group:
+#: * the fault trials: they SIGKILL and blackhole brokers and time what workers do meanwhile, with
+#:   harness checks that fail on a machine too loaded; two of them at once on 2 cores made their
+#:   brokers miss their own timeouts;
+#: * the docs' procedures, which run as pasted: on the documented fixed port (--web-port 9400),
+#:   topic names and state directories;
+#: * the tests of the secured and the OAUTHBEARER brokers: session fixtures that start a broker
+#:   of their own, so each starts once.
+SERIAL_FILES = {
+    "tests/test_kafka_chaos.py": "broker-faults", "tests/test_broker_outages.py": "broker-faults",
+    "tests/test_kill_loop.py": "broker-faults",
+    "tests/test_readme.py": "docs-as-pasted", "tests/test_docs_blocks.py": "docs-as-pasted",
+    "tests/test_kafka_security.py": "own-brokers", "tests/test_client_properties.py": "own-brokers",
+}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Under ``--dist loadgroup``: xdist's scheduling by scope, each test its own scope except the
+    files of :data:`SERIAL_FILES`, one scope per group. (xdist's own ``xdist_group`` marker renames
+    a test's node id, which pytest 9 no longer reads back: its groups are ignored.) Scopes go out
+    largest first, then one test at a time to whichever process is nearly idle."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileGroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return SERIAL_FILES.get(nodeid.split("::")[0], nodeid)
+
+    return FileGroupScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     """Markers from what a test uses, so a new test cannot forget them: ``broker`` for any test
     using a broker fixture (the shared one, the secured and OAUTHBEARER ones, the chaos and outage
-    trials' own); ``statistical`` and ``slow`` from the lists above."""
+    trials' own); ``statistical`` and ``slow`` from the lists above.
+
+    Parallel runs (scripts/test runs pytest-xdist): the slow tests come first (in their files'
+    order), so the long ones start at once and the short ones fill the processes at the end,
+    instead of one long test starting last."""
     for item in items:
         base = item.nodeid.split("[")[0]
-        if set(BROKER_FIXTURES) & set(getattr(item, "fixturenames", ())):
+        names = set(getattr(item, "fixturenames", ()))
+        if set(BROKER_FIXTURES) & names:
             item.add_marker(pytest.mark.broker)
         if base in STATISTICAL:
             item.add_marker(pytest.mark.statistical)
         if base in SLOW or item.nodeid.split("::")[0] in SLOW:
             item.add_marker(pytest.mark.slow)
+    items.sort(key=lambda item: (item.get_closest_marker("slow") is None, item.get_closest_marker("broker") is None))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

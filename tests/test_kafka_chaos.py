@@ -113,8 +113,11 @@ def started(proxied: bool) -> ChaosBroker:
     return b
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def module_kafka():
+    """Session-scoped, not module-scoped: under pytest-xdist (scripts/test) a process runs these
+    trials between other files' tests, and a module fixture would be stopped and started again at
+    each switch. So each process that runs a trial starts one broker of its own, once."""
     b = started(proxied=True)
     yield b
     b.close()

@@ -189,7 +189,10 @@ class Worker:
 
     def get(self, path: str) -> tuple[int, str]:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as r:
+            # 30 s: a worker's first trigger builds its noise samplers on the event loop (several
+            # seconds, more on a loaded machine): the page answers after it, which is not what
+            # these tests are about
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=30) as r:
                 return r.status, r.read().decode()
         except urllib.error.HTTPError as e:
             return e.code, e.read().decode()
