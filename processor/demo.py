@@ -27,7 +27,7 @@ from typing import Mapping, Optional, TextIO
 
 import numpy as np
 
-from dpstream.accountant.plan import PrivacyPlan
+from dpstream.accountant.plan import BudgetError, PrivacyPlan
 from dpstream.processor.adapters.replay import ReplayRunner
 from dpstream.processor.config import ConfigError, DpstreamConfig, QueryConfig, plan_for
 from dpstream.processor.engine.pipeline import Schedule
@@ -155,7 +155,10 @@ def run_demo(users: int = 50_000, keys: int = 5_000, triggers: int = 24, seed: i
     secret, label, secret_note = demo_noise(noise_key_file, noise_label, environ)
     query = QueryConfig(name="demo_clicks", key_fields=["key"], window="1d", triggers=triggers,
                         contribution_bound=contribution_bound, epsilon=epsilon, delta=delta)
-    plan = plan_for(query)
+    try:
+        plan = plan_for(query)
+    except BudgetError as exc:  # the demo's query is made of its options: name the option
+        raise ConfigError(f"--epsilon {epsilon:g}: {str(exc).removeprefix('epsilon: ')}") from None
     # scale the key law's offset with the key space so the head/tail shape stays the paper's
     stream = generate(users, keys, seed, start_ms=DEMO_START_MS, key_q=KEYS_Q * keys / PAPER_KEYS)
     tmp = tempfile.TemporaryDirectory(prefix="dpstream-demo-") if output_dir is None else None

@@ -125,3 +125,13 @@ def test_a_bad_configured_secret_is_an_error_not_a_silent_one_off(capsys, monkey
     monkeypatch.setenv(SECRET_ENV, bad)
     assert main(["demo", *SMALL_ARGS]) == 2
     assert SECRET_ENV in capsys.readouterr().err
+
+
+def test_an_epsilon_too_large_is_one_line_naming_the_option(capsys, monkeypatch):
+    """`dpstream demo --epsilon 1000` was a traceback (BudgetError from the accountant): the demo's
+    query is made of its options, so the error names ``--epsilon`` and the largest that works."""
+    monkeypatch.delenv(SECRET_FILE_ENV, raising=False)
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    assert main(["demo", *SMALL_ARGS, "--epsilon", "1000"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dpstream: --epsilon 1000: ") and "set epsilon below" in err and "Traceback" not in err
