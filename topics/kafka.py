@@ -142,6 +142,30 @@ def topics_for(queries: Iterable, partitions: int = 8, dynamic: Iterable = (), a
     return list(specs.values())
 
 
+def read_up_to(consumer, topic: str, ends: dict, timeout_s: float, what: str):
+    """The records of ``topic`` a consumer already assigned to its partitions (and created with
+    ``enable.partition.eof``) fetches, each partition up to its end offset in ``ends`` (partition
+    -> offset, taken when the read began: records appended meanwhile are not waited for). Raises
+    RuntimeError, saying it could not read ``what``, after ``timeout_s``."""
+    from confluent_kafka import KafkaError
+
+    todo, deadline = set(ends), time.monotonic() + timeout_s
+    while todo:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"could not read {what} within {timeout_s:g} s")
+        for msg in consumer.consume(1000, 0.5):
+            if msg.error() is not None:
+                if msg.error().code() != KafkaError._PARTITION_EOF:
+                    raise RuntimeError(f"reading {topic}: {msg.error()}")
+                todo.discard(msg.partition())
+                continue
+            end = ends[msg.partition()]
+            if msg.offset() >= end - 1:
+                todo.discard(msg.partition())
+            if msg.offset() < end:
+                yield msg
+
+
 def read_compacted(bootstrap: str, topic: str, prefix: str = "", timeout: float = 30.0) -> dict[str, dict]:
     """The latest JSON value per key (keys starting with ``prefix``) of a small compacted
     one-partition topic, read with ``read_committed`` (a transaction's records count once it

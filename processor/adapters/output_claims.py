@@ -32,7 +32,7 @@ from typing import Optional
 
 from dpstream.processor.adapters.worker import StateLayoutError
 from dpstream.processor.config import DpstreamConfig
-from dpstream.topics.kafka import EPOCH_TOPIC, KafkaPublisher, client_security, read_compacted
+from dpstream.topics.kafka import EPOCH_TOPIC, KafkaPublisher, client_security, read_compacted, read_up_to
 
 CLAIM_PREFIX = "@output/"
 #: records read from the end of each partition of an unclaimed output topic
@@ -139,7 +139,7 @@ def once_leaders_are_elected(ask):
 def other_writers(broker: str, topic: str, app_id: str, per_partition: int = TAIL_RECORDS) -> list[str]:
     """The application ids other than ``app_id`` among the releases in the last ``per_partition``
     records of each partition of ``topic`` (none for a topic that does not exist yet)."""
-    from confluent_kafka import Consumer, KafkaError, TopicPartition
+    from confluent_kafka import Consumer, TopicPartition
 
     consumer = Consumer({"bootstrap.servers": broker, "group.id": "dpstream-output-claims", "enable.auto.commit": False,
                          "isolation.level": "read_uncommitted", "enable.partition.eof": True, **client_security()})
@@ -157,21 +157,10 @@ def other_writers(broker: str, topic: str, app_id: str, per_partition: int = TAI
             return []
         consumer.assign(starts)
         found: set[str] = set()
-        todo, deadline = set(ends), time.monotonic() + TAIL_READ_TIMEOUT_S
-        while todo:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"could not read the last records of output topic {topic} within {TAIL_READ_TIMEOUT_S:g} s")
-            for msg in consumer.consume(500, 0.5):
-                if msg.error() is not None:
-                    if msg.error().code() != KafkaError._PARTITION_EOF:
-                        raise RuntimeError(f"reading output topic {topic}: {msg.error()}")
-                    todo.discard(msg.partition())
-                    continue
-                if msg.offset() >= ends[msg.partition()] - 1:
-                    todo.discard(msg.partition())
-                writer = release_app_id(msg.value())
-                if writer is not None and writer != app_id:
-                    found.add(writer)
+        for msg in read_up_to(consumer, topic, ends, TAIL_READ_TIMEOUT_S, f"the last records of output topic {topic}"):
+            writer = release_app_id(msg.value())
+            if writer is not None and writer != app_id:
+                found.add(writer)
         return sorted(found)
     finally:
         consumer.close()

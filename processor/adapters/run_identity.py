@@ -60,6 +60,7 @@ from dpstream.topics.kafka import (
     changelog_topic,
     client_security,
     read_compacted,
+    read_up_to,
     repartition_topic,
     restarts_key,
     write_epoch_mark,
@@ -257,7 +258,7 @@ def find_live_release(broker: str, app_id: str, config: DpstreamConfig, restarts
     read from the offset of the time :func:`_lookbacks` gives (``offsets_for_times``), never the
     whole topic, up to its end when the read began; ``read_uncommitted``: a release in an aborted
     transaction was computed with the run's noise all the same."""
-    from confluent_kafka import Consumer, KafkaError, TopicPartition
+    from confluent_kafka import Consumer, TopicPartition
 
     from dpstream.processor.adapters.output_claims import once_leaders_are_elected
 
@@ -277,27 +278,15 @@ def find_live_release(broker: str, app_id: str, config: DpstreamConfig, restarts
             if not todo:
                 continue
             consumer.assign([tp for tp in starts if tp.partition in todo])
-            deadline = time.monotonic() + OUTPUT_READ_TIMEOUT_S
-            while todo:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"could not read output topic {topic} back {lookback} ms within {OUTPUT_READ_TIMEOUT_S:g} s")
-                for msg in consumer.consume(1000, 0.5):
-                    if msg.error() is not None:
-                        if msg.error().code() != KafkaError._PARTITION_EOF:
-                            raise RuntimeError(f"reading output topic {topic}: {msg.error()}")
-                        todo.discard(msg.partition())
-                        continue
-                    if msg.offset() >= ends[msg.partition()] - 1:
-                        todo.discard(msg.partition())
-                    if msg.offset() >= ends[msg.partition()]:
-                        continue
-                    try:
-                        record = json.loads(msg.value())
-                    except (TypeError, ValueError):
-                        continue  # not a release (another producer's record)
-                    live = live_release(record, topic, app_id, config, restarts, now_ms)
-                    if live is not None:
-                        return topic, *live
+            for msg in read_up_to(consumer, topic, {p: ends[p] for p in todo}, OUTPUT_READ_TIMEOUT_S,
+                                  f"output topic {topic} back {lookback} ms"):
+                try:
+                    record = json.loads(msg.value())
+                except (TypeError, ValueError):
+                    continue  # not a release (another producer's record)
+                live = live_release(record, topic, app_id, config, restarts, now_ms)
+                if live is not None:
+                    return topic, *live
             consumer.unassign()
         return None
     finally:
