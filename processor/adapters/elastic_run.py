@@ -22,6 +22,12 @@ log = logging.getLogger("dpstream.worker")
 #: s a partition taken up again after a refused transaction may wait for its changelog's end (a
 #: new owner's open transaction holds it back: then the group is moving it away anyway)
 REGAIN_TIMEOUT_S = 20.0
+#: s a partition's read position must stay put before settle_offsets commits it (an idle partition)
+SETTLE_IDLE_S = 5.0
+#: s settle_offsets waits after any transaction of this worker failed: an offsets commit may wait
+#: on the group coordinator for its whole timeout, holding the stage's lock, and a coordinator
+#: just back from a broker restart is when it would
+SETTLE_BACKOFF_S = 60.0
 
 
 class _AllStageLocks:
@@ -57,6 +63,10 @@ class ElasticRun(WorkerRun):
         self.read_from: dict = {}
         #: (topic, partition) -> the consumer offset this worker's last transaction committed for it
         self.committed_at: dict = {}
+        #: (topic, partition) -> (its read offset, monotonic time first seen there): settle_offsets
+        self.settle_seen: dict = {}
+        #: monotonic time before which settle_offsets does nothing (after a failed transaction)
+        self.settle_after = 0.0
         #: gained partitions whose group offset is past their restored state's: (that offset, source),
         #: checked against the first records fetched (:meth:`check_committed_past`)
         self.committed_past: dict = {}
@@ -89,13 +99,23 @@ class ElasticRun(WorkerRun):
         offset no record stands for, so the group's lag (as kafka-consumer-groups counts it)
         would stay at 1 per partition of a transactional topic forever. Offsets only, in a
         transaction of the partition's stage (fenced as every commit is, KIP-447); once per
-        change, so an idle worker writes nothing periodic (docs/operations.md, "Consumer offsets")."""
+        change, so an idle worker writes nothing periodic (docs/operations.md, "Consumer offsets").
+        Only partitions idle for :data:`SETTLE_IDLE_S`, with the broker answering, and not within
+        :data:`SETTLE_BACKOFF_S` of a failed transaction: such a commit holds the stage's lock
+        while it waits on the group coordinator, and a busy partition's own transactions commit
+        its offsets anyway."""
         from confluent_kafka import TopicPartition
 
-        worker, due = self.worker, {}
+        worker, due, now = self.worker, {}, time.monotonic()
+        if now < self.settle_after or self.health.silence() > SETTLE_IDLE_S:
+            return
         for key, (stage, src) in list(self.owned.items()):
             target = self.read_offset(key, src)
-            if target > self.committed_at.get(key, src.last_offset + 1):
+            seen = self.settle_seen.get(key)
+            if seen is None or seen[0] != target:
+                self.settle_seen[key] = (target, now)
+                continue
+            if now - seen[1] >= SETTLE_IDLE_S and target > self.committed_at.get(key, src.last_offset + 1):
                 due.setdefault(stage, {})[key] = (src, target)
         for stage, entries in due.items():
             async with self.publishers.lock(stage):
@@ -105,8 +125,9 @@ class ElasticRun(WorkerRun):
                 try:
                     await self.publishers.send_locked([], stage, [TopicPartition(t, p, o) for (t, p), o in current.items()],
                                                       self.consumer)
-                except TransactionAbandonedError as exc:  # nothing to give up: the next tick tries again
+                except TransactionAbandonedError as exc:  # nothing to give up: tried again after the backoff
                     log.debug("offsets past transaction markers not committed: %s", exc)
+                    self.settle_after = time.monotonic() + SETTLE_BACKOFF_S
                     continue
                 self.committed_at.update(current)
 
@@ -374,6 +395,7 @@ class ElasticRun(WorkerRun):
         again from the restored offset; if not, the group's callbacks hand them to their new
         owner (docs/operations.md, "Elastic workers")."""
         worker = self.worker
+        self.settle_after = time.monotonic() + SETTLE_BACKOFF_S  # no offsets-only commits meanwhile
         keys = []
         for src in sources:
             key = (src.topic, src.partition)
