@@ -302,8 +302,8 @@ exit code 2; any other failure with "dpstream worker: stopped: ..." and 1 (docs/
 Health and metrics: http://HOST:WEB_PORT/healthz, /readyz (starting, ready, waiting-for-broker,
 stopping), /metrics, and a status page at / (/status.json: queries, windows, last and next trigger,
 releases, dead letters by reason, budget, partitions). Each trigger logs one line for the worker ("trigger fired:
-query=... window=... trigger=i/T keys_released=N duration_ms=... partitions=P"; a catch-up, one "caught up N
-triggers" line), and a stop one line with its reason. Consumer offsets are committed
+query=... window=... trigger=i/T keys_released=N duration_ms=... partitions=P"; a catch-up of more than 10, one
+"caught up N triggers" line), and a stop one line with its reason. Consumer offsets are committed
 to Kafka as the group <app id>-workers for lag tools (static workers: every 5 s, for monitoring
 only; the state stays the source of truth). See docs/operations.md."""
 

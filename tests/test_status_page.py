@@ -59,10 +59,10 @@ def test_trigger_log_lines_and_the_status_after_a_restart(tmp_path, caplog):
             w.mark_published(f)
             w.trigger_fired(f)
         w.log_triggers()
-    # two triggers fired on each of the worker's partitions: one summary line, not one per partition
-    assert re.findall(rf"caught up 2 triggers: query=clicks from window={iso(START)} trigger=1/4 to window={iso(START)} "
-                      rf"trigger=2/4 keys_released=(\d+) partitions={len(w.stage2)}$", caplog.text, re.M) == \
-        [str(sum(len(f.releases) for f in fired))]
+    # two triggers fired on each of the worker's partitions: one line per trigger, not one per partition
+    assert re.findall(rf"trigger fired: query=clicks window={iso(START)} trigger=(\d)/4 keys_released=(\d+) duration_ms=\d+ "
+                      rf"partitions={len(w.stage2)}$", caplog.text, re.M) == \
+        [(str(t), str(sum(len(f.releases) for f in fired if f.trigger == t))) for t in (1, 2)]
     assert {f.trigger for f in fired} == {1, 2} and sum(len(f.releases) for f in fired) > 0
     assert not re.search(r"\bu\d+\b", caplog.text)  # no user id
     q = w.status(now)["queries"][0]

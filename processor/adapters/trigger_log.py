@@ -5,8 +5,8 @@ A trigger fires on each of the worker's repartition partitions of its query (eac
 of the keys), one after the other and sometimes a timer tick apart. :class:`TriggerLog` gathers
 them and logs one line per (query, window, trigger) once every owned partition of the query has
 fired it (or after :data:`HOLD_S`, saying how many did), and one summary line per query when a
-worker catches up on several triggers at once (after a restart, or a start mid-window: each
-would otherwise take its own line). Public values only: the schedule and what is on the output
+worker catches up on more than :data:`CATCH_UP_OVER` triggers at once (after a restart, or a
+start mid-window). Public values only: the schedule and what is on the output
 topic; no key, no user.
 """
 from __future__ import annotations
@@ -20,6 +20,10 @@ log = logging.getLogger("dpstream.worker")
 
 #: s a trigger's line waits for the worker's other partitions of its query to fire it
 HOLD_S = 10.0
+#: more triggers of one query completing at once than this are a catch-up (a restart, a start
+#: mid-window): one summary line. Up to it, each its own line, as in steady running: a loaded
+#: machine may complete two or three triggers in one timer tick, and they are not a catch-up
+CATCH_UP_OVER = 10
 
 
 def iso_utc(ms: int) -> str:
@@ -81,6 +85,13 @@ class TriggerLog:
         return lines
 
     @staticmethod
+    def _line(query: str, key: tuple, entry: _Trigger, one: str, share: str) -> str:
+        _, window, trigger = key
+        duration = "" if entry.republished else f" duration_ms={entry.duration_ms:.0f}"
+        return (f"{one}: query={query} window={iso_utc(window)} trigger={trigger}/{entry.triggers} "
+                f"keys_released={entry.keys_released}{duration} partitions={share}")
+
+    @staticmethod
     def _lines(query: str, entries: list, owned: int, one: str, many: str) -> list[str]:
         if not entries:
             return []
@@ -88,11 +99,9 @@ class TriggerLog:
         # fewer than the worker owns: the others had not fired it within HOLD_S (their input
         # watermark behind), or the partitions moved meanwhile
         share = f"{partitions}/{owned}" if partitions < owned else str(partitions)
+        if len(entries) <= CATCH_UP_OVER:
+            return [TriggerLog._line(query, k, e, one, share) for k, e in entries]
         (_, w0, t0), first = entries[0]
-        if len(entries) == 1:
-            duration = "" if first.republished else f" duration_ms={first.duration_ms:.0f}"
-            return [f"{one}: query={query} window={iso_utc(w0)} trigger={t0}/{first.triggers} "
-                    f"keys_released={first.keys_released}{duration} partitions={share}"]
         (_, w1, t1), last = entries[-1]
         keys = sum(e.keys_released for _, e in entries)
         return [f"{many} {len(entries)} triggers: query={query} from window={iso_utc(w0)} trigger={t0}/{first.triggers} "
