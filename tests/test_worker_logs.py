@@ -98,11 +98,18 @@ def test_a_healthy_start_logs_clean_lines_shows_lag_and_an_idle_worker_writes_no
             time.sleep(0.5)
         # the status pages: output topic, remaining budget, and (over the workers, which share the
         # partitions) every partition's lag and the watermarks
-        statuses = [json.loads(w.get("/status.json")[1]) for w in workers]
+        # a partition's log end is known once the broker has reported it (a timer tick after a
+        # partition is gained): the page shows it within a few ticks
+        deadline = time.time() + 30
+        while True:
+            statuses = [json.loads(w.get("/status.json")[1]) for w in workers]
+            rows = [r for st in statuses for r in st["partitions"]]
+            if (len(rows) == 8 and all(r["lag"] is not None for r in rows)) or time.time() > deadline:
+                break
+            time.sleep(0.5)
         assert all(st["queries"][0]["output_topic"] == sc.output for st in statuses)
         assert any(st["queries"][0]["input_watermark"] is not None for st in statuses)
         assert all(st["budget"]["principals"][0]["remaining_epsilon"] < 100 for st in statuses)
-        rows = [r for st in statuses for r in st["partitions"]]
         assert len(rows) == 8 and all(r["lag"] is not None for r in rows), rows
         assert any(r["kind"] == "input" and r["watermark"] for r in rows), rows
         page = workers[0].get("/")[1]
