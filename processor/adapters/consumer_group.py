@@ -60,6 +60,10 @@ class GroupConsumer:
         self.on_lost = on_lost or on_lose
         #: the partitions assigned to this member as of the last poll (kept by the poll thread)
         self.assigned: frozenset = frozenset()
+        #: the partitions of an assignment whose gain is under way (the worker restores them in the
+        #: on_assign callback, before librdkafka counts them assigned): a batch given up meanwhile
+        #: must be taken up again (elastic_run.py, _regain), not left unread
+        self.assigning: frozenset = frozenset()
         self.stopping = False
         self.failure: Optional[BaseException] = None  # raised by the next fetch
         self.consumer = Consumer({
@@ -86,14 +90,19 @@ class GroupConsumer:
         if self.stopping or not partitions:
             return
         keys = [(tp.topic, tp.partition) for tp in partitions]
+        self.assigning = frozenset(keys)
         try:
-            offsets = asyncio.run_coroutine_threadsafe(self.on_gain(keys), self.loop).result()
-        except BaseException as exc:  # noqa: BLE001 - the worker stops (restore failed, input went back, ...)
-            self.failure = exc
-            return
-        tps = [TopicPartition(t, p, offsets[(t, p)]) for t, p in keys]
-        consumer.incremental_assign(tps)
-        consumer.pause(tps)  # fetched by the worker's own reader (partition_reader.py)
+            try:
+                offsets = asyncio.run_coroutine_threadsafe(self.on_gain(keys), self.loop).result()
+            except BaseException as exc:  # noqa: BLE001 - the worker stops (restore failed, input went back, ...)
+                self.failure = exc
+                return
+            tps = [TopicPartition(t, p, offsets[(t, p)]) for t, p in keys]
+            consumer.incremental_assign(tps)
+            consumer.pause(tps)  # fetched by the worker's own reader (partition_reader.py)
+            self.assigned = frozenset((tp.topic, tp.partition) for tp in consumer.assignment())
+        finally:
+            self.assigning = frozenset()
 
     def _revoked(self, consumer, partitions) -> None:
         self._refresh_metadata()

@@ -427,10 +427,14 @@ class ElasticRun(WorkerRun):
         loop, worker = asyncio.get_running_loop(), self.worker
 
         def current() -> list:
+            # assigned, or being assigned: a batch of a partition just gained can fail before
+            # librdkafka counts the partition assigned (the gain runs in its on_assign callback);
+            # such a partition must be taken up again too, or no one reads it
+            group = self.consumer
             return [k for k, turn in turns.items()
-                    if self.turns.get(k, 0) == turn and k not in self.owned and k in self.consumer.assigned]
+                    if self.turns.get(k, 0) == turn and k not in self.owned and (k in group.assigned or k in group.assigning)]
 
-        async with self.restoring:
+        async with self.restoring:  # after a gain under way: then the partitions it gained are assigned
             stores: dict = {}
             while True:
                 keys = [k for k in current() if k not in stores]
