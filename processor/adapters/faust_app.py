@@ -190,7 +190,10 @@ def build_app(s: WorkerSettings) -> faust.App:
         # broker that is gone, so the process exits non-zero within STOP_GRACE_S whatever happens
         if health.stopping:
             return
-        log.error("dpstream worker stopping: %s: %s", type(exc).__name__, exc)
+        # an error of Python's own (AttributeError, KeyError...) is a bug, not a condition the
+        # worker names: its traceback (code locations; the message is the same) says where
+        bug = type(exc).__module__ == "builtins"
+        log.error("dpstream worker stopping: %s: %s", type(exc).__name__, exc, exc_info=exc if bug else None)
         health.set(STOPPING, f"{type(exc).__name__}: {exc}")
         health.stopped_by = exc  # said again as the last line, after Faust's shutdown (run_worker)
         asyncio.get_running_loop().call_later(STOP_GRACE_S, _exit_now, *stop_line(exc))
