@@ -319,10 +319,12 @@ BROKER_FIXTURES = ("broker", "secure_broker", "oauth_broker", "chaos_kafka", "ow
 #: tests that run one after another in one process under pytest-xdist (scripts/test: -n 5
 #: --dist loadgroup, with :func:`pytest_xdist_make_scheduler`), by group; a key is a file or the
 #: start of a test's node id, and the longest that matches wins:
-#: * the broker fault trials (tests/test_kafka_chaos.py): they SIGKILL and blackhole their own
-#:   broker and time what workers do meanwhile. In one process, one chaos broker: split in two
-#:   chains (two chaos brokers at once), a 2-core machine under the rest of the suite made
-#:   workers miss the trials' timings and brought out races (a run at -n 6 failed 4 tests);
+#: * the broker fault trials of tests/test_kafka_chaos.py, which SIGKILL and blackhole their own
+#:   broker and time what workers do meanwhile: one chain, one chaos broker, one outage at a time;
+#: * its start races (workers started together, concurrent topic creators), which fault no
+#:   broker (the proxy only sends their CreateTopics requests together): a chain of their own,
+#:   beside it, on a chaos broker of their process's own, so that the fault trials' chain is not
+#:   the suite's critical path;
 #: * the docs' procedures, which run as pasted: on the documented fixed port (--web-port 9400),
 #:   topic names and state directories;
 #: * the tests of the secured and the OAUTHBEARER brokers: session fixtures that start a broker
@@ -331,6 +333,8 @@ BROKER_FIXTURES = ("broker", "secure_broker", "oauth_broker", "chaos_kafka", "ow
 #: beside them like any other test.
 SERIAL_GROUPS = {
     "tests/test_kafka_chaos.py": "broker-faults",
+    "tests/test_kafka_chaos.py::test_workers_started_together_on_a_new_app_id_all_become_ready": "start-races",
+    "tests/test_kafka_chaos.py::test_topics_are_there_for_every_client_once_create_topics_returns": "start-races",
     "tests/test_readme.py": "docs-as-pasted", "tests/test_docs_blocks.py": "docs-as-pasted",
     "tests/test_kafka_security.py": "own-brokers", "tests/test_client_properties.py": "own-brokers",
 }
