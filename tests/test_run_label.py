@@ -341,7 +341,9 @@ def test_losing_the_state_and_the_epochs_topic_never_reuses_a_runs_noise(tmp_pat
     run's releases of a window still open is refused with a line that says what to do; once the
     window has closed, the fresh start draws a new run: every release of it is replay's under its
     new label, none carries the first run's noise."""
-    sc = Scenario(tmp_path, lone_broker.address, window_s=30, triggers=3)
+    # 45 s: the first trigger at 15 s, then the stop, the losses and the refusal with the window
+    # still open: a 30 s window left too little of it on a loaded 2-core machine (6 test processes)
+    sc = Scenario(tmp_path, lone_broker.address, window_s=45, triggers=3)
     try:
         w = sc.worker("a").start()
         sc.workers.append(w)
