@@ -246,8 +246,19 @@ def describe(w: Worker, lines: int = 30) -> str:
         by_kind.pop(kind, None)
         by_kind[kind] = text_only
     distinct = list(by_kind.values())
+    # the last traceback in full (a worker stopped by an error of Python's own logs one): the
+    # last 8 lines show only its innermost frames
+    starts = [i for i, line in enumerate(text) if line.startswith("Traceback (most recent call last)")]
+    traceback = []
+    if starts:
+        traceback = [text[starts[-1] - 1]] if starts[-1] else []
+        for line in text[starts[-1]:starts[-1] + 80]:
+            if line.startswith("[") or line.startswith("dpstream worker: "):
+                break  # the next log record
+            traceback.append(line)
     return (f"  state dir {w.state_dir.name}, log {w.log.name}; why it stopped: {stop_lines(w)[-2:] or 'nothing said'}\n"
             f"  its last {lines} distinct errors:\n    " + "\n    ".join(distinct[-lines:]) +
+            ("\n  its last traceback:\n    " + "\n    ".join(traceback) if traceback else "") +
             "\n  its last 8 log lines:\n    " + "\n    ".join(text[-8:]))
 
 

@@ -540,12 +540,19 @@ def test_a_recreated_input_topic_is_refused_with_its_name_not_silently_miscounte
     w.stop()
     admin = AdminClient({"bootstrap.servers": sc.broker})
     admin.delete_topics([sc.input])[sc.input].result(30)
+    # deletion is asynchronous: create_topics leaves alone a topic the broker still lists, and
+    # the producer would then write to a topic the broker creates on its own (CreateTime), which
+    # the worker refuses for that reason before it looks at the log
     deadline = time.time() + 30
-    while time.time() < deadline:  # deletion is asynchronous
+    while sc.input in admin.list_topics(timeout=10).topics:
+        assert time.time() < deadline, f"{sc.input} still listed 30 s after its deletion"
+        time.sleep(0.5)
+    while True:
         try:
             create_topics(sc.broker, [TopicSpec(sc.input, 4, INPUT_TOPIC_CONFIG)])
             break
         except Exception:  # noqa: BLE001 - still marked for deletion
+            assert time.time() < deadline, f"{sc.input} could not be created again within 30 s of its deletion"
             time.sleep(0.5)
     sc.produce_events()  # new records at offsets from 0
     w2 = sc.worker("re").start()

@@ -313,29 +313,34 @@ class ElasticRun(WorkerRun):
                 stores[(topic, partition)] = await loop.run_in_executor(None, lambda t=topic, p=partition: worker.restore(t, p, reader, now))
         finally:
             await loop.run_in_executor(None, ends.close)
+        positions = await loop.run_in_executor(None, log_positions, self.broker, keys)
+        offsets = {}
+        # one step with no await: a source the worker can read (its by-user partitions are read
+        # as soon as it is added) is owned at once, with its turn, so that a failed batch of it
+        # is given up and taken up again like any other (give_up_batch, _regain)
         async with _AllStageLocks(self.publishers):
             gained = [worker.add_source(t, p, stores[(t, p)]) for t, p in keys]
-        positions = await loop.run_in_executor(None, lambda: log_positions(self.broker, gained))
-        offsets = {}
-        for src in gained:
-            key = (src.topic, src.partition)
-            start, end, topic_id = positions[key]
-            src.check_log(start, end, topic_id)  # a log that went back: refused (InputWentBackError)
-            if src.last_offset + 1 < start:
-                log.error("%s: records at offsets %d to %d were deleted (retention) before they were read; going on from "
-                          "offset %d", src.name, src.last_offset + 1, start - 1, start)
-            offsets[key] = self.read_from[key] = max(src.last_offset + 1, start)
-            if committed.get(key, -1) > src.last_offset + 1:
-                # transaction markers and aborted records between are no loss (settle_offsets commits
-                # past them): only a committed record the state has not read is
-                self.committed_past[key] = (committed[key], src)
-            self.owned[key] = (self.stage_of(key), src)
-            self.turns[key] = self.turns.get(key, 0) + 1
+            for src in gained:
+                key = (src.topic, src.partition)
+                start, end, topic_id = positions[key]
+                src.check_log(start, end, topic_id)  # a log that went back: refused (InputWentBackError)
+                if src.last_offset + 1 < start:
+                    log.error("%s: records at offsets %d to %d were deleted (retention) before they were read; going on from "
+                              "offset %d", src.name, src.last_offset + 1, start - 1, start)
+                offsets[key] = self.read_from[key] = max(src.last_offset + 1, start)
+                if committed.get(key, -1) > src.last_offset + 1:
+                    # transaction markers and aborted records between are no loss (settle_offsets commits
+                    # past them): only a committed record the state has not read is
+                    self.committed_past[key] = (committed[key], src)
+                self.owned[key] = (self.stage_of(key), src)
+                self.turns[key] = self.turns.get(key, 0) + 1
         # what opening them wrote (noise and topic-id marks) goes to their changelogs now, so
-        # that their stores stay at a checkpoint (an incremental restore when they come back)
+        # that their stores stay at a checkpoint (an incremental restore when they come back);
+        # a source given up meanwhile (its batch failed) was rolled back: nothing of it to send
         for role in STAGES:
-            mine = [src for src in gained if self.stage_of((src.topic, src.partition)) == role]
             async with self.publishers.lock(role):
+                mine = [src for src in gained if self.stage_of((src.topic, src.partition)) == role
+                        and worker.source_of((src.topic, src.partition)) is src]
                 await self.transact(role, mine, [], fence=False)
         log.info("gained %d partitions: %s", len(keys), ", ".join(f"{t}-{p}" for t, p in keys))
         self.health.heard_from_broker()  # it did, all along the restore

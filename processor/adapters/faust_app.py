@@ -286,7 +286,7 @@ def build_app(s: WorkerSettings) -> faust.App:
         if run.worker is None or not health.ready:
             return
         try:
-            await asyncio.get_running_loop().run_in_executor(None, run.check_logs)
+            await run.check_logs()
         except InputWentBackError as exc:
             await crash(exc)
         except Exception as exc:  # noqa: BLE001 - the broker may be away: watch_broker handles that

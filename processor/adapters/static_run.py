@@ -17,10 +17,8 @@ log = logging.getLogger("dpstream.worker")
 
 def lane_positions(broker: str, lanes) -> dict:
     """The log start offset of each by-user topic partition in ``lanes``."""
-    from types import SimpleNamespace
-
-    refs = [SimpleNamespace(topic=t, partition=p) for t, p in lanes]
-    return {key: start for key, (start, _, _) in log_positions(broker, refs).items()} if refs else {}
+    lanes = list(lanes)
+    return {key: start for key, (start, _, _) in log_positions(broker, lanes).items()} if lanes else {}
 
 
 def _tp(topic: str, partition: int):
@@ -89,7 +87,7 @@ class StaticRun(WorkerRun):
             await self.publish_dynamic(key)
         # the logs must still hold what the state has read (a recreated topic, a broker that
         # lost data: refused, never silently counted from wherever the log is now)
-        positions = await loop.run_in_executor(None, self.check_logs)
+        positions = await self.check_logs()
         # "none": an offset out of range later (the log went back while running) raises
         # read_committed: our own repartition records count once their transaction committed
         consumer = AIOKafkaConsumer(bootstrap_servers=self.broker, group_id=None, enable_auto_commit=False,

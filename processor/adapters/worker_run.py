@@ -32,13 +32,15 @@ log = logging.getLogger("dpstream.worker")
 PROBE_AFTER_S, PROBE_TIMEOUT_S = 3.0, 5.0
 
 
-def log_positions(broker: str, sources) -> dict[tuple[str, int], tuple[int, int, Optional[str]]]:
-    """(log start offset, log end offset, topic id) of each source partition. Topic ids come
-    from DescribeTopics (Apache Kafka); a broker without them gives None."""
+def log_positions(broker: str, keys) -> dict[tuple[str, int], tuple[int, int, Optional[str]]]:
+    """(log start offset, log end offset, topic id) of each ``(topic, partition)`` in ``keys``.
+    Topic ids come from DescribeTopics (Apache Kafka); a broker without them gives None. Blocking;
+    it takes keys, not sources, so that nothing of a source's state is touched off the event loop."""
     from confluent_kafka import Consumer, KafkaException, TopicCollection, TopicPartition
     from confluent_kafka.admin import AdminClient
 
-    topics = sorted({src.topic for src in sources})
+    keys = list(keys)
+    topics = sorted({topic for topic, _ in keys})
     ids: dict[str, Optional[str]] = {}
     admin = AdminClient({"bootstrap.servers": broker, **client_security()})  # kept alive until the futures resolve
     try:
@@ -52,12 +54,12 @@ def log_positions(broker: str, sources) -> dict[tuple[str, int], tuple[int, int,
                          **client_security()})
     try:
         out = {}
-        for src in sources:
+        for topic, partition in keys:
             try:
-                low, high = consumer.get_watermark_offsets(TopicPartition(src.topic, src.partition), timeout=15)
+                low, high = consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=15)
             except KafkaException as exc:
-                raise kafka_error(f"reading the log offsets of {src.topic}-{src.partition}", exc) from None
-            out[(src.topic, src.partition)] = (low, high, ids.get(src.topic))
+                raise kafka_error(f"reading the log offsets of {topic}-{partition}", exc) from None
+            out[(topic, partition)] = (low, high, ids.get(topic))
         return out
     finally:
         consumer.close()
@@ -137,15 +139,19 @@ class WorkerRun:
         except KafkaException:
             return False
 
-    def check_logs(self) -> dict:
-        """Blocking: every source partition's log against the state (raises InputWentBackError);
-        returns the log positions (start, end, topic id) by partition."""
-        sources = self.worker.sources
+    async def check_logs(self) -> dict:
+        """Every source partition's log against the state (raises InputWentBackError); returns
+        the log positions (start, end, topic id) by partition. The broker is asked off the event
+        loop, the states are read on it, and only those of sources still owned then: a
+        partition given up meanwhile has had its store closed (elastic workers)."""
+        worker = self.worker
+        sources = worker.sources
         read_to = {(src.topic, src.partition): src.last_offset for src in sources}  # before asking: the worker reads on
-        positions = log_positions(self.broker, sources)
+        positions = await asyncio.get_running_loop().run_in_executor(None, log_positions, self.broker, list(read_to))
         for src in sources:
             key = (src.topic, src.partition)
-            src.check_log(*positions[key], read_to=read_to[key])
+            if worker.source_of(key) is src:
+                src.check_log(*positions[key], read_to=read_to[key])
         return positions
 
     def high_watermark(self, key) -> Optional[int]:
