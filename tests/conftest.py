@@ -316,7 +316,7 @@ SLOW = (
 BROKER_FIXTURES = ("broker", "secure_broker", "oauth_broker", "chaos_kafka", "own_broker")
 
 
-#: tests that run one after another in one process under pytest-xdist (scripts/test: -n 5
+#: tests that run one after another in one process under pytest-xdist (scripts/test: -n 6
 #: --dist loadgroup, with :func:`pytest_xdist_make_scheduler`), by group; a key is a file or the
 #: start of a test's node id, and the longest that matches wins:
 #: * the broker fault trials of tests/test_kafka_chaos.py, which SIGKILL and blackhole their own
