@@ -301,7 +301,15 @@ class DynamicQueryConfig(BaseModel):
     tick); ``items`` is the public domain of items (a noisy count is published for every one of them, so the domain must not
     depend on the data). Without ``unit_field`` the privacy unit is one update; with it, each
     unit's first ``contribution_bound`` updates count and the mechanisms run at
-    ``epsilon / contribution_bound`` (group privacy for pure DP)."""
+    ``epsilon / contribution_bound`` (group privacy for pure DP).
+
+    ``envelope: debezium``: the records are a database's change events in Debezium's envelope
+    (``op`` c, r, u, d with the row's ``before`` and ``after``; topics/records.py,
+    :class:`ChangeEventParser`); ``item_field`` and ``unit_field`` name a column of the row,
+    ``time_field`` a field of the envelope (default ``ts_ms``). One change event is up to two
+    updates (an update moving a row from one item to another deletes one and inserts the other):
+    without ``unit_field`` the privacy unit is one change event, and the mechanisms run at
+    ``epsilon / 2`` (docs/privacy.md, "Change streams")."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -327,6 +335,23 @@ class DynamicQueryConfig(BaseModel):
     beta: float = Field(0.05, gt=0, lt=1)
     partition_share: float = Field(0.25, gt=0, lt=1)
     mechanism: Literal["baseline", "interval_tree"] = "baseline"
+    #: how a record holds its updates: ``none`` (one update per record, the fields above) or
+    #: ``debezium`` (a change event: ChangeEventParser)
+    envelope: Literal["none", "debezium"] = "none"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _envelope_defaults(cls, data):
+        # a Debezium envelope's time is its ts_ms (when the connector read the change); the row's
+        # columns are read from before and after alike, so "after.plan" means the column "plan"
+        if isinstance(data, dict) and data.get("envelope") == "debezium":
+            data = dict(data)
+            data.setdefault("time_field", "ts_ms")
+            for name in ("item_field", "unit_field"):
+                value = data.get(name)
+                if isinstance(value, str) and value.startswith(("after.", "before.")):
+                    data[name] = value.split(".", 1)[1]
+        return data
 
     @field_validator("epsilon")
     @classmethod
@@ -334,6 +359,12 @@ class DynamicQueryConfig(BaseModel):
         if not math.isfinite(value):
             raise ValueError("must be finite")
         return value
+
+    @property
+    def updates_per_record(self) -> int:
+        """The most updates one record carries: 2 for a change event (an update moving its row to
+        another item), else 1."""
+        return 2 if self.envelope == "debezium" else 1
 
     @field_validator("tick")
     @classmethod
@@ -376,6 +407,8 @@ class DynamicQueryConfig(BaseModel):
                     # state logged when absent deletes were refused would recompute released nodes
                     # on other data under the same noise, so it must not resume under this rule
                     "absent_deletes": "taken_in"}
+        if self.envelope != "none":  # (absent before envelopes existed: those states keep their fingerprint)
+            schedule["envelope"] = self.envelope
         return plan_fingerprint([self.plan(), schedule]).hex()
 
     def pins(self) -> dict:
@@ -402,8 +435,10 @@ class DynamicQueryConfig(BaseModel):
         return value
 
     def plan(self) -> DynamicPlan:
-        return DynamicPlan(self.epsilon / (self.contribution_bound if self.unit_field else 1), self.delta, self.beta,
-                           self.partition_share, self.mechanism)
+        # group privacy (pure DP): a unit moves at most contribution_bound updates, a record (the
+        # privacy unit without unit_field) at most updates_per_record (docs/privacy.md, "Change streams")
+        return DynamicPlan(self.epsilon / (self.contribution_bound if self.unit_field else self.updates_per_record), self.delta,
+                           self.beta, self.partition_share, self.mechanism)
 
 
 class BudgetLimit(BaseModel):

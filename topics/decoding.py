@@ -27,7 +27,7 @@ from typing import Any, Mapping, Optional, Protocol, Sequence, Union
 
 import orjson
 
-from dpstream.topics.records import InvalidRecord
+from dpstream.topics.records import TOMBSTONE, InvalidRecord
 
 
 class RecordDecoder(Protocol):
@@ -49,7 +49,7 @@ class JsonRecordDecoder:
         append = out.append
         for raw in raws:
             if raw is None:
-                append(bad_json)
+                append(TOMBSTONE)
                 continue
             try:
                 obj = loads(raw)
@@ -154,6 +154,8 @@ class SchemaRegistryDecoder:
         return [self.decode_one(raw) for raw in raws]
 
     def decode_one(self, raw: Optional[bytes]) -> Union[Mapping, InvalidRecord]:
+        if raw is None:
+            return TOMBSTONE
         if not raw or len(raw) < 5 or raw[0] != 0:
             return InvalidRecord(f"not in the schema-registry wire format ({self.name}: magic byte 0 and a 4-byte schema id)")
         schema_id = int.from_bytes(raw[1:5], "big")

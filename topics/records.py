@@ -34,6 +34,12 @@ class InvalidRecord:
     reason: str  # e.g. "missing field 'user_id'"; never contains record content
 
 
+#: what every decoder gives for a record without a value: a Kafka tombstone (the record a
+#: compacted topic's producer writes after a delete, as Debezium does after each delete event).
+#: Invalid for queries of events; a change stream's tombstones carry nothing and are skipped
+TOMBSTONE = InvalidRecord("no value (a tombstone)")
+
+
 def _text(value, name: str) -> Union[str, InvalidRecord]:
     if isinstance(value, bool) or value is None:
         return InvalidRecord(f"field {name!r} is missing or null")
@@ -247,6 +253,85 @@ class UpdateParser:
             if isinstance(unit, InvalidRecord):
                 return unit
         return Update(item, op, (ts - q.start) // q.tick_ms + 1, ts, unit)
+
+
+class ChangeEventParser:
+    """A dynamic query's updates from a database change event in Debezium's envelope (the query's
+    ``envelope: debezium``; docs/user-guide.md, "Change streams"): ``op`` ``c`` (insert) and
+    ``r`` (a snapshot's read) insert the ``after`` row's item, ``d`` deletes the ``before`` row's,
+    and ``u`` deletes the ``before`` row's and inserts the ``after`` row's, or carries nothing when
+    the item did not change. A record with a ``schema`` and a ``payload`` (Kafka Connect's
+    JsonConverter with schemas) is read from its payload. A tombstone carries nothing (skipped).
+
+    Which updates a record carries depends on that record alone, so one more change event in a
+    stream is at most two more updates, each at the record's own tick (docs/privacy.md, "Change
+    streams"). With a ``unit_field``, an event is its row's unit's: the ``after`` row's, the
+    ``before`` row's for a delete. ``t`` (a truncate) names no rows: invalid, like any other op."""
+
+    INSERT_OPS = ("c", "r")
+
+    def __init__(self, query, items: Sequence[str]):
+        self.query = query
+        self.items = frozenset(items)
+        self._item, self._time = field_reader(query.item_field), field_reader(query.time_field)
+        self._unit = None if query.unit_field is None else field_reader(query.unit_field)
+
+    def _image(self, event: Mapping, side: str, op: str) -> Union[tuple[str, Optional[str]], InvalidRecord]:
+        """The (item, unit) of the event's ``before`` or ``after`` row."""
+        row = event.get(side)
+        if not isinstance(row, Mapping):
+            why = " (a delete or update needs the row's old values: PostgreSQL tables need REPLICA IDENTITY FULL)" \
+                if side == "before" else ""
+            return InvalidRecord(f"field {side!r} is missing or null for op {op!r}{why}")
+        q = self.query
+        item = _text(self._item(row), f"{side}.{q.item_field}")
+        if isinstance(item, InvalidRecord):
+            return item
+        if item not in self.items:
+            return InvalidRecord(f"field {side}.{q.item_field!r} is not in the query's declared items")
+        unit = None
+        if self._unit is not None:
+            unit = _text(self._unit(row), f"{side}.{q.unit_field}")
+            if isinstance(unit, InvalidRecord):
+                return unit
+        return item, unit
+
+    def from_mapping(self, obj: Union[Mapping, InvalidRecord]) -> Union[list[Update], InvalidRecord]:
+        if obj is TOMBSTONE or obj == TOMBSTONE:
+            return []
+        if isinstance(obj, InvalidRecord):
+            return obj
+        if len(obj) == 2 and "payload" in obj and "schema" in obj:  # JsonConverter with schemas.enable=true
+            obj = obj["payload"]
+            if not isinstance(obj, Mapping):
+                return InvalidRecord("field 'payload' is not an object (a Debezium change event)")
+        q = self.query
+        op = obj.get("op")
+        if op not in ("c", "r", "u", "d"):
+            return InvalidRecord("field 'op' must be 'c', 'r', 'u' or 'd' (a Debezium change event's)")
+        ts = _event_time(self._time(obj), q.time_field)
+        if isinstance(ts, InvalidRecord):
+            return ts
+        if ts < q.start:
+            return InvalidRecord(f"field {q.time_field!r} is before the query's start")
+        tick = (ts - q.start) // q.tick_ms + 1
+        out = []
+        if op in ("u", "d"):
+            old = self._image(obj, "before", op)
+            if isinstance(old, InvalidRecord):
+                return old
+            out.append(Update(old[0], "delete", tick, ts, old[1]))
+        if op != "d":
+            new = self._image(obj, "after", op)
+            if isinstance(new, InvalidRecord):
+                return new
+            if op == "u":
+                if new[0] == out[0].item:
+                    return []  # the row stayed under its item: the counts do not move
+                # an event belongs to one unit, its row's now (after), whose bound it counts against
+                out[0] = Update(out[0].item, "delete", tick, ts, new[1])
+            out.append(Update(new[0], "insert", tick, ts, new[1]))
+        return out
 
 
 def key_text(parts: Sequence[str]) -> str:

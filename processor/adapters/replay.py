@@ -432,12 +432,13 @@ class ReplayRunner:
     def _update_parser(self, dyn: DynamicQueryState) -> Callable[[bytes, int], Optional[_Held]]:
         def parse(raw: bytes, line_no: int, obj=None) -> Optional[_Held]:
             obj = self.decoder.decode([raw])[0] if obj is None else obj
-            update = dyn.parse(obj)
-            if isinstance(update, InvalidRecord):
-                return None
-            # the privacy unit: the unit field's value, or else the update itself (one line)
-            who = int(self.pseudonyms.users([update.unit])[0]) if update.unit is not None else -line_no
-            return _Held(line_no, raw, update.ts, who, obj)
+            updates = dyn.parse(obj)
+            if isinstance(updates, InvalidRecord) or not updates:
+                return None  # taken (or refused) at once by DynamicQueryState.apply: no time to wait for
+            # the privacy unit: the unit field's value, or else the record itself (one line)
+            first = updates[0]
+            who = int(self.pseudonyms.users([first.unit])[0]) if first.unit is not None else -line_no
+            return _Held(line_no, raw, first.ts, who, obj)
         return parse
 
     # -------------------------------------------------------------- meta

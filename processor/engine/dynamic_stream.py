@@ -39,7 +39,7 @@ from dpstream.processor.mechanisms.dynamic import DynamicCounter, DynamicRelease
 from dpstream.processor.mechanisms.noise import NodeNoise, Pseudonymizer
 from dpstream.state.store import Store, WriteBatch
 from dpstream.state.tables import DynamicTables
-from dpstream.topics.records import InvalidRecord, Update, UpdateParser, iso_utc
+from dpstream.topics.records import ChangeEventParser, InvalidRecord, Update, UpdateParser, iso_utc
 
 OPS = {"insert": 1, "delete": 2}
 OP_NAMES = {1: "insert", 2: "delete"}
@@ -92,7 +92,7 @@ class DynamicQueryState:
         self.qid = self.tables.qid
         self._pin_plan()
         self.counter = DynamicCounter(query.plan(), query.items, noise, query.name)
-        self.parser = UpdateParser(query, query.items)
+        self.parser = ChangeEventParser(query, query.items) if query.envelope == "debezium" else UpdateParser(query, query.items)
         self.dropped: Counter = Counter()
         self.refused = False  # the budget ledger refused this query: it does not run
         self.updates_in = 0
@@ -135,9 +135,11 @@ class DynamicQueryState:
         """Every tick <= this has been decided."""
         return self.counter.decided
 
-    def parse(self, obj: Union[Mapping, InvalidRecord]) -> Union[Update, InvalidRecord]:
-        """The update a decoded record holds (dpstream.topics.records.UpdateParser), or why it is invalid."""
-        return self.parser.from_mapping(obj)
+    def parse(self, obj: Union[Mapping, InvalidRecord]) -> Union[list[Update], InvalidRecord]:
+        """The updates a decoded record holds, all at its time and of its unit (one; for a change
+        event none, one or two: dpstream.topics.records.ChangeEventParser), or why it is invalid."""
+        parsed = self.parser.from_mapping(obj)
+        return [parsed] if isinstance(parsed, Update) else parsed
 
     def apply(self, obj: Union[dict, InvalidRecord], batch: WriteBatch, clock_ms: Optional[int] = None) -> Optional[str]:
         """One record: log it in ``batch`` for its tick to be decided later, or return why it is
@@ -152,7 +154,9 @@ class DynamicQueryState:
         if isinstance(parsed, InvalidRecord):
             self.dropped["malformed"] += 1
             return parsed.reason
-        item, op, tick, ts, unit = parsed.item, parsed.op, parsed.tick, parsed.ts, parsed.unit
+        if not parsed:
+            return None  # a tombstone, or a change that leaves every count as it was
+        tick, ts, unit = parsed[0].tick, parsed[0].ts, parsed[0].unit  # a record's updates share them
         if tick <= self.counter.decided:
             self.dropped["late"] += 1
             return "late: its time is in an already decided tick"
@@ -160,17 +164,19 @@ class DynamicQueryState:
             self.dropped["future"] += 1
             return f"future: field {self.query.time_field!r} is more than {self.query.max_skew} after the clock"
         if unit is not None:
+            # a record counts whole or not at all: a unit never passes its bound by half a change
             uid = int(self.pseudonyms.users([unit])[0])
             used = self._units.get(uid, 0)
-            if used >= self.query.contribution_bound:
+            if used + len(parsed) > self.query.contribution_bound:
                 self.dropped["contribution_bound"] += 1
                 return None
-            self._units[uid] = used + 1
-            self.tables.put_unit(batch, uid, used + 1)
-        update = LoggedUpdate(self._next_seq, self.counter.index[item], op, tick)
-        self._next_seq += 1
-        self.tables.append(batch, update.seq, update.item, OPS[op], tick)
-        self.waiting.append(update)
+            self._units[uid] = used + len(parsed)
+            self.tables.put_unit(batch, uid, used + len(parsed))
+        for u in parsed:
+            update = LoggedUpdate(self._next_seq, self.counter.index[u.item], u.op, tick)
+            self._next_seq += 1
+            self.tables.append(batch, update.seq, update.item, OPS[u.op], tick)
+            self.waiting.append(update)
         return None
 
     def _decide(self, last: int) -> list[DynamicRelease]:
