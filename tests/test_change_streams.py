@@ -315,3 +315,62 @@ def test_the_user_guides_change_stream_config_loads_and_reads_debeziums_events()
     assert q.plan().epsilon == pytest.approx(q.epsilon / q.contribution_bound)
     got = ChangeEventParser(q, q.items).from_mapping(event("u", row(4, "free", "c-4"), row(4, "pro", "c-4"), q.start + 1_500))
     assert [(u.item, u.op, u.unit) for u in got] == [("free", "delete", "c-4"), ("pro", "insert", "c-4")]
+
+
+def debezium_avro_envelope() -> dict:
+    """The value schema Debezium's AvroConverter registers for the table (abridged source block):
+    before and after are optional records of the row, ts_ms an optional long."""
+    value = {"type": "record", "name": "Value", "namespace": "dbserver1.public.subscriptions", "connect.name":
+             "dbserver1.public.subscriptions.Value",
+             "fields": [{"name": "id", "type": {"type": "int", "connect.default": 0}, "default": 0},
+                        {"name": "customer_id", "type": "string"}, {"name": "plan", "type": "string"},
+                        {"name": "status", "type": ["null", "string"], "default": None}]}
+    source = {"type": "record", "name": "Source", "namespace": "io.debezium.connector.postgresql",
+              "fields": [{"name": "version", "type": "string"}, {"name": "connector", "type": "string"},
+                         {"name": "name", "type": "string"}, {"name": "ts_ms", "type": "long"},
+                         {"name": "db", "type": "string"}, {"name": "schema", "type": "string"},
+                         {"name": "table", "type": "string"}, {"name": "lsn", "type": ["null", "long"], "default": None}]}
+    return {"type": "record", "name": "Envelope", "namespace": "dbserver1.public.subscriptions",
+            "connect.name": "dbserver1.public.subscriptions.Envelope", "connect.version": 2,
+            "fields": [{"name": "before", "type": ["null", value], "default": None},
+                       {"name": "after", "type": ["null", "Value"], "default": None},
+                       {"name": "source", "type": source}, {"name": "op", "type": "string"},
+                       {"name": "ts_ms", "type": ["null", "long"], "default": None}]}
+
+
+def test_change_events_in_avro_through_a_registry_are_read_as_their_json_twins(tmp_path):
+    """`input_format: avro`: events serialized by confluent-kafka's AvroSerializer under the
+    envelope schema Debezium's AvroConverter registers are logged exactly as the same events in
+    JSON; a tombstone is skipped there too."""
+    from confluent_kafka.schema_registry.avro import AvroSerializer
+    from confluent_kafka.serialization import MessageField, SerializationContext
+
+    from dpstream.processor.adapters.worker import DpstreamWorker, Ownership
+    from dpstream.processor.config import DpstreamConfig
+    from dpstream.topics.decoding import registry_client
+    from tests.conftest import TEST_RUN_NONCE, Record
+
+    topic = "dbserver1.public.subscriptions"
+    url = f"mock://change-streams-{tmp_path.name}"
+    values = changes([(r, r * 5 + i, 300) for i, r in enumerate([0, 1, 0, 2, 1, 0, 3, 2, 2, 1])])
+    keep = ("before", "after", "op", "ts_ms")
+    source = {"version": "2.7.3.Final", "connector": "postgresql", "name": "dbserver1", "db": "shop", "schema": "public",
+              "table": "subscriptions", "lsn": 1}
+    from dpstream.processor.config import SchemaRegistryConfig
+
+    serialize = AvroSerializer(registry_client(SchemaRegistryConfig(url=url)), json.dumps(debezium_avro_envelope()))
+    avro = [serialize({**{k: v[k] for k in keep}, "source": {**source, "ts_ms": v["source"]["ts_ms"]}},
+                      SerializationContext(topic, MessageField.VALUE)) for v in values]
+    logged = {}
+    for fmt, raws in (("json", [json.dumps(v).encode() for v in values]), ("avro", avro)):
+        cfg = DpstreamConfig(input_format=fmt, schema_registry={"url": url} if fmt == "avro" else None,
+                             dynamic=[{"name": "plans", "input_topic": topic, "output_topic": "plan-counts", "start": START,
+                                       "items": PLANS, "epsilon": 2.0, "envelope": "debezium", "item_field": "plan"}])
+        worker = DpstreamWorker(cfg, TEST_SECRET, tmp_path / fmt, Ownership(), {"in": 1}, 2, run_nonce=TEST_RUN_NONCE)
+        records = [Record(i, None, raw, v["ts_ms"]) for i, (raw, v) in enumerate(zip(raws, values))]
+        records.append(Record(len(records), None, None, values[-1]["ts_ms"]))  # a tombstone
+        result = worker.process_dynamic(topic, 0, records)
+        assert not result.messages, [json.loads(m.value)["reason"] for m in result.messages]
+        logged[fmt] = [(u.item, u.op, u.tick) for u in worker.dynamic_states[(topic, 0)][0].waiting]
+        worker.close()
+    assert len(logged["json"]) > len(values) and logged["avro"] == logged["json"]
