@@ -309,6 +309,7 @@ SLOW = (
     "tests/privacy/test_arrival_order.py::test_hierarchy_levels_get_each_admitted_record_once",
     "tests/privacy/test_dynamic_ticks.py::test_property_releases_up_to_t_do_not_depend_on_updates_after_t",
     "tests/privacy/test_budget_schedule.py::test_property_one_users_records_never_change_refusals_spend_or_other_keys",
+    "tests/test_change_streams.py::test_a_worker_on_a_debezium_topic_killed_mid_stream_releases_what_replay_does",
 )
 
 
@@ -316,7 +317,7 @@ SLOW = (
 BROKER_FIXTURES = ("broker", "secure_broker", "oauth_broker", "chaos_kafka", "own_broker")
 
 
-#: tests that run one after another in one process under pytest-xdist (scripts/test: -n 6
+#: tests that run one after another in one process under pytest-xdist (scripts/test: -n 5
 #: --dist loadgroup, with :func:`pytest_xdist_make_scheduler`), by group; a key is a file or the
 #: start of a test's node id, and the longest that matches wins:
 #: * the broker fault trials of tests/test_kafka_chaos.py, which SIGKILL and blackhole their own

@@ -93,7 +93,7 @@ def test_an_unknown_schema_id_an_undecodable_payload_and_another_format_are_inva
         "schema id 999 is unknown to the schema registry",
         "cut",
         "not in the schema-registry wire format (avro: magic byte 0 and a 4-byte schema id)",
-        "not in the schema-registry wire format (avro: magic byte 0 and a 4-byte schema id)",
+        "no value (a tombstone)",
         {"user_id": "u1", "key": "a", "ts": 5}]
 
 
