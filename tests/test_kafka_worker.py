@@ -158,13 +158,14 @@ class Scenario:
         assert len(labels) == 1, f"the workers of a run share one noise label, not {labels}"
         return labels.pop()
 
-    def replay(self, label: str | None = None) -> list[dict]:
-        """Replay of the events under the workers' noise label (or ``label``)."""
+    def replay(self, label: str | None = None, until_ms: int | None = None) -> list[dict]:
+        """Replay of the events under the workers' noise label (or ``label``), to the public end
+        ``until_ms`` if given."""
         config = load_config(self.config)
         runner = ReplayRunner(config, TEST_SECRET, None, noise_label=label or self.noise_label())
         out = io.StringIO()
         try:
-            runner.run(str(self.events), out)
+            runner.run(str(self.events), out, until_ms=until_ms)
         finally:
             runner.close()
         return [json.loads(line) for line in out.getvalue().splitlines()]
@@ -433,16 +434,9 @@ def test_dynamic_agent_publishes_what_replay_publishes_and_takes_in_absent_delet
         assert time.time() * 1000 < start, "the updates must reach the worker before their ticks are decided"
         time.sleep(max(0.0, (start + horizon * tick_ms + lateness_ms) / 1000 + 3 - time.time()))
         released = [r for r in sc.read(out) if r["tick"] <= horizon]
-        config = load_config(sc.config)
         [(app, label)] = runs(released)  # the worker's noise label, as its releases say
         assert app == sc.app_id
-        runner = ReplayRunner(config, TEST_SECRET, None, noise_label=label)
-        buf = io.StringIO()
-        try:
-            runner.run(str(sc.events), buf, until_ms=start + horizon * tick_ms + lateness_ms)
-        finally:
-            runner.close()
-        expected = [json.loads(line) for line in buf.getvalue().splitlines()]
+        expected = sc.replay(label, until_ms=start + horizon * tick_ms + lateness_ms)
         assert len(expected) >= 5
         assert canonical(released) == canonical(expected)
         letters = [d for d in sc.read(DEAD_LETTER_TOPIC) if d.get("query") == name]

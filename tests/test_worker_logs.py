@@ -160,7 +160,8 @@ def test_modes_stack_dump_of_a_closed_loop_at_stop_is_dropped_and_no_other():
     noise = _FaustNoise(WorkerHealth())
 
     def record(exc: BaseException) -> logging.LogRecord:
-        return logging.LogRecord("mode.services", logging.ERROR, "services.py", 967, "Error while stopping child %r: %r",
+        # as mode's CompositeLogger sends it: the service's label before the message
+        return logging.LogRecord("mode.services", logging.ERROR, "services.py", 967, "[^Worker]: Error while stopping child %r: %r",
                                  ("<Thread>", exc), (type(exc), exc, None))
 
     assert not noise.filter(record(RuntimeError("Event loop is closed")))

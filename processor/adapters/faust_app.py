@@ -370,7 +370,7 @@ class _FaustNoise(logging.Filter):
         template = str(record.msg)
         if self.health.stopped_by is not None and template.endswith(_CRASH_ECHOES):
             return False
-        if template.startswith("Error while stopping child") and record.exc_info:
+        if "Error while stopping child" in template and record.exc_info:  # mode prefixes "[^Worker]: "
             # mode stops a thread service after its event loop closed, on a stop at start (a
             # refusal) under load: its stack dump says nothing about the worker, which has said why
             exc = record.exc_info[1]
