@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import TEST_SECRET_HEX
+from conftest import TEST_SECRET_HEX, free_port_block
 
 from dpstream.processor.adapters.faust_app import DROP_REPORT_S
 from dpstream.processor.adapters.kafka_tools import TimeReport, earliest_time, rebased
@@ -45,9 +45,8 @@ def run(*args: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """Below the ephemeral range (tests/test_kafka_worker.py, free_port)."""
+    return free_port_block(1)
 
 
 def one_clear_line(proc: subprocess.CompletedProcess) -> str:

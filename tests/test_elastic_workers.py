@@ -66,7 +66,10 @@ def test_scaling_one_three_two_in_the_middle_of_a_window_releases_what_replay_do
     """1 worker takes in half the stream, 2 more join (its partitions and their state move to
     them), the other half arrives, and one of the three leaves after the window's first trigger
     fired (its partitions move again, pending micro-batches and journals with them)."""
-    with running(tmp_path, broker, window_s=24) as sc:  # a trigger every 6 s: time to move between them
+    # a trigger every 9 s: time to move between them, and for the first trigger (which builds
+    # the noise samplers on the event loop, slow on a loaded machine) to fire on every partition
+    # before c leaves (24 s windows missed that in CI at 5 and 6 test processes)
+    with running(tmp_path, broker, window_s=36) as sc:
         scale_one_three_two(sc)
 
 

@@ -12,7 +12,6 @@ import io
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -31,15 +30,17 @@ from dpstream.processor.adapters.replay import ReplayRunner
 from dpstream.processor.config import load_config
 from dpstream.topics.kafka import DEAD_LETTER_TOPIC
 from dpstream.topics.partitioner import partition_for_key
-from tests.conftest import ROOT, TEST_SECRET, TEST_SECRET_HEX, without_run
+from tests.conftest import ROOT, TEST_SECRET, TEST_SECRET_HEX, free_port_block, without_run
 
 WINDOW_S, TRIGGERS, LATENESS_S = 12, 4, 1
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A worker's web port: below Linux's ephemeral range, in this test process's band
+    (conftest.free_port_block). A port the kernel hands out for binding to port 0 is an
+    ephemeral one, which a client's outgoing connection may take before the worker binds it (a
+    chaos trial's worker failed so: 'address already in use')."""
+    return free_port_block(1)
 
 
 class Scenario:
