@@ -392,16 +392,16 @@ def test_a_worker_on_a_debezium_topic_killed_mid_stream_releases_what_replay_doe
     from confluent_kafka import Producer
 
     from dpstream.topics.kafka import DEAD_LETTER_TOPIC, INPUT_TOPIC_CONFIG, TopicSpec, create_topics
-    from tests.test_kafka_worker import Scenario, canonical, runs
+    from tests.test_kafka_worker import Scenario, canonical, runs, write_dynamic_config
 
     tag = uuid.uuid4().hex[:8]
     sc = Scenario(tmp_path, broker)
     name, topic, out = f"plans{tag}", f"dbserver1.public.subscriptions-{tag}", f"it-plan-counts-{tag}"
     tick_ms, lateness_ms = 20, 1000
     start = (int(time.time() * 1000) // 1000 + 4) * 1000  # tick 1 begins a few seconds from now
-    sc.config.write_text(f"dynamic:\n  - name: {name}\n    input_topic: {topic}\n    output_topic: {out}\n"
-                         f"    envelope: debezium\n    item_field: after.plan\n    items: [free, pro, team]\n"
-                         f"    start: {start}\n    tick: {tick_ms}ms\n    allowed_lateness: {lateness_ms}ms\n    epsilon: 2.0\n")
+    write_dynamic_config(sc, name=name, input_topic=topic, output_topic=out, envelope="debezium", item_field="after.plan",
+                         items="[free, pro, team]", start=start, tick=f"{tick_ms}ms", allowed_lateness=f"{lateness_ms}ms",
+                         epsilon=2.0)
     draws = [(int(r), int(p), 1) for r, p in zip(np.random.default_rng(8).integers(0, 40, 3_000),
                                                   np.random.default_rng(9).integers(0, 3, 3_000))]
     values = changes(draws, rows=40)

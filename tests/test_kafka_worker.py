@@ -231,6 +231,11 @@ class Worker:
                 self.proc.wait()
 
 
+def write_dynamic_config(sc: Scenario, **fields) -> None:
+    """The scenario's config: one dynamic query of these fields (YAML values as written)."""
+    sc.config.write_text("dynamic:\n  -" + "".join(f" {k}: {v}\n   " for k, v in fields.items()).rstrip() + "\n")
+
+
 def canonical(records: list[dict]) -> set[str]:
     """Releases as the mechanism made them: without the fields about the run that made them, in
     which a worker's and a replay's differ (compared by :func:`runs`)."""
@@ -408,9 +413,8 @@ def test_dynamic_agent_publishes_what_replay_publishes_and_takes_in_absent_delet
     name, topic, out = f"dyn{tag}", f"it-updates-{tag}", f"it-counts-{tag}"
     tick_ms, lateness_ms = 20, 1000
     start = (int(time.time() * 1000) // 1000 + 8) * 1000  # tick 1 begins a few seconds from now
-    sc.config.write_text(f"dynamic:\n  - name: {name}\n    input_topic: {topic}\n    output_topic: {out}\n"
-                         f"    items: [a, b, c]\n    start: {start}\n    tick: {tick_ms}ms\n    allowed_lateness: {lateness_ms}ms\n"
-                         f"    epsilon: 2.0\n")
+    write_dynamic_config(sc, name=name, input_topic=topic, output_topic=out, items="[a, b, c]", start=start,
+                         tick=f"{tick_ms}ms", allowed_lateness=f"{lateness_ms}ms", epsilon=2.0)
     rng = np.random.default_rng(5)
     live, lines = [], [f'{{"item":"b","op":"delete","ts":{start}}}'.encode()]  # nothing present yet: taken in
     for i in range(3_000):  # 3 s of updates: ticks 1..150
