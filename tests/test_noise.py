@@ -405,6 +405,61 @@ def test_pseudonyms_are_pinned_to_the_state_format():
     assert pseudo.group_keys(["page-1", "ключ"]).tolist() == [14790089320644102342, 5338007936951201107]
 
 
+def _table(sampler) -> list[int]:
+    return [int(h) << 64 | int(lo) for h, lo in zip(sampler._hi.tolist(), sampler._lo.tolist())]
+
+
+@pytest.mark.parametrize("sigma", [0.3, 0.8, 2.5, 7.3, 129.5, 1000.5])
+def test_sampler_table_is_the_floor_of_the_exact_cumulative_law(sigma):
+    """Every entry is floor(2^128 P[X <= x]) computed independently: each point's exp(-x^2/2s^2)
+    on its own with mpmath at 80 digits (no recursion, no fixed point), so an entry off by one
+    unit anywhere in the table fails. The truncation mass and variance agree to float rounding."""
+    sampler = DiscreteGaussian(sigma)
+    with mpmath.workdps(80):
+        s2 = mpmath.mpf(repr(sigma)) ** 2  # sigma as its shortest decimal, as the sampler reads it
+        weights = [mpmath.exp(-mpmath.mpf(x) ** 2 / (2 * s2)) for x in range(-sampler.bound, sampler.bound + 1)]
+        total = mpmath.fsum(weights)
+        expected, running = [], mpmath.mpf(0)
+        for w in weights[:-1]:
+            running += w
+            expected.append(int(mpmath.floor(running * mpmath.mpf(2) ** 128 / total)))
+        first_out = mpmath.exp(-mpmath.mpf(sampler.bound + 1) ** 2 / (2 * s2))
+        ratio = mpmath.exp(-mpmath.mpf(2 * sampler.bound + 1) / (2 * s2))
+        mass = float(2 * first_out / (1 - ratio) / total)
+        variance = float(mpmath.fsum(w * x * x for x, w in zip(range(-sampler.bound, sampler.bound + 1), weights)) / total)
+    assert _table(sampler) == expected
+    assert sampler.truncation_mass == pytest.approx(mass, rel=1e-14)
+    assert sampler.variance == pytest.approx(variance, rel=1e-14)
+
+
+def _decimal_table(sigma: float) -> list[int]:
+    """The table as dpstream built it until 0.3: the same recursion in 60-digit decimals."""
+    from decimal import Decimal, localcontext
+
+    bound = int(np.ceil(12 * sigma)) + 1
+    with localcontext() as ctx:
+        ctx.prec = 60
+        step = (Decimal(-1) / (2 * Decimal(repr(sigma)) ** 2)).exp()
+        weights, ratio = [Decimal(1)], step
+        for _ in range(bound):
+            weights.append(weights[-1] * ratio)
+            ratio *= step * step
+        scale = Decimal(2) ** 128 / (weights[0] + 2 * sum(weights[1:]))
+        cum, running = [], Decimal(0)
+        for w in (weights[::-1] + weights[1:])[:-1]:
+            running += w
+            cum.append(int(running * scale))
+    return cum
+
+
+def test_a_lattice_scale_table_is_the_one_earlier_versions_built():
+    """At the BLT's scale (near 2^16; about a million entries) the fixed-point recursion gives
+    the 60-digit decimal one's table entry for entry: the noise of a replay is the same before
+    and after the faster build."""
+    sigma = 40000.0
+    assert _table(DiscreteGaussian(sigma)) == _decimal_table(sigma)
+
+
 @pytest.mark.parametrize("sigma", [3.0, 129.5, 40000.0])
 def test_sampler_lookup_equals_a_plain_search_at_any_table_size(sigma):
     """The guide table grows with the table (lattice counters sample at scales near 65,536);
