@@ -11,7 +11,7 @@ import time
 from typing import Optional
 
 from dpstream.processor.adapters.consumer_group import GroupConsumer
-from dpstream.processor.adapters.delivery import TransactionAbandonedError
+from dpstream.processor.adapters.delivery import TransactionAbandonedError, failure_kind
 from dpstream.processor.adapters.partition_reader import OwnedPartitionReader
 from dpstream.processor.adapters.stage_batches import STAGES
 from dpstream.processor.adapters.worker_run import WorkerRun, group_id, log_positions
@@ -160,6 +160,7 @@ class ElasticRun(WorkerRun):
         await publishers.send(worker.watermark_messages(now, ends))
         if worker.charges is not None:
             worker.charges.charge_due(now)
+        await self.noise_tables_built()
         for key, source in list(worker.stage2.items()):
             while True:
                 async with publishers.lock("stage2"):
@@ -412,8 +413,12 @@ class ElasticRun(WorkerRun):
             worker.remove_source(*key)
             keys.append(key)
         if keys:
-            log.warning("a transaction for %s failed (%s): their state goes back to its last commit, and they are read "
-                        "again from there", ", ".join(f"{t}-{p}" for t, p in keys), exc)
+            # a generation that moved on is a rebalance, routine while workers join or leave: an
+            # INFO line (docs/operations.md, "Elastic workers"); anything else is worth a warning
+            rebalanced = isinstance(exc, TransactionAbandonedError) and failure_kind(exc) == "generation"
+            log.log(logging.INFO if rebalanced else logging.WARNING,
+                    "a transaction for %s failed (%s): %stheir state goes back to its last commit, and they are read again "
+                    "from there", ", ".join(f"{t}-{p}" for t, p in keys), exc, "the group rebalanced meanwhile; " if rebalanced else "")
             turns = {key: self.turns.get(key, 0) for key in keys}
             asyncio.get_running_loop().create_task(self._regain_or_stop(turns))
 

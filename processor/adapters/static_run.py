@@ -172,6 +172,7 @@ class StaticRun(WorkerRun):
         # announce how far each owned input partition has been read (committed progress
         # only); stage 2 fires a trigger once every input partition is past it
         await publishers.send(worker.watermark_messages(now, self.read_to_end()))
+        await self.noise_tables_built()
         for fired in worker.iter_fire_due(now):  # each published before the next is computed
             await self.publish([fired])
         # dynamic queries: every tick the clock has passed is decided, updates or not

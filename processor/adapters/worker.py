@@ -80,6 +80,7 @@ from dpstream.processor.engine.pipeline import (
     RoutedEvents,
     Schedule,
     check_noise_epoch,
+    prepare_noise_tables,
 )
 from dpstream.processor.engine.runner import Fired, QueryRunner
 from dpstream.processor.mechanisms.noise import NodeNoise, Pseudonymizer
@@ -1184,6 +1185,13 @@ class DpstreamWorker:
         return [Message(PROGRESS_TOPIC, encode_json({"segment": st.pending[-1].segment}),
                         f"{self.app_id}/{source.name}/published/{st.query.name}".encode())
                 for st in self.dynamic_states[key] if st.pending]
+
+    def prepare_noise_tables(self) -> None:
+        """Build every query's sampler tables (:func:`prepare_noise_tables`): the worker's run
+        calls this in a thread at start, and its first trigger waits for it there, not on the
+        event loop (docs/architecture.md, "Noise tables")."""
+        for query in self.config.queries:
+            prepare_noise_tables(query, self.noise)
 
     def fire_due(self, now_ms: int) -> list[FiredTrigger]:
         """Open (charge) the windows the wall clock has reached, and fire every owned trigger whose

@@ -80,6 +80,7 @@ class WorkerRun:
         self.worker: Optional[DpstreamWorker] = None
         self.consumer = None
         self._probe = None  # the client of probe_broker, and whether a probe is under way
+        self._noise_tables: Optional[asyncio.Future] = None  # run: the sampler tables being built
         self._probing = False
 
     # ------------------------------------------------------------------ the consume task
@@ -87,6 +88,8 @@ class WorkerRun:
         """Open the state, start the producers, then read the owned partitions in batches."""
         loop = asyncio.get_running_loop()
         self.worker = await loop.run_in_executor(None, WorkerStartup(self.s, self.broker, self.metrics).open)
+        # the sampler tables, in a thread while the worker starts reading (seconds for the BLT's)
+        self._noise_tables = loop.run_in_executor(None, self.worker.prepare_noise_tables)
         await loop.run_in_executor(None, self.publishers.start)
         await self.consume(loop)
 
@@ -104,6 +107,13 @@ class WorkerRun:
     async def fire(self, now_ms: int) -> None:
         """The timer: fire every due trigger, decide dynamic ticks."""
         raise NotImplementedError
+
+    async def noise_tables_built(self) -> None:
+        """Wait for the sampler tables started at :meth:`run` (fire calls this first), off the
+        event loop: triggers would otherwise build them on it (docs/architecture.md, "Noise
+        tables")."""
+        if self._noise_tables is not None:
+            await self._noise_tables
 
     def stage_of(self, key) -> str:
         w = self.worker

@@ -368,6 +368,17 @@ def _colliding(texts: np.ndarray, ids: np.ndarray) -> np.ndarray:
     return np.asarray(owner != np.asarray(texts, dtype=object), dtype=bool)
 
 
+def prepare_noise_tables(query: QueryConfig, noise: NodeNoise) -> None:
+    """Build the sampler tables the query's triggers use, for key selection and for each
+    column's perturbation at every level: a worker calls this off its event loop at start, so
+    that its first trigger does not hold the loop for them (docs/architecture.md, "Noise
+    tables"). The tables depend on the plan only, never on data."""
+    for plan in level_plans_for(query):
+        KeySelector(plan, noise, query.name, 0).counter.prepare()
+        for c, column in enumerate(aggregate_named(query.aggregate).columns):
+            HierarchicalPerturber(plan, noise, query.name, 0, column.name, c).counter.prepare()
+
+
 class QueryPipeline:
     def __init__(self, query: QueryConfig, noise: NodeNoise, store: Store, pseudonyms: Optional[Pseudonymizer] = None,
                  index: Optional[int] = None):
@@ -394,8 +405,9 @@ class QueryPipeline:
         self.stats = PipelineStats()
         plan = self.plan
         # every counter of the query (key selection and perturbation) has T steps; its state is
-        # what the key rows carry per stream (dpstream.processor.mechanisms.counters)
-        counter = counter_for(plan.counter or BINARY_TREE.name, plan.triggers, 1.0, noise)
+        # what the key rows carry per stream (dpstream.processor.mechanisms.counters). Built at
+        # key selection's scale: a tree builds that sampler table now, which selection uses anyway
+        counter = counter_for(plan.counter or BINARY_TREE.name, plan.triggers, plan.sigma_key_selection, noise)
         self.counter_state_width = counter.state_width
         self.bounder = ContributionBounder(plan.contribution_bound, plan.clamp, plan.resolution)
         #: key selection's weight by slot (index = slot; slots beyond the declared weights: 0)

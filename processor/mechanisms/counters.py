@@ -72,6 +72,11 @@ class ContinualCounter(Protocol):
     def empty_state(self, n: int) -> np.ndarray:
         """State of ``n`` streams before their first step."""
 
+    def prepare(self) -> None:
+        """Build what a first step would, such as a sampler table: a worker calls this off its
+        event loop at start, so that its first trigger does not (docs/architecture.md, "Noise
+        tables")."""
+
     def walk(self, streams: np.ndarray, done: np.ndarray, upto: np.ndarray, state: np.ndarray) -> CounterWalk:
         """Advance streams (16-byte ids naming their noise) from ``done`` (with ``state``) to ``upto``."""
 
@@ -114,6 +119,9 @@ class BinaryTreeCounter:
 
     def empty_state(self, n: int) -> np.ndarray:
         return self._forest.empty_cache(n)
+
+    def prepare(self) -> None:
+        """Nothing left: the forest's sampler table was built with it."""
 
     def walk(self, streams, done, upto, state) -> CounterWalk:
         return _TreeWalk(self._forest.walk(streams, done, upto, state))
@@ -276,6 +284,9 @@ class BLTCounter:
         if self._sampler is None:
             self._sampler = discrete_gaussian(self.sigma_units * self.scale)
         return self._sampler
+
+    def prepare(self) -> None:
+        self.sampler
 
     def empty_state(self, n: int) -> np.ndarray:
         return np.zeros((n, self.state_width), dtype=np.int64)
