@@ -18,8 +18,9 @@ are big-endian so scans come back in trigger order. Group-by keys and users appe
 | ``g`` window progress | (none) | last fired trigger (u32), status (u8: 1 open, 2 refused), plan fingerprint (16) |
 | ``p`` window pins | (none) | the public settings the window was first used under (canonical JSON; absent in state written before they were recorded) |
 | ``h`` published view of a hierarchy (consistency) | root (8), key | level, trigger of the noisy value, noisy value, stddev, published consistent value and remainder; then key text |
-| ``m`` runner metadata | name | bytes |
-| ``d`` dynamic query update log | sequence (8) | item index (u32), op (1: insert, 2: delete), tick (u64) |
+| ``m`` runner metadata | name | bytes (a dynamic query's snapshot: ``dyn-snapshot``, state/tables.py) |
+| ``e`` dynamic query update log | tick (8), sequence (8) | item index (u32), op (1: insert, 2: delete) |
+| ``d`` dynamic query update log before snapshots (0.1 and early 0.2) | sequence (8) | item index (u32), op (1: insert, 2: delete), tick (u64) |
 | ``n`` dynamic query privacy units | unit | updates counted (u32) |
 
 (The dynamic tables have no window: ``table | query id | ...``.)
@@ -42,7 +43,8 @@ PROGRESS = b"g"
 WINDOW_PINS = b"p"
 HIERARCHY_VIEW = b"h"
 META = b"m"
-DYNAMIC_LOG = b"d"
+DYNAMIC_LOG = b"d"  # before snapshots: read, and emptied as its updates are taken in
+DYNAMIC_TICK_LOG = b"e"
 DYNAMIC_UNITS = b"n"
 
 WINDOW_TABLES = (USERS, USER_LOG, PENDING, AMENDS, KEY_NAMES, KEYS, KEY_LOG, HIERARCHY_VIEW)

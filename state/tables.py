@@ -1032,17 +1032,83 @@ class ClockState:
         batch.delete(self._held_prefix + int(line_no).to_bytes(8, "big"))
 
 
+#: the first bytes of a dynamic query's snapshot (its format)
+SNAPSHOT_FORMAT = b"S1:"
+
+
+def encode_snapshot(state: dict) -> bytes:
+    """A snapshot of plain numbers, strings, lists, dicts and numpy arrays as bytes: the format
+    mark, a u32 header length, a JSON header (floats as their shortest repr, which reads back to
+    the same double; each array as its dtype, shape and place in the payload), then the arrays'
+    raw little-endian bytes back to back."""
+    parts: list[bytes] = []
+    offset = 0
+
+    def plain(obj):
+        nonlocal offset
+        if isinstance(obj, np.ndarray):
+            raw = np.ascontiguousarray(obj, dtype=obj.dtype.newbyteorder("<")).tobytes()
+            parts.append(raw)
+            offset += len(raw)
+            return {"__array__": obj.dtype.newbyteorder("<").str, "shape": list(obj.shape), "at": offset - len(raw)}
+        if isinstance(obj, np.integer):
+            return int(obj)
+        if isinstance(obj, np.floating):
+            return float(obj)
+        raise TypeError(f"a snapshot holds no {type(obj).__name__}")
+    header = json.dumps(state, default=plain, separators=(",", ":")).encode()
+    return SNAPSHOT_FORMAT + len(header).to_bytes(4, "little") + header + b"".join(parts)
+
+
+def decode_snapshot(raw: bytes) -> dict:
+    if raw[:len(SNAPSHOT_FORMAT)] != SNAPSHOT_FORMAT:
+        raise ValueError(f"a dynamic query's snapshot of an unknown format {raw[:4]!r}")
+    start = len(SNAPSHOT_FORMAT) + 4
+    end = start + int.from_bytes(raw[start - 4:start], "little")
+    payload = memoryview(raw)[end:]
+
+    def arrays(obj):
+        if "__array__" in obj:
+            dtype = np.dtype(obj["__array__"])
+            count = int(np.prod(obj["shape"], dtype=np.int64))
+            return np.frombuffer(payload, dtype=dtype, count=count, offset=obj["at"]).reshape(obj["shape"]).copy()
+        return obj
+    return json.loads(raw[start:end], object_hook=arrays)
+
+
 class DynamicTables:
-    """A dynamic query's tables (no windows): ``d`` the update log (sequence -> item u32, op u8,
-    tick u64), ``n`` updates counted per privacy unit (u32), and its meta marks: the settings it
-    was started under (opaque bytes: the caller's canonical JSON; state written before they were
-    recorded holds the plan fingerprint alone, as hex), the last tick decided and the last
-    published."""
+    """A dynamic query's tables (no windows): ``e`` the update log (tick u64, sequence u64 ->
+    item u32, op u8; ``d``, keyed by sequence with the tick in the value, in state written before snapshots), ``n``
+    updates counted per privacy unit (u32), and its meta marks: the settings it was started
+    under (opaque bytes: the caller's canonical JSON; state written before they were recorded
+    holds the plan fingerprint alone, as hex), the last tick decided, the last published, and a
+    snapshot of the counter (:func:`encode_snapshot`): the log holds the updates the snapshot
+    has not taken in, and those of the ticks since the snapshot before it, which a restart skips
+    (docs/user-guide.md, "Dynamic queries")."""
 
     def __init__(self, store: Store, query_name: str):
         self.store = store
         self.qid = qid = sk.query_id(query_name)
-        self.plan, self.decided, self.published = (sk.META + name + qid for name in (b"dyn-plan", b"dyn-decided", b"dyn-published"))
+        self.plan, self.decided, self.published, self.snapshot_key = (
+            sk.META + name + qid for name in (b"dyn-plan", b"dyn-decided", b"dyn-published", b"dyn-snapshot"))
+        self._legacy = False  # the log of a state written before snapshots has entries (``d``): log() finds them
+
+    def snapshot(self) -> Optional[dict]:
+        raw = self.store.get(self.snapshot_key)
+        return None if raw is None else decode_snapshot(raw)
+
+    def put_snapshot(self, batch: WriteBatch, state: dict, taken_in: list[int], covered_through: int) -> None:
+        """The counter's state (:func:`encode_snapshot`) in ``batch``. The log entries it took
+        in go: those of the table before snapshots (``d``, keyed by sequence: ``taken_in``) in the same
+        batch, and those of ticks up to ``covered_through`` (the previous snapshot's last tick,
+        written already) at once, as one range: no tombstone per update for scans to step over."""
+        batch.put(self.snapshot_key, encode_snapshot(state))
+        if self._legacy:
+            for seq in taken_in:
+                batch.delete(sk.DYNAMIC_LOG + self.qid + int(seq).to_bytes(8, "big"))
+        if covered_through > 0:
+            prefix = sk.DYNAMIC_TICK_LOG + self.qid
+            self.store.delete_range(prefix, prefix + (int(covered_through) + 1).to_bytes(8, "big"))
 
     def units(self) -> Iterator[tuple[int, int]]:
         for key, value in self.store.scan_prefix(sk.DYNAMIC_UNITS + self.qid):
@@ -1052,13 +1118,17 @@ class DynamicTables:
         batch.put(sk.DYNAMIC_UNITS + self.qid + int(unit).to_bytes(8, "big"), int(used).to_bytes(4, "little"))
 
     def log(self) -> Iterator[tuple[int, int, int, int]]:
-        """(sequence, item index, op code, tick) of every logged update, in sequence order."""
+        """(sequence, item index, op code, tick) of every logged update: those of the table
+        before snapshots (by sequence), then the others by tick and sequence."""
         for key, value in self.store.scan_prefix(sk.DYNAMIC_LOG + self.qid):
+            self._legacy = True
             yield int.from_bytes(key[-8:], "big"), int.from_bytes(value[:4], "little"), value[4], int.from_bytes(value[5:13], "little")
+        for key, value in self.store.scan_prefix(sk.DYNAMIC_TICK_LOG + self.qid):
+            yield int.from_bytes(key[-8:], "big"), int.from_bytes(value[:4], "little"), value[4], int.from_bytes(key[-16:-8], "big")
 
     def append(self, batch: WriteBatch, seq: int, item: int, op: int, tick: int) -> None:
-        batch.put(sk.DYNAMIC_LOG + self.qid + int(seq).to_bytes(8, "big"),
-                  int(item).to_bytes(4, "little") + bytes([op]) + int(tick).to_bytes(8, "little"))
+        batch.put(sk.DYNAMIC_TICK_LOG + self.qid + int(tick).to_bytes(8, "big") + int(seq).to_bytes(8, "big"),
+                  int(item).to_bytes(4, "little") + bytes([op]))
 
     def pinned_plan(self) -> Optional[bytes]:
         return self.store.get(self.plan)

@@ -79,6 +79,11 @@ def dynamic_release_record(query: DynamicQueryConfig, counter: DynamicCounter, r
     return record
 
 
+#: a dynamic query's state is snapshot once at least this many logged updates were taken in
+#: since the last snapshot (and at least as many as it has live instances): DynamicQueryState.snapshot
+SNAPSHOT_AFTER_UPDATES = 10_000
+
+
 class DynamicQueryState:
     def __init__(self, query: DynamicQueryConfig, noise: NodeNoise, pseudonyms: Pseudonymizer, store: Store,
                  index: Optional[int] = None):
@@ -104,9 +109,21 @@ class DynamicQueryState:
         #: logged updates of ticks not decided yet
         self.waiting: list[LoggedUpdate] = []
         self._next_seq = 0
+        #: sequence numbers of the logged updates the counter took in since its last snapshot
+        self._taken_in: list[int] = []
+        #: the last tick of the last snapshot written (0: none): the log entries up to it can go
+        self._snapshot_through = 0
+        snapshot = self.tables.snapshot()
+        if snapshot is not None:
+            self.counter.restore(snapshot["counter"])
+            self._next_seq = int(snapshot["next_seq"])
+            self._snapshot_through = self.counter.decided
         for seq, item, op, tick in self.tables.log():
-            self.waiting.append(LoggedUpdate(seq, item, OP_NAMES[op], tick))
-            self._next_seq = seq + 1
+            self._next_seq = max(self._next_seq, seq + 1)
+            if tick <= self._snapshot_through:
+                self._taken_in.append(seq)  # in the snapshot already; its entry goes with the next one
+            else:
+                self.waiting.append(LoggedUpdate(seq, item, OP_NAMES[op], tick))
         decided = self.tables.last_decided()
         if decided is not None:
             self.pending += [r for r in self._decide(decided) if r.segment > self.published]
@@ -188,6 +205,7 @@ class DynamicQueryState:
         releases = []
         for u in due:
             releases += self.counter.apply(self.query.items[u.item], u.op, u.tick)
+            self._taken_in.append(u.seq)
         releases += self.counter.advance_to(last + 1)
         return releases
 
@@ -218,3 +236,19 @@ class DynamicQueryState:
             self.releases += len(done)
             self.tables.put_published(batch, self.published)
             self.pending = self.pending[len(done):]
+        if not self.pending and len(self._taken_in) >= max(SNAPSHOT_AFTER_UPDATES, self.counter.live_size()):
+            self.snapshot(batch)
+
+    def snapshot(self, batch: WriteBatch) -> None:
+        """Write the counter's state as of the last decided tick in ``batch``, and delete the log
+        entries the previous snapshot took in (written already: a crash before ``batch`` is
+        written loses nothing). A restart then reads the snapshot and the updates of the ticks
+        after the previous one, not the whole history. Taken once every release is published (a restart must
+        recompute the unpublished ones from the log) and once as many updates were taken in as
+        the snapshot holds live instances (at least SNAPSHOT_AFTER_UPDATES): the snapshots
+        cost O(1) per update, and a restart replays at most that many updates besides the
+        waiting ones (docs/user-guide.md, "Dynamic queries")."""
+        self.tables.put_snapshot(batch, {"counter": self.counter.snapshot(), "next_seq": self._next_seq}, self._taken_in,
+                                 covered_through=self._snapshot_through)
+        self._taken_in = []
+        self._snapshot_through = self.counter.decided

@@ -105,6 +105,13 @@ class InsertionOnlyCounter:
         if increment is not None:
             self.exact += increment
 
+    def snapshot(self) -> dict:
+        """Its state: the step and the exact sums (node noises are PRF values: not state)."""
+        return {"step": self.step, "exact": self.exact.copy()}
+
+    def restore(self, state: dict) -> None:
+        self.step, self.exact = int(state["step"]), np.array(state["exact"], dtype=np.int64)
+
     def _nodes(self) -> list[tuple[float, str]]:
         """(scale, label) of every noisy node read by the release at the current step."""
         k = self.step
@@ -158,6 +165,16 @@ class PrivatePartitioner:
         self.horizon = horizon
         self.theta = svt_threshold(self.eps, horizon, svt_beta(self.beta, self.j))
         self.noisy_theta = self.theta + float(self.noise.laplace(self.threshold_scale, f"svt{self.j}:threshold", 1)[0])
+
+    _STATE = ("t", "count", "j", "start", "horizon", "theta", "noisy_theta")
+
+    def snapshot(self) -> dict:
+        """Its state: the open SVT instance and how far it has decided."""
+        return {name: getattr(self, name) for name in self._STATE}
+
+    def restore(self, state: dict) -> None:
+        for name in self._STATE:
+            setattr(self, name, state[name])
 
     def advance(self, counts) -> list[int]:
         """Decide the next ticks: ``counts[k]`` updates arrived at tick t + 1 + k (an int n means
@@ -264,6 +281,37 @@ class NodeMechanism:
             return np.zeros(self.dims)
         return self.base - self.q_ins.estimate()
 
+    def snapshot(self) -> dict:
+        """Its state: members, round, decisions taken, the round's noisy size and static release
+        (kept, not recomputed: the histogram it was taken of is gone) and its two counters."""
+        ids = np.fromiter(self.members.keys(), dtype=np.int64, count=len(self.members))
+        items = np.fromiter(self.members.values(), dtype=np.int32, count=len(self.members))
+        state = {"index": self.index, "ids": ids, "items": items, "halted": self.halted, "restarts": self.restarts,
+                 "initial_size": self.initial_size, "r": self.r, "n_tilde": self.n_tilde}
+        if not self.halted:
+            state.update(base=np.asarray(self.base, dtype=np.float64), q_ins=self.q_ins.snapshot(), lap_ins=self.lap_ins.snapshot())
+        return state
+
+    @classmethod
+    def restored(cls, state: dict, eps_node: float, beta: float, dims: int, noise: DynamicNoise,
+                 static_release: StaticRelease) -> "NodeMechanism":
+        node = cls.__new__(cls)
+        node.index, node.level = int(state["index"]), interval_tree_level(int(state["index"]))
+        node.eps_node, node.beta, node.dims, node.noise, node.static_release = eps_node, beta, dims, noise, static_release
+        node.label = f"node{node.index}"
+        node.members = dict(zip(np.asarray(state["ids"]).tolist(), np.asarray(state["items"]).tolist()))
+        node.halted, node.restarts, node.initial_size = bool(state["halted"]), int(state["restarts"]), int(state["initial_size"])
+        node.r, node.n_tilde = int(state["r"]), float(state["n_tilde"])
+        node.eps_r, node.beta_r = round_epsilon(eps_node, node.r), round_beta(beta, node.r)
+        tag, sens = f"{node.label}:r{node.r}", TREE_DELETION_SENSITIVITY
+        node.q_ins = InsertionOnlyCounter(node.eps_r, dims, noise, f"{tag}:q-ins", sens)
+        node.lap_ins = InsertionOnlyCounter(node.eps_r, 1, noise, f"{tag}:lap-ins", sens)
+        if not node.halted:
+            node.base = np.array(state["base"], dtype=np.float64)
+            node.q_ins.restore(state["q_ins"])
+            node.lap_ins.restore(state["lap_ins"])
+        return node
+
     def noise_scales(self) -> Optional[list[float]]:
         """Discrete Laplace scales of the independent draws in one item's :meth:`answer`: the
         static release's ``1 / eps_r`` and the deletion counter's nodes. They depend on the round
@@ -350,6 +398,22 @@ class OnlineIntervalTree:
         """For tests (Lemma 9): the live members each node read at segment j holds."""
         return {i: dict(self.nodes[i].members) for i in query_nodes(j)}
 
+    def snapshot(self) -> dict:
+        """Its state: the nodes that can be read again (``by_segment`` follows from the counter's
+        live instances: DynamicCounter.restore). ``stats`` are this process's, not state."""
+        return {"nodes": [node.snapshot() for node in self.nodes.values()]}
+
+    def restore(self, state: dict, live: dict[int, "Instance"], open_segment: int) -> None:
+        self.nodes = {}
+        for node in state["nodes"]:
+            level = interval_tree_level(int(node["index"]))
+            self.nodes[int(node["index"])] = NodeMechanism.restored(node, level_epsilon(self.plan.epsilon_counts, level),
+                                                                    self.plan.beta, self.dims, self.noise, self.static_release)
+        self.by_segment = defaultdict(set)
+        for iid, inst in live.items():
+            if inst.segment < open_segment:  # the open segment's are added when it closes
+                self.by_segment[inst.segment].add(iid)
+
 
 # ---------------------------------------------------------------------- the whole counter
 @dataclass
@@ -401,6 +465,55 @@ class DynamicCounter:
             eps = plan.epsilon_counts  # inserts and deletes are disjoint: parallel composition
             self.inserts = InsertionOnlyCounter(eps, self.dims, self.noise, "baseline:inserts")
             self.deletes = InsertionOnlyCounter(eps, self.dims, self.noise, "baseline:deletes")
+
+    def live_size(self) -> int:
+        """Live instances: what a snapshot holds (in proportion), whatever the history."""
+        return len(self.live)
+
+    def snapshot(self) -> dict:
+        """The whole state, as plain numbers and integer arrays: a restored counter goes on
+        exactly as this one would (tests/test_dynamic.py). Its size is in proportion to the live
+        instances (each also in at most one kept node of the interval tree), not to the updates
+        taken in so far (docs/user-guide.md, "Dynamic queries": state)."""
+        ids = np.fromiter(self.live.keys(), dtype=np.int64, count=len(self.live))
+        state = {
+            "segment": self.segment, "decided": self.decided, "tick": self.tick, "undecided": self._undecided,
+            "updates": self.updates, "next_id": self._next_id, "exact": self.exact.copy(),
+            "live_ids": ids,
+            "live_items": np.fromiter((i.item for i in self.live.values()), dtype=np.int32, count=len(ids)),
+            "live_segments": np.fromiter((i.segment for i in self.live.values()), dtype=np.int64, count=len(ids)),
+            "inserted": np.array(self._inserted, dtype=np.int64),
+            "deleted": np.array(self._deleted, dtype=np.int64).reshape(-1, 2),
+            "ins_counts": self._ins_counts.copy(), "del_counts": self._del_counts.copy(),
+            "partitioner": self.partitioner.snapshot(),
+        }
+        if self.plan.mechanism == "interval_tree":
+            state["tree"] = self.tree.snapshot()
+        else:
+            state["inserts"], state["deletes"] = self.inserts.snapshot(), self.deletes.snapshot()
+        return state
+
+    def restore(self, state: dict) -> None:
+        """Take up a :meth:`snapshot` (of a counter of the same plan and items)."""
+        self.segment, self.decided, self.tick = int(state["segment"]), int(state["decided"]), int(state["tick"])
+        self._undecided, self.updates, self._next_id = int(state["undecided"]), int(state["updates"]), int(state["next_id"])
+        self.exact = np.array(state["exact"], dtype=np.int64)
+        ids = np.asarray(state["live_ids"]).tolist()
+        self.live = {iid: Instance(item, segment) for iid, item, segment in
+                     zip(ids, np.asarray(state["live_items"]).tolist(), np.asarray(state["live_segments"]).tolist())}
+        self.stacks = defaultdict(list)  # newest last: ids grow with insertion
+        for iid in sorted(ids):
+            self.stacks[self.live[iid].item].append(iid)
+        self._inserted = np.asarray(state["inserted"]).tolist()
+        self._deleted = [(int(a), int(b)) for a, b in np.asarray(state["deleted"]).reshape(-1, 2).tolist()]
+        self._ins_counts = np.array(state["ins_counts"], dtype=np.int64)
+        self._del_counts = np.array(state["del_counts"], dtype=np.int64)
+        self.partitioner.restore(state["partitioner"])
+        if self.plan.mechanism == "interval_tree":
+            self.tree.restore(state["tree"], self.live, self.segment)
+        else:
+            self.inserts.restore(state["inserts"])
+            self.deletes.restore(state["deletes"])
 
     def check(self, item: str, op: str, tick: Optional[int] = None) -> Optional[str]:
         """Why an update is invalid (None if valid): unknown item, unknown op, or a tick already
