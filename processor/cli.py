@@ -635,6 +635,19 @@ def cmd_bench_restore(args: argparse.Namespace) -> int:
 def cmd_bench_dynamic(args: argparse.Namespace) -> int:
     from dpstream.processor.bench.dynamic import run_dynamic_bench
 
+    if args.restart:
+        from dpstream.processor.bench.dynamic_restart import run_restart_bench
+
+        try:
+            histories = tuple(int(h) for h in args.restart_histories.split(","))
+        except ValueError:
+            raise ConfigError(f"--restart-histories: a comma-separated list of update counts, got {args.restart_histories!r}") from None
+        if len(histories) < 2 or min(histories) < 1:
+            raise ConfigError(f"--restart-histories: at least two positive update counts, got {args.restart_histories!r}")
+        for mechanism in ("baseline", "interval_tree") if args.mechanism == "both" else (args.mechanism,):
+            run_restart_bench(histories, live=args.restart_live, items=args.items, mechanism=mechanism, repeats=args.seeds,
+                              json_path=args.json)
+        return 0
     run_dynamic_bench(items=args.items, updates=args.updates, epsilon=args.epsilon, beta=args.beta, partition_share=args.partition_share,
                       seeds=args.seeds, json_path=args.json, plot_path=args.plot)
     return 0
@@ -921,6 +934,14 @@ def build_parser() -> argparse.ArgumentParser:
     dyn.add_argument("--seeds", type=int, default=3, help="streams per kind; medians are reported")
     dyn.add_argument("--json", help="write the results to this JSON file")
     dyn.add_argument("--plot", help="draw error vs updates to this PNG")
+    dyn.add_argument("--restart", action="store_true",
+                     help="instead: the time a dynamic query's state takes to restart after a short and a long history with "
+                          "the same live items (snapshots keep it in proportion to the live items; --seeds restarts each, median)")
+    dyn.add_argument("--restart-histories", default="100000,10000000", metavar="N,N,...",
+                     help="--restart: the histories' update counts (default 100000,10000000)")
+    dyn.add_argument("--restart-live", type=int, default=10_000, help="--restart: live items the histories revert to (default 10,000)")
+    dyn.add_argument("--mechanism", choices=("baseline", "interval_tree", "both"), default="baseline",
+                     help="--restart: the mechanism (default baseline, the product's default)")
     dyn.set_defaults(func=cmd_bench_dynamic)
     hier = bench_sub.add_parser("hierarchy", help="consistent hierarchical counts: per-level error of raw, clamp-and-round and "
                                 "consistent values, violations, time per trigger (synthetic three-level hierarchy)")

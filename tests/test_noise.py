@@ -433,7 +433,7 @@ def test_sampler_table_is_the_floor_of_the_exact_cumulative_law(sigma):
 
 
 def _decimal_table(sigma: float) -> list[int]:
-    """The table as dpstream built it until 0.3: the same recursion in 60-digit decimals."""
+    """The table as earlier versions built it: the same recursion in 60-digit decimals."""
     from decimal import Decimal, localcontext
 
     bound = int(np.ceil(12 * sigma)) + 1

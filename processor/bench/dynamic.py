@@ -57,8 +57,9 @@ LITTLE_INSERT_SHARE = 0.9
 ZIPF_EXPONENT = 1.1
 
 
-def generate_stream(kind: str, updates: int, items: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """(item index, is_insert) per update. Deletes remove a uniformly random live copy."""
+def generate_stream(kind: str, updates: int, items: int, seed: int, target: int = HEAVY_TARGET) -> tuple[np.ndarray, np.ndarray]:
+    """(item index, is_insert) per update. Deletes remove a uniformly random live copy. ``target``:
+    the live items heavy churn reverts to."""
     rng = np.random.default_rng(seed)
     weights = 1.0 / np.arange(1, items + 1) ** ZIPF_EXPONENT
     insert_items = rng.choice(items, size=updates, p=weights / weights.sum()).tolist()
@@ -70,7 +71,7 @@ def generate_stream(kind: str, updates: int, items: int, seed: int) -> tuple[np.
     out_insert = np.empty(updates, dtype=bool)
     for t in range(updates):
         if kind == "heavy_churn":
-            p_insert = 1.0 if t < HEAVY_TARGET else min(0.95, max(0.05, 0.5 + (HEAVY_TARGET - n) / (64 * HEAVY_TARGET)))
+            p_insert = 1.0 if t < target else min(0.95, max(0.05, 0.5 + (target - n) / (64 * target)))
         elif kind == "little_churn":
             p_insert = LITTLE_INSERT_SHARE
         else:
