@@ -412,7 +412,9 @@ def test_dynamic_agent_publishes_what_replay_publishes_and_takes_in_absent_delet
     sc = Scenario(tmp_path, broker)
     name, topic, out = f"dyn{tag}", f"it-updates-{tag}", f"it-counts-{tag}"
     tick_ms, lateness_ms = 20, 1000
-    start = (int(time.time() * 1000) // 1000 + 8) * 1000  # tick 1 begins a few seconds from now
+    # tick 1 begins 15 s from now: the worker starts and becomes ready, and the updates are sent,
+    # before then (a loaded 2-core machine took more than 8 s)
+    start = (int(time.time() * 1000) // 1000 + 15) * 1000
     write_dynamic_config(sc, name=name, input_topic=topic, output_topic=out, items="[a, b, c]", start=start,
                          tick=f"{tick_ms}ms", allowed_lateness=f"{lateness_ms}ms", epsilon=2.0)
     rng = np.random.default_rng(5)
@@ -436,7 +438,8 @@ def test_dynamic_agent_publishes_what_replay_publishes_and_takes_in_absent_delet
         for line in lines:
             p.produce(topic, line)
         assert p.flush(30) == 0
-        assert time.time() * 1000 < start, "the updates must reach the worker before their ticks are decided"
+        # tick 1 is decided once the clock passes its end and the allowed lateness
+        assert time.time() * 1000 < start + tick_ms + lateness_ms, "the updates must reach the worker before their ticks are decided"
         time.sleep(max(0.0, (start + horizon * tick_ms + lateness_ms) / 1000 + 3 - time.time()))
         released = [r for r in sc.read(out) if r["tick"] <= horizon]
         [(app, label)] = runs(released)  # the worker's noise label, as its releases say
