@@ -178,3 +178,32 @@ def test_the_restart_bench_keeps_the_log_to_the_live_state_whatever_the_history(
     short, long = report["rows"]
     assert long["updates"] == 60_000 and 150 <= long["live_items"] <= 600
     assert long["log_entries"] < 2 * short["log_entries"] + 500 and long["log_entries"] < 6_000, report["rows"]
+
+
+@pytest.mark.parametrize("mechanism", ["baseline", "interval_tree"])
+def test_a_changelogged_state_taken_up_by_another_worker_goes_on_the_same(monkeypatch, mechanism):
+    """Elastic workers: the store's changes go to a compacted changelog, which another worker
+    restores from (docs/operations.md, "Elastic workers"). The snapshots and the log ranges they
+    delete go there too: the restored state releases what one run does, and the changelog,
+    compacted (the latest value per key), holds only the log entries of the last two snapshot
+    intervals and the undecided ticks."""
+    from dpstream.state import keys as sk
+    from dpstream.state.changelog import ChangelogStore, restore_store
+
+    monkeypatch.setattr(dynamic_stream, "SNAPSHOT_AFTER_UPDATES", 300)
+    records = stream(12_000, seed=6)
+    ref_store = MemoryStore()
+    reference = run(make(ref_store, mechanism=mechanism), records, ref_store)
+
+    store = ChangelogStore(MemoryStore())
+    got = run(make(store, mechanism=mechanism), records[:8_000], store)
+    changes, _ = store.take_changes()
+    latest = dict(changes)
+    logged = [k for k, v in latest.items() if k.startswith(sk.DYNAMIC_TICK_LOG) and v is not None]
+    assert 0 < len(logged) < 4_000, len(logged)
+    assert latest.get(make(MemoryStore(), mechanism=mechanism).tables.snapshot_key) is not None
+
+    elsewhere = MemoryStore()
+    restore_store(elsewhere, changes)
+    got += run(make(elsewhere, mechanism=mechanism), records[8_000:], elsewhere)
+    assert got == reference

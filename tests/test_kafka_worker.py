@@ -44,16 +44,17 @@ def free_port() -> int:
 
 
 class Scenario:
-    def __init__(self, tmp_path: Path, broker: str, contribution_bound: int = 3, window_s: int = WINDOW_S, triggers: int = TRIGGERS):
+    def __init__(self, tmp_path: Path, broker: str, contribution_bound: int = 3, window_s: int = WINDOW_S, triggers: int = TRIGGERS,
+                 lateness_s: int = LATENESS_S):
         self.tmp, self.broker = tmp_path, broker
-        self.window_s, self.triggers = window_s, triggers
+        self.window_s, self.triggers, self.lateness_s = window_s, triggers, lateness_s
         tag = uuid.uuid4().hex[:8]
         self.query, self.input, self.output = f"q{tag}", f"it-events-{tag}", f"it-out-{tag}"
         self.app_id = f"dpstream-it-{tag}"
         self.config = tmp_path / "queries.yaml"
         self.config.write_text(
             f"queries:\n  - name: {self.query}\n    input_topic: {self.input}\n    output_topic: {self.output}\n"
-            f"    window: {window_s}s\n    triggers: {triggers}\n    allowed_lateness: {LATENESS_S}s\n"
+            f"    window: {window_s}s\n    triggers: {triggers}\n    allowed_lateness: {lateness_s}s\n"
             f"    contribution_bound: {contribution_bound}\n    epsilon: 6\n    delta: 1.0e-9\n")
         self.key_file = tmp_path / "noise.key"
         self.key_file.write_text(TEST_SECRET_HEX)
@@ -126,7 +127,7 @@ class Scenario:
         """Until the window's last trigger could fire, then until the running workers have fired
         every trigger on each of the 4 repartition partitions (triggers fire once the input
         watermark passes them: the watermark delay after the fire time, or later when behind)."""
-        end = self.window_start / 1000 + self.window_s + LATENESS_S
+        end = self.window_start / 1000 + self.window_s + self.lateness_s
         time.sleep(max(0.0, end - time.time()))
         deadline = time.time() + timeout
         while time.time() < deadline:
@@ -565,27 +566,29 @@ def test_a_recreated_input_topic_is_refused_with_its_name_not_silently_miscounte
     assert "When the input goes back" in log
 
 
-def test_live_production_through_a_window_releases_what_replay_does(scenario):
+def test_live_production_through_a_window_releases_what_replay_does(tmp_path, broker):
     """Issue 15, item 4: produced live (each event dated and Kafka-timestamped as it is sent) at
-    20,000 events/s across a whole window: the worker keeps up (nothing late) and releases what
-    replay releases from the same events. (The highest steady live rate measured by ``bench kafka
-    --live`` on the 2-core machine was 90,510/s; the test stays well below it, beside pytest.)"""
+    20,000 events/s across a whole window: the worker keeps up (nothing late, with 5 s allowed:
+    1 s was missed in CI when the five other test processes held both cores for a moment) and
+    releases what replay releases from the same events. (The highest steady live rate measured
+    by ``bench kafka --live`` on the 2-core machine was 90,510/s; the test stays well below it,
+    beside pytest.)"""
     from dpstream.processor.bench.kafka import produce_live_lines
 
-    sc = scenario
-    w = sc.worker("live").start()
-    sc.workers.append(w)
-    w.wait_ready()
-    window_ms = sc.window_s * 1000
-    now = int(time.time() * 1000)
-    sc.window_start = now - now % window_ms + window_ms
-    time.sleep(max(0.0, sc.window_start / 1000 - time.time()))
-    lines = produce_live_lines(sc.broker, sc.input, rate=20_000, seconds=sc.window_s - 0.5, users=3_000, keys=100, seed=3)
-    with open(sc.events, "wb") as fh:
-        fh.write(b"\n".join(lines) + b"\n")
-    sc.wait_for_window_end()
-    assert w.metric("dpstream_events_dropped_total", query=sc.query, reason="late") == 0
-    sc.assert_published_equal(sc.replay())
+    with running(tmp_path, broker, lateness_s=5) as sc:
+        w = sc.worker("live").start()
+        sc.workers.append(w)
+        w.wait_ready()
+        window_ms = sc.window_s * 1000
+        now = int(time.time() * 1000)
+        sc.window_start = now - now % window_ms + window_ms
+        time.sleep(max(0.0, sc.window_start / 1000 - time.time()))
+        lines = produce_live_lines(sc.broker, sc.input, rate=20_000, seconds=sc.window_s - 0.5, users=3_000, keys=100, seed=3)
+        with open(sc.events, "wb") as fh:
+            fh.write(b"\n".join(lines) + b"\n")
+        sc.wait_for_window_end()
+        assert w.metric("dpstream_events_dropped_total", query=sc.query, reason="late") == 0
+        sc.assert_published_equal(sc.replay())
 
 
 def test_input_from_a_transactional_producer_is_read_to_its_end_and_fired(scenario):
