@@ -88,12 +88,25 @@ class Scenario:
                 return released
             time.sleep(1)
 
+    def drops(self) -> str:
+        """The running workers' dropped events by reason, for a failed comparison: events late
+        at the worker (sent after their trigger fired) are counted by replay, which reads a file."""
+        counts = {}
+        for w in self.workers:
+            if w.proc and w.proc.poll() is None:
+                try:
+                    counts[w.state_dir.name] = {dict(ls).get("reason"): v for (n, ls), v in w.metrics().items()
+                                                if n == "dpstream_events_dropped_total" and v}
+                except OSError:
+                    counts[w.state_dir.name] = "no answer"
+        return f"events dropped by the running workers, by reason: {counts}"
+
     def assert_published_equal(self, expected: list[dict], exactly_once: bool = True) -> list[dict]:
         """No two different releases for one trigger on the output (nor two copies of one, with
         ``exactly_once``), and exactly ``expected``."""
         released = self.published(expected)
         assert_no_conflicting_releases(released, exactly_once)
-        assert expected and canonical(released) == canonical(expected)
+        assert expected and canonical(released) == canonical(expected), self.drops()
         # each release says which run made it: this application, under the label replay reproduced
         assert runs(released) == {(self.app_id, label) for _, label in runs(expected)}
         return released
