@@ -1061,7 +1061,8 @@ def test_dashboard_and_alert_metrics_are_served_by_a_running_worker(tmp_path, br
         for name in metric_names(where, expr) - PROMETHEUS_SERIES:
             wanted.setdefault(name, where)
     with running(tmp_path, broker) as sc:
-        start = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time()))
+        started = time.time()
+        start = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started))
         sc.config.write_text(sc.config.read_text() + f"budget:\n  start: '{start}'\n  default:\n    max_epsilon: 1000\n    max_delta: 1.0e-3\n")
         w = sc.worker("m", extra=("--assignment", "group", "--instance-id", "m")).start()
         sc.workers.append(w)
@@ -1083,12 +1084,17 @@ def test_dashboard_and_alert_metrics_are_served_by_a_running_worker(tmp_path, br
             time.sleep(1)
         assert w.metric("dpstream_triggers_fired_total", query=sc.query) > 0, "no trigger fired"
         assert not missing, "read by the dashboard or the alerts, not served: " + ", ".join(f"{n} ({wanted[n]})" for n in sorted(missing))
-        # the trigger gauges: a trigger every 3 s, each fired about the watermark delay (2 s) after its
-        # fire time; the last one fired a moment ago
+        # the trigger gauges: the next is the fire time (end plus the allowed lateness) of a trigger
+        # of the schedule, one every 3 s from a window's start, and not far ahead; it can be in the
+        # past: it is the earliest still to fire on any owned partition (a worker behind on a loaded
+        # machine was 22 s behind). The last fired since the worker started.
         now = time.time()
-        assert now - 15 < w.metric("dpstream_next_trigger_timestamp_seconds", query=sc.query) < now + 15
+        next_ms = round(w.metric("dpstream_next_trigger_timestamp_seconds", query=sc.query) * 1000)
+        window_ms = sc.window_s * 1000  # windows start at multiples of it (from the budget's start: now)
+        assert int(started * 1000) // window_ms * window_ms < next_ms < (now + 15) * 1000
+        assert (next_ms - sc.lateness_s * 1000) % (window_ms // sc.triggers) == 0, next_ms
         last = w.metric("dpstream_last_trigger_timestamp_seconds", query=sc.query)
-        assert now - 15 < last <= time.time()  # read after the scrape: a trigger may fire between the two
+        assert started <= last <= time.time()  # read after the scrape: a trigger may fire between the two
         # the budget remaining is the ledger's (1000 less what was charged), not the config's
         remaining = w.metric("dpstream_budget_epsilon_remaining", query=sc.query)
         assert remaining == w.metric("dpstream_ledger_epsilon_remaining", principal=sc.query) < 1000
