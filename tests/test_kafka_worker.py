@@ -581,11 +581,10 @@ def test_a_recreated_input_topic_is_refused_with_its_name_not_silently_miscounte
 
 def test_live_production_through_a_window_releases_what_replay_does(tmp_path, broker):
     """Issue 15, item 4: produced live (each event dated and Kafka-timestamped as it is sent) at
-    20,000 events/s across a whole window: the worker keeps up (nothing late, with 5 s allowed:
-    1 s was missed in CI when the five other test processes held both cores for a moment) and
-    releases what replay releases from the same events. (The highest steady live rate measured
-    by ``bench kafka --live`` on the 2-core machine was 90,510/s; the test stays well below it,
-    beside pytest.)"""
+    10,000 events/s across a whole window: the worker keeps up (nothing late, with 5 s allowed)
+    and releases what replay releases from the same events. The highest steady live rate is
+    ``bench kafka --live``'s to measure (90,510/s on the 2-core machine, alone); beside five
+    other test processes on 2 cores, 20,000/s fell 5 s behind in CI, so the test runs at half."""
     from dpstream.processor.bench.kafka import produce_live_lines
 
     with running(tmp_path, broker, lateness_s=5) as sc:
@@ -596,7 +595,7 @@ def test_live_production_through_a_window_releases_what_replay_does(tmp_path, br
         now = int(time.time() * 1000)
         sc.window_start = now - now % window_ms + window_ms
         time.sleep(max(0.0, sc.window_start / 1000 - time.time()))
-        lines = produce_live_lines(sc.broker, sc.input, rate=20_000, seconds=sc.window_s - 0.5, users=3_000, keys=100, seed=3)
+        lines = produce_live_lines(sc.broker, sc.input, rate=10_000, seconds=sc.window_s - 0.5, users=3_000, keys=100, seed=3)
         with open(sc.events, "wb") as fh:
             fh.write(b"\n".join(lines) + b"\n")
         sc.wait_for_window_end()
