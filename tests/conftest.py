@@ -317,26 +317,32 @@ SLOW = (
 BROKER_FIXTURES = ("broker", "secure_broker", "oauth_broker", "chaos_kafka", "own_broker")
 
 
-#: tests that run one after another in one process under pytest-xdist (scripts/test: -n 5
+#: tests that run one after another in one process under pytest-xdist (scripts/test: -n 6
 #: --dist loadgroup, with :func:`pytest_xdist_make_scheduler`), by group; a key is a file or the
 #: start of a test's node id, and the longest that matches wins:
 #: * the broker fault trials of tests/test_kafka_chaos.py, which SIGKILL and blackhole their own
-#:   broker and time what workers do meanwhile: one chain, one chaos broker, one outage at a time;
+#:   broker and time what workers do meanwhile: one outage at a time per chaos broker, in two
+#:   chains of about 300 s each (one chain of 600 to 700 s was the suite's critical path at 6
+#:   processes), each on its process's own chaos broker;
 #: * its start races (workers started together, concurrent topic creators), which fault no
 #:   broker (the proxy only sends their CreateTopics requests together): a chain of their own,
 #:   beside it, on a chaos broker of their process's own, so that the fault trials' chain is not
 #:   the suite's critical path;
-#: * the docs' procedures, which run as pasted: on the documented fixed port (--web-port 9400),
-#:   topic names and state directories;
 #: * the tests of the secured and the OAUTHBEARER brokers: session fixtures that start a broker
 #:   of their own, so each starts once.
-#: The outage tests (a broker of their own each) and the kill loop (the shared broker) run
-#: beside them like any other test.
+#: The outage tests (a broker of their own each), the kill loop (the shared broker) and the docs'
+#: procedures (each on a broker of its own, in a network namespace of its own where the machine
+#: allows it: tests/test_docs_blocks.py) run beside them like any other test.
 SERIAL_GROUPS = {
     "tests/test_kafka_chaos.py": "broker-faults",
+    # the second chain of fault trials, on a chaos broker of its own (about 300 s each chain)
+    "tests/test_kafka_chaos.py::test_a_broker_sigkill_and_restart_20_s_later_stops_no_worker[static]": "broker-faults-2",
+    "tests/test_kafka_chaos.py::test_a_20_s_blackhole_is_ridden_out": "broker-faults-2",
+    "tests/test_kafka_chaos.py::test_a_blackhole_past_the_broker_timeout_waits_at_10_s_exits_at_the_timeout_and_resumes[group]":
+        "broker-faults-2",
+    "tests/test_kafka_chaos.py::test_harness_a_sigkilled_broker": "broker-faults-2",
     "tests/test_kafka_chaos.py::test_workers_started_together_on_a_new_app_id_all_become_ready": "start-races",
     "tests/test_kafka_chaos.py::test_topics_are_there_for_every_client_once_create_topics_returns": "start-races",
-    "tests/test_readme.py": "docs-as-pasted", "tests/test_docs_blocks.py": "docs-as-pasted",
     "tests/test_kafka_security.py": "own-brokers", "tests/test_client_properties.py": "own-brokers",
 }
 

@@ -1,7 +1,6 @@
 """The README works as pasted (issue 16, item 4 and acceptance): it is a front page under 200
 lines that opens with the two commands, its links resolve, and the options of its Kafka quick
-start are real. The quick start itself runs, verbatim, in tests/test_docs_blocks.py (with the
-operator guide's Kafka blocks, which serve the same web port)."""
+start are real. The quick start itself runs, verbatim, in tests/test_docs_blocks.py."""
 from __future__ import annotations
 
 import re
