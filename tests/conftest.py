@@ -57,6 +57,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BROKER_PORT = int(os.environ.get("DPSTREAM_TEST_BROKER_PORT", "19092"))
+#: every worker and replay the tests start keeps its sampler tables in one directory for the
+#: whole run (state/noise_tables.py), not in each fresh state directory: each table is built
+#: once per run instead of at every worker start (about a CPU-second each at the lattice scale).
+#: The docs' procedures run without it, as pasted (tests/test_docs_blocks.py).
+NOISE_TABLE_DIR = ROOT / ".pytest-noise-tables"
+os.environ.setdefault("DPSTREAM_NOISE_TABLE_DIR", str(NOISE_TABLE_DIR))
 
 
 def _broker_answers(address: str) -> bool:

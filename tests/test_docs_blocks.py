@@ -131,7 +131,7 @@ def workdir(tmp_path: Path) -> Path:
     for entry in ROOT.iterdir():
         if entry.name == "examples":
             shutil.copytree(entry, work / "examples")
-        elif entry.name not in {".git", ".broker", "noise.key", "releases.jsonl", "preview.png", "worker.log"} \
+        elif entry.name not in {".git", ".broker", ".pytest-noise-tables", "noise.key", "releases.jsonl", "preview.png", "worker.log"} \
                 and not entry.name.startswith("dpstream-state"):
             (work / entry.name).symlink_to(entry)
     (tmp_path / "tmp").mkdir()
@@ -139,7 +139,8 @@ def workdir(tmp_path: Path) -> Path:
 
 
 def environment(tmp_path: Path, **extra: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DPSTREAM_NOISE_KEY")}
+    # no noise secret, and no shared sampler-table directory (tests/conftest.py): what a reader has
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DPSTREAM_NOISE_KEY", "DPSTREAM_NOISE_TABLE"))}
     env.update(PATH=f"{ROOT / '.venv/bin'}{os.pathsep}{env.get('PATH', '')}", TMPDIR=str(tmp_path / "tmp"), **extra)
     return env
 

@@ -63,7 +63,8 @@ from dpstream.processor.engine.pipeline import (
     check_noise_epoch,
 )
 from dpstream.processor.engine.runner import Engine, Fired, QueryRunner
-from dpstream.processor.mechanisms.noise import NodeNoise, Pseudonymizer
+from dpstream.processor.mechanisms.noise import NodeNoise, Pseudonymizer, keep_tables_in
+from dpstream.state.noise_tables import TABLE_DIR_ENV, NoiseTableDirectory
 from dpstream.state.store import PartitionStores, WriteBatch
 from dpstream.state.tables import ClockState, EpochMarks, IntegerMark, TextMark
 from dpstream.topics.decoding import decoder_for
@@ -351,6 +352,9 @@ class ReplayRunner:
             self._tmp = tempfile.TemporaryDirectory(prefix="dpstream-state-")
             state_dir = self._tmp.name
         self.stores = PartitionStores(state_dir)
+        # sampler tables kept in the state directory given (or $DPSTREAM_NOISE_TABLE_DIR), as the worker does
+        if self.state_dir is not None or os.environ.get(TABLE_DIR_ENV):
+            keep_tables_in(NoiseTableDirectory.for_state(state_dir))
         try:
             self._open(config, secret, noise_label, start_ms)
         except BaseException:

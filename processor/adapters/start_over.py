@@ -38,6 +38,7 @@ from typing import Optional
 from dpstream.processor.adapters.output_claims import CLAIM_PREFIX, claims_by_topic, output_topics
 from dpstream.processor.adapters.worker import LAYOUT_FILE, RUN_FILE, worker_epoch
 from dpstream.processor.config import ConfigError, DpstreamConfig
+from dpstream.state.noise_tables import TABLE_DIR_NAME
 from dpstream.topics.kafka import (
     EPOCH_TOPIC,
     PROGRESS_TOPIC,
@@ -53,7 +54,7 @@ from dpstream.topics.kafka import (
 #: what a dpstream state directory holds at its top level: stores (state/store.py), the worker's
 #: layout and run (worker.py) and Faust's data directory (faust_app.py)
 STATE_ENTRY_PREFIXES = ("partition-",)
-STATE_FILES = (LAYOUT_FILE, RUN_FILE, "faust")
+STATE_FILES = (LAYOUT_FILE, RUN_FILE, "faust", TABLE_DIR_NAME)
 
 
 class StartOverError(ConfigError):

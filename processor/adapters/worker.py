@@ -83,8 +83,9 @@ from dpstream.processor.engine.pipeline import (
     prepare_noise_tables,
 )
 from dpstream.processor.engine.runner import Fired, QueryRunner
-from dpstream.processor.mechanisms.noise import NodeNoise, Pseudonymizer
+from dpstream.processor.mechanisms.noise import NodeNoise, Pseudonymizer, keep_tables_in
 from dpstream.state.changelog import ChangelogStore, restore_from_changelog
+from dpstream.state.noise_tables import NoiseTableDirectory
 from dpstream.state.store import (
     PartitionStores,
     Store,
@@ -592,6 +593,8 @@ class DpstreamWorker:
             raise StateLayoutError(run_mismatch_message(self.state_dir, stored, run_nonce, app_id, config))
         self.run_nonce = run_nonce
         self.noise = NodeNoise(secret, worker_noise_label(app_id, config, self.restarts, run_nonce))
+        # sampler tables built once per state directory, not at every start (state/noise_tables.py)
+        keep_tables_in(NoiseTableDirectory.for_state(self.state_dir))
         self.pseudonyms = Pseudonymizer(secret)
         #: what every release says about the run that made it (:func:`run_fields`)
         self.run_fields = run_fields(app_id, config, self.restarts, run_nonce)

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from decimal import Decimal, localcontext
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterable, Mapping, Optional, Sequence
+from typing import Iterable, Mapping, Optional, Protocol, Sequence
 
 import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
@@ -242,11 +242,36 @@ class DiscreteGaussian:
             first_out = (-Decimal((bound + 1) ** 2) / (2 * s2)).exp()
             ratio_out = (-Decimal(2 * bound + 1) / (2 * s2)).exp()
             self.truncation_mass = float(first_out / (1 - ratio_out) * 2 / (Decimal(total) / one))
-        self.tv_bound = self.truncation_mass + (2 * bound + 1) * 2.0 ** -128  # each point quantized to 2^-128
-        if self.tv_bound > SAMPLER_TV_BOUND:
-            raise AssertionError(f"sampler table for sigma={sigma} misses the accountant's TV bound")
         words = np.frombuffer(b"".join([c.to_bytes(16, "little") for c in cum]), dtype="<u8").reshape(-1, 2)
-        self._hi, self._lo = words[:, 1].astype(np.uint64), words[:, 0].astype(np.uint64)
+        self._index(words[:, 1].astype(np.uint64), words[:, 0].astype(np.uint64))
+
+    @classmethod
+    def from_words(cls, sigma: float, hi: np.ndarray, lo: np.ndarray, variance: float, truncation_mass: float
+                   ) -> "DiscreteGaussian":
+        """The table of ``sigma`` as :meth:`words` gave it (kept between processes:
+        dpstream.state.noise_tables), without building it again. Its shape is checked here, its
+        contents by the store that kept them."""
+        table = cls.__new__(cls)
+        table.sigma = float(sigma)
+        table.bound = int(np.ceil(TAIL_SIGMAS * table.sigma)) + 1
+        if not (0 < table.sigma <= MAX_SAMPLER_SIGMA) or len(hi) != 2 * table.bound or len(lo) != len(hi):
+            raise ValueError(f"a sampler table for sigma={sigma} has {len(hi)} entries, not {2 * table.bound}")
+        table.variance, table.truncation_mass = float(variance), float(truncation_mass)
+        table._index(np.asarray(hi, dtype=np.uint64), np.asarray(lo, dtype=np.uint64))
+        return table
+
+    def words(self) -> dict:
+        """What :meth:`from_words` takes: the cumulative table's high and low 64-bit words, its
+        variance and its truncated mass."""
+        return {"sigma": self.sigma, "hi": self._hi, "lo": self._lo, "variance": self.variance,
+                "truncation_mass": self.truncation_mass}
+
+    def _index(self, hi: np.ndarray, lo: np.ndarray) -> None:
+        """Take the cumulative table (its words) and build the guide table to search it."""
+        self.tv_bound = self.truncation_mass + (2 * self.bound + 1) * 2.0 ** -128  # each point quantized to 2^-128
+        if self.tv_bound > SAMPLER_TV_BOUND:
+            raise AssertionError(f"sampler table for sigma={self.sigma} misses the accountant's TV bound")
+        self._hi, self._lo = hi, lo
 
         # Guide table over the top bits of the high word: a bucket holding no table entry
         # decides the sample with one lookup; the few others fall back to a search. At least
@@ -290,9 +315,34 @@ class DiscreteGaussian:
         return out
 
 
+class TableKeeper(Protocol):
+    """Where built sampler tables are kept between processes (dpstream.state.noise_tables)."""
+
+    def load(self, sigma: float) -> Optional[DiscreteGaussian]: ...
+
+    def save(self, table: DiscreteGaussian) -> None: ...
+
+
+#: the keeper of this process's tables, if any (:func:`keep_tables_in`)
+_keeper: Optional[TableKeeper] = None
+
+
+def keep_tables_in(keeper: Optional[TableKeeper]) -> None:
+    """Load each sampler table from ``keeper`` before building it, and give it every table
+    built (the worker: its state directory; None: build every table in this process)."""
+    global _keeper
+    _keeper = keeper
+
+
 @lru_cache(maxsize=32)
 def _cached_table(sigma: float) -> DiscreteGaussian:
-    return DiscreteGaussian(sigma)
+    keeper = _keeper
+    table = keeper.load(sigma) if keeper is not None else None
+    if table is None:
+        table = DiscreteGaussian(sigma)
+        if keeper is not None:
+            keeper.save(table)
+    return table
 
 
 _TABLE_LOCKS: dict[float, threading.Lock] = {}
