@@ -635,6 +635,15 @@ def cmd_bench_restore(args: argparse.Namespace) -> int:
 def cmd_bench_dynamic(args: argparse.Namespace) -> int:
     from dpstream.processor.bench.dynamic import run_dynamic_bench
 
+    if args.throughput:
+        from dpstream.processor.adapters.faust_app import broker_address
+        from dpstream.processor.bench.dynamic_throughput import run_throughput_bench
+
+        if args.updates < 1 or args.restart_live < 1:
+            raise ConfigError("--updates and --restart-live: positive counts")
+        run_throughput_bench(broker_address(args.broker), updates=args.updates, items=args.items, live=args.restart_live,
+                             repeats=args.seeds, json_path=args.json, compare_with=args.compare_with)
+        return 0
     if args.restart:
         from dpstream.processor.bench.dynamic_restart import run_restart_bench
 
@@ -937,6 +946,12 @@ def build_parser() -> argparse.ArgumentParser:
     dyn.add_argument("--restart", action="store_true",
                      help="instead: the time a dynamic query's state takes to restart after a short and a long history with "
                           "the same live items (snapshots keep it in proportion to the live items; --seeds restarts each, median)")
+    dyn.add_argument("--throughput", action="store_true",
+                     help="instead: updates/s of one dynamic query through Kafka (a worker, one partition) and through "
+                          "replay, on the same --updates records (heavy churn over --items, --restart-live live items), "
+                          "--seeds runs each, medians; needs --broker")
+    _broker_arg(dyn)
+    dyn.add_argument("--compare-with", metavar="REV", help="--throughput: also time this repository's worker at another commit")
     dyn.add_argument("--restart-histories", default="100000,10000000", metavar="N,N,...",
                      help="--restart: the histories' update counts (default 100000,10000000)")
     dyn.add_argument("--restart-live", type=int, default=10_000, help="--restart: live items the histories revert to (default 10,000)")

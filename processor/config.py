@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+from functools import lru_cache
 from pathlib import Path
 from typing import Literal, Mapping, Optional, Union, get_args, get_origin
 
@@ -49,6 +50,7 @@ class ConfigError(ValueError):
     """Invalid configuration; the message names the file and the field."""
 
 
+@lru_cache(maxsize=256, typed=True)  # typed: True is refused, 1 is not; per-record callers read tick_ms
 def parse_duration_ms(text: str | int, allow_zero: bool = False) -> int:
     """``'1d'``, ``'15m'``, ``'30s'``, ``'250ms'`` or an integer number of milliseconds."""
     if isinstance(text, bool):

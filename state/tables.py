@@ -1127,8 +1127,19 @@ class DynamicTables:
             yield int.from_bytes(key[-8:], "big"), int.from_bytes(value[:4], "little"), value[4], int.from_bytes(key[-16:-8], "big")
 
     def append(self, batch: WriteBatch, seq: int, item: int, op: int, tick: int) -> None:
-        batch.put(sk.DYNAMIC_TICK_LOG + self.qid + int(tick).to_bytes(8, "big") + int(seq).to_bytes(8, "big"),
-                  int(item).to_bytes(4, "little") + bytes([op]))
+        self.append_many(batch, [seq], [item], [op], [tick])
+
+    def append_many(self, batch: WriteBatch, seqs, items, ops, ticks) -> None:
+        """Log updates: one entry each, keyed by tick and sequence (big-endian, so that a scan
+        and a range delete go by tick), holding the item index (u32) and the op code."""
+        n = len(seqs)
+        keys = np.empty(n, dtype=[("tick", ">u8"), ("seq", ">u8")])
+        keys["tick"], keys["seq"] = ticks, seqs
+        values = np.empty(n, dtype=[("item", "<u4"), ("op", "u1")])
+        values["item"], values["op"] = items, ops
+        prefix, raw_keys, raw_values = sk.DYNAMIC_TICK_LOG + self.qid, keys.tobytes(), values.tobytes()
+        for k in range(n):
+            batch.put(prefix + raw_keys[16 * k:16 * k + 16], raw_values[5 * k:5 * k + 5])
 
     def pinned_plan(self) -> Optional[bytes]:
         return self.store.get(self.plan)

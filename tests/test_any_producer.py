@@ -82,3 +82,28 @@ def test_kafkas_console_producer_writes_keyless_records_and_every_one_is_counted
         sc.wait_for_window_end()
         sc.assert_published_equal(sc.replay())
         assert w.metric("dpstream_events_in_total", query=sc.query) == len(lines)
+
+
+@pytest.mark.parametrize("assignment", ["static", "group"])
+def test_compressed_input_of_every_codec_is_counted_as_replay_counts_it(tmp_path, broker, assignment):
+    """Producers in production compress (lz4 and zstd above all): four stock producers, one per
+    Kafka codec (gzip, snappy, lz4, zstd), each write a quarter of the events, keyed by user. On
+    dd0e14a the worker's reader had only gzip: the first lz4 batch stopped it ("Libraries for lz4
+    compression codec not found"). Every event must be counted and the releases equal replay's."""
+    from confluent_kafka import Producer
+
+    with running(tmp_path, broker) as sc:
+        create_topics(sc.broker, [TopicSpec(sc.input, 4, INPUT_TOPIC_CONFIG)])
+        w = sc.ready_worker("one", extra=("--assignment", "group", "--instance-id", "one") if assignment == "group" else ())
+        lines = _events(sc, 4_000, lead_s=4)
+        codecs = ("gzip", "snappy", "lz4", "zstd")
+        producers = [Producer({"bootstrap.servers": sc.broker, "compression.type": c, "linger.ms": 50}) for c in codecs]
+        for i, line in enumerate(lines):
+            producers[i % 4].produce(sc.input, line, key=json.loads(line)["user_id"].encode())
+        assert all(p.flush(30) == 0 for p in producers)
+        sc.wait_for_window_end()
+        expected = sc.replay()
+        assert len(expected) >= 8
+        sc.assert_published_equal(expected)
+        assert w.metric("dpstream_events_in_total", query=sc.query) == len(lines)
+        assert not [d for d in sc.read(DEAD_LETTER_TOPIC) if d.get("query") == sc.query], "nothing is dead-lettered"

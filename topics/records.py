@@ -229,30 +229,35 @@ class UpdateParser:
         self.items = frozenset(items)
         self._item, self._op, self._time = field_reader(query.item_field), field_reader(query.op_field), field_reader(query.time_field)
         self._unit = None if query.unit_field is None else field_reader(query.unit_field)
+        self._start, self._tick_ms = query.start, query.tick_ms  # read once: every record uses them
 
     def from_mapping(self, obj: Union[Mapping, InvalidRecord]) -> Union[Update, InvalidRecord]:
         if isinstance(obj, InvalidRecord):
             return obj
         q = self.query
-        item = _text(self._item(obj), q.item_field)
-        if isinstance(item, InvalidRecord):
-            return item
-        if item not in self.items:
-            return InvalidRecord(f"field {q.item_field!r} is not in the query's declared items")
+        item = self._item(obj)
+        if type(item) is not str or item not in self.items:  # the usual case skips _text: a declared item is valid text
+            item = _text(item, q.item_field)
+            if isinstance(item, InvalidRecord):
+                return item
+            if item not in self.items:
+                return InvalidRecord(f"field {q.item_field!r} is not in the query's declared items")
         op = self._op(obj)
         if op not in self.OPS:
             return InvalidRecord(f"field {q.op_field!r} must be 'insert' or 'delete'")
-        ts = _event_time(self._time(obj), q.time_field)
-        if isinstance(ts, InvalidRecord):
-            return ts
-        if ts < q.start:
+        ts = self._time(obj)
+        if type(ts) is not int:
+            ts = _event_time(ts, q.time_field)
+            if isinstance(ts, InvalidRecord):
+                return ts
+        if ts < self._start:
             return InvalidRecord(f"field {q.time_field!r} is before the query's start")
         unit = None
-        if q.unit_field is not None:
+        if self._unit is not None:
             unit = _text(self._unit(obj), q.unit_field)
             if isinstance(unit, InvalidRecord):
                 return unit
-        return Update(item, op, (ts - q.start) // q.tick_ms + 1, ts, unit)
+        return Update(item, op, (ts - self._start) // self._tick_ms + 1, ts, unit)
 
 
 class ChangeEventParser:

@@ -442,7 +442,7 @@ class ReplayRunner:
             # the privacy unit: the unit field's value, or else the record itself (one line)
             first = updates[0]
             who = int(self.pseudonyms.users([first.unit])[0]) if first.unit is not None else -line_no
-            return _Held(line_no, raw, first.ts, who, obj)
+            return _Held(line_no, raw, first.ts, who, updates)
         return parse
 
     # -------------------------------------------------------------- meta
@@ -610,7 +610,7 @@ class ReplayRunner:
             # dynamic queries stop at their last update: data-derived, documented (--until is public)
             ends = []
             for dyn in self.dynamic:
-                last = max((u.tick for u in dyn.waiting), default=dyn.decided)
+                last = dyn.last_waiting_tick()
                 ends.append(dyn.query.start + last * dyn.query.tick_ms + dyn.query.lateness_ms)
             self._advance_dynamic(ends, output, summary)
 
@@ -679,8 +679,8 @@ class ReplayRunner:
 
     def _feed_updates(self, dyn: DynamicQueryState, accepted: list[_Held], prior: list[int], batch: WriteBatch,
                       summary, dead_letters) -> None:
-        for h, at in zip(accepted, prior):
-            reason = dyn.apply(h.payload, batch, clock_ms=at)
+        reasons = dyn.apply_parsed([h.payload for h in accepted], batch, prior) if accepted else []
+        for h, reason in zip(accepted, reasons):
             if reason is not None:
                 self._invalid(dyn.query.name, reason, h.line_no, h.raw, summary, dead_letters)
 

@@ -1135,9 +1135,10 @@ class DpstreamWorker:
         topic, partition = key
         source = self.dynamic[key]
         batch, messages = WriteBatch(), []
-        for r, obj in zip(records, self.decoders[topic].decode([r.value for r in records])):
-            for st in self.dynamic_states[key]:
-                reason = st.apply(obj, batch, clock_ms=r.timestamp)
+        objs = self.decoders[topic].decode([r.value for r in records])
+        clocks = [r.timestamp for r in records]  # each judged "future" against its own Kafka timestamp
+        for st in self.dynamic_states[key]:
+            for r, reason in zip(records, st.apply_records(objs, batch, clocks)):
                 if reason is not None:
                     messages.append(self._letter(st.query.name, reason, r.value or b"", f"{topic}/{partition}@{r.offset}"))
         return StageOneResult(source, batch, records[-1].offset, messages, read_ms=broker_stamped_max(records))
@@ -1448,6 +1449,8 @@ class DpstreamWorker:
             queries.append({"name": q.name, "kind": "dynamic", "output_topic": q.output_topic, "aggregate": "count",
                             "epsilon": q.epsilon, "delta": q.delta,
                             "tick": q.tick, "events_in": sum(st.updates_in for st in states),
+                            # every tick up to this one is decided (its releases computed): public, the clock's
+                            "decided_tick": max((st.decided for st in states), default=None),
                             "releases": sum(st.releases for st in states),
                             "dead_letters": {reason: n for (name, reason), n in sorted(self.dead_letters.items()) if name == q.name}})
         budget = None

@@ -62,7 +62,8 @@ def build_history(path: Path, query: DynamicQueryConfig, secret: bytes, updates:
         store.write(mark)
     seconds = time.perf_counter() - started
     fed = {"updates": updates, "feed_seconds": seconds, "updates_per_second": updates / seconds,
-           "live_items": state.counter.live_size(), "segments": state.counter.segment - 1}
+           # the items present (the exact counts; the baseline's state holds counts, not instances)
+           "live_items": int(np.clip(state.counter.exact, 0, None).sum()), "segments": state.counter.segment - 1}
     store.close()
     return fed
 

@@ -29,7 +29,9 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Mapping, Optional, Union
+from typing import Mapping, Optional, Sequence, Union
+
+import numpy as np
 
 from dpstream.accountant import pins
 from dpstream.accountant.intervals import CI_FIELD, discrete_laplace_sum_halfwidth
@@ -106,8 +108,8 @@ class DynamicQueryState:
         self._units.update(self.tables.units())
         self.published = self.tables.last_published()
         self.pending: list[DynamicRelease] = []  # recomputed by the recovery, not yet published
-        #: logged updates of ticks not decided yet
-        self.waiting: list[LoggedUpdate] = []
+        #: logged updates of ticks not decided yet, as columns: sequence, item index, op code, tick
+        self._waiting: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])
         self._next_seq = 0
         #: sequence numbers of the logged updates the counter took in since its last snapshot
         self._taken_in: list[int] = []
@@ -123,7 +125,7 @@ class DynamicQueryState:
             if tick <= self._snapshot_through:
                 self._taken_in.append(seq)  # in the snapshot already; its entry goes with the next one
             else:
-                self.waiting.append(LoggedUpdate(seq, item, OP_NAMES[op], tick))
+                self._wait(seq, item, op, tick)
         decided = self.tables.last_decided()
         if decided is not None:
             self.pending += [r for r in self._decide(decided) if r.segment > self.published]
@@ -152,6 +154,22 @@ class DynamicQueryState:
         """Every tick <= this has been decided."""
         return self.counter.decided
 
+    @property
+    def waiting(self) -> list[LoggedUpdate]:
+        """The logged updates of ticks not decided yet, in arrival order."""
+        return [LoggedUpdate(seq, item, OP_NAMES[op], tick) for seq, item, op, tick in zip(*self._waiting)]
+
+    def last_waiting_tick(self) -> int:
+        """The latest tick of a logged update not decided yet (else the last decided tick)."""
+        return max(self._waiting[3], default=self.decided)
+
+    def _wait(self, seq: int, item: int, op: int, tick: int) -> None:
+        seqs, items, ops, ticks = self._waiting
+        seqs.append(seq)
+        items.append(item)
+        ops.append(op)
+        ticks.append(tick)
+
     def parse(self, obj: Union[Mapping, InvalidRecord]) -> Union[list[Update], InvalidRecord]:
         """The updates a decoded record holds, all at its time and of its unit (one; for a change
         event none, one or two: dpstream.topics.records.ChangeEventParser), or why it is invalid."""
@@ -163,49 +181,84 @@ class DynamicQueryState:
         refused (then it is dead-lettered): invalid, late (its tick is decided), or future (dated
         more than ``max_skew`` after ``clock_ms``, the clock it arrived at). The caller writes the
         batch."""
-        self.updates_in += 1
+        return self.apply_records([obj], batch, None if clock_ms is None else [clock_ms])[0]
+
+    def apply_records(self, objs: Sequence[Union[dict, InvalidRecord]], batch: WriteBatch,
+                      clocks_ms: Optional[Sequence[int]] = None) -> list[Optional[str]]:
+        """:meth:`apply` for each record in turn (``clocks_ms[i]``: the clock record i arrived
+        at), with the same outcome as one call each: the log entries go into ``batch`` at once.
+        Returns each record's refusal (None: taken, or dropped without a dead letter)."""
         if self.refused:
-            self.dropped["budget"] += 1
-            return None
-        parsed = self.parse(obj)
-        if isinstance(parsed, InvalidRecord):
-            self.dropped["malformed"] += 1
-            return parsed.reason
-        if not parsed:
-            return None  # a tombstone, or a change that leaves every count as it was
-        tick, ts, unit = parsed[0].tick, parsed[0].ts, parsed[0].unit  # a record's updates share them
-        if tick <= self.counter.decided:
-            self.dropped["late"] += 1
-            return "late: its time is in an already decided tick"
-        if clock_ms is not None and ts > clock_ms + self.query.max_skew_ms:
-            self.dropped["future"] += 1
-            return f"future: field {self.query.time_field!r} is more than {self.query.max_skew} after the clock"
-        if unit is not None:
-            # a record counts whole or not at all: a unit never passes its bound by half a change
-            uid = int(self.pseudonyms.users([unit])[0])
-            used = self._units.get(uid, 0)
-            if used + len(parsed) > self.query.contribution_bound:
-                self.dropped["contribution_bound"] += 1
-                return None
-            self._units[uid] = used + len(parsed)
-            self.tables.put_unit(batch, uid, used + len(parsed))
-        for u in parsed:
-            update = LoggedUpdate(self._next_seq, self.counter.index[u.item], u.op, tick)
-            self._next_seq += 1
-            self.tables.append(batch, update.seq, update.item, OPS[u.op], tick)
-            self.waiting.append(update)
-        return None
+            return self.apply_parsed([[]] * len(objs), batch)
+        return self.apply_parsed([self.parse(obj) for obj in objs], batch, clocks_ms)
+
+    def apply_parsed(self, parsed: Sequence[Union[list[Update], InvalidRecord]], batch: WriteBatch,
+                     clocks_ms: Optional[Sequence[int]] = None) -> list[Optional[str]]:
+        """:meth:`apply_records` of records :meth:`parse` has read already: checked one after
+        another - late against the decided ticks, future against its clock, each unit's bound in
+        arrival order - and logged. A record counts whole or not at all: a unit never passes its
+        bound by half a change."""
+        self.updates_in += len(parsed)
+        if self.refused:
+            self.dropped["budget"] += len(parsed)
+            return [None] * len(parsed)
+        reasons: list[Optional[str]] = [None] * len(parsed)
+        decided, skew = self.counter.decided, self.query.max_skew_ms
+        bound = self.query.contribution_bound
+        units = [u[0].unit for u in parsed if isinstance(u, list) and u and u[0].unit is not None]
+        uids = iter(self.pseudonyms.users(units).tolist()) if units else iter(())
+        index, seqs, items, ops, ticks = self.counter.index, *self._waiting
+        first = self._next_seq
+        for i, updates in enumerate(parsed):
+            if isinstance(updates, InvalidRecord):
+                self.dropped["malformed"] += 1
+                reasons[i] = updates.reason
+                continue
+            if not updates:
+                continue  # a tombstone, or a change that leaves every count as it was
+            head = updates[0]
+            uid = next(uids) if head.unit is not None else None
+            tick = head.tick  # a record's updates share its time and unit
+            if tick <= decided:
+                self.dropped["late"] += 1
+                reasons[i] = "late: its time is in an already decided tick"
+                continue
+            if clocks_ms is not None and head.ts > clocks_ms[i] + skew:
+                self.dropped["future"] += 1
+                reasons[i] = f"future: field {self.query.time_field!r} is more than {self.query.max_skew} after the clock"
+                continue
+            if uid is not None:
+                used = self._units.get(uid, 0)
+                if used + len(updates) > bound:
+                    self.dropped["contribution_bound"] += 1
+                    continue
+                self._units[uid] = used + len(updates)
+                self.tables.put_unit(batch, uid, used + len(updates))
+            for u in updates:
+                seqs.append(self._next_seq)
+                items.append(index[u.item])
+                ops.append(OPS[u.op])
+                ticks.append(tick)
+                self._next_seq += 1
+        if self._next_seq > first:
+            n = self._next_seq - first
+            self.tables.append_many(batch, seqs[-n:], items[-n:], ops[-n:], ticks[-n:])
+        return reasons
 
     def _decide(self, last: int) -> list[DynamicRelease]:
         """Feed the waiting updates of ticks <= ``last`` in (tick, arrival) order - every one of
         them: each was judged on its own fields and the clock when it was logged - and decide
         every tick up to ``last``. Returns the releases."""
-        due = sorted((u for u in self.waiting if u.tick <= last), key=lambda u: (u.tick, u.seq))
-        self.waiting = [u for u in self.waiting if u.tick > last]
         releases = []
-        for u in due:
-            releases += self.counter.apply(self.query.items[u.item], u.op, u.tick)
-            self._taken_in.append(u.seq)
+        if self._waiting[0]:
+            seq, item, op, tick = (np.array(column, dtype=np.int64) for column in self._waiting)
+            due = tick <= last
+            order = np.flatnonzero(due)
+            order = order[np.lexsort((seq[order], tick[order]))]
+            releases += self.counter.apply_many(item[order], op[order] == OPS["insert"], tick[order])
+            self._taken_in += seq[order].tolist()
+            rest = np.flatnonzero(~due)
+            self._waiting = tuple(column[rest].tolist() for column in (seq, item, op, tick))
         releases += self.counter.advance_to(last + 1)
         return releases
 

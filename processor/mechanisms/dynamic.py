@@ -467,7 +467,8 @@ class DynamicCounter:
             self.deletes = InsertionOnlyCounter(eps, self.dims, self.noise, "baseline:deletes")
 
     def live_size(self) -> int:
-        """Live instances: what a snapshot holds (in proportion), whatever the history."""
+        """Live instances: what a snapshot holds (in proportion), whatever the history. The
+        baseline keeps none (its counts are its state): 0."""
         return len(self.live)
 
     def snapshot(self) -> dict:
@@ -498,7 +499,8 @@ class DynamicCounter:
         self.segment, self.decided, self.tick = int(state["segment"]), int(state["decided"]), int(state["tick"])
         self._undecided, self.updates, self._next_id = int(state["undecided"]), int(state["updates"]), int(state["next_id"])
         self.exact = np.array(state["exact"], dtype=np.int64)
-        ids = np.asarray(state["live_ids"]).tolist()
+        # the baseline keeps no instances (a snapshot of an earlier version may list some: unused)
+        ids = np.asarray(state["live_ids"]).tolist() if self.plan.mechanism == "interval_tree" else []
         self.live = {iid: Instance(item, segment) for iid, item, segment in
                      zip(ids, np.asarray(state["live_items"]).tolist(), np.asarray(state["live_segments"]).tolist())}
         self.stacks = defaultdict(list)  # newest last: ids grow with insertion
@@ -544,6 +546,41 @@ class DynamicCounter:
         self._undecided += 1
         return releases
 
+    def apply_many(self, items: np.ndarray, inserts: np.ndarray, ticks: np.ndarray) -> list[DynamicRelease]:
+        """:meth:`apply` for each update in turn - item indices, whether each is an insert, and
+        ticks that never go back - with the same result, state and releases as one call per
+        update (tests/test_dynamic_batches.py). The baseline takes a tick's updates as counts
+        (bincount), the interval tree one at a time (its deletes match instances in order)."""
+        items = np.asarray(items, dtype=np.int64)
+        inserts = np.asarray(inserts, dtype=bool)
+        ticks = np.asarray(ticks, dtype=np.int64)
+        if not len(ticks):
+            return []
+        first = int(ticks[0])
+        if first <= self.decided or first < self.tick or (len(ticks) > 1 and bool((np.diff(ticks) < 0).any())):
+            raise InvalidUpdate("late: its time is before an already decided tick")
+        if len(items) and (int(items.min()) < 0 or int(items.max()) >= self.dims):
+            raise InvalidUpdate("field 'item' is not in the query's declared items")
+        releases = []
+        starts = np.flatnonzero(np.r_[True, ticks[1:] != ticks[:-1]])
+        ends = np.r_[starts[1:], len(ticks)]
+        for lo, hi in zip(starts.tolist(), ends.tolist()):
+            tick = int(ticks[lo])
+            releases += self.advance_to(tick)
+            if self.plan.mechanism == "interval_tree":
+                for x, ins in zip(items[lo:hi].tolist(), inserts[lo:hi].tolist()):
+                    self._record(self.items[x], "insert" if ins else "delete")
+            else:
+                added = np.bincount(items[lo:hi][inserts[lo:hi]], minlength=self.dims)
+                removed = np.bincount(items[lo:hi][~inserts[lo:hi]], minlength=self.dims)
+                self._ins_counts += added
+                self._del_counts += removed
+                self.exact += added - removed
+                self.updates += hi - lo
+            self.tick = tick
+            self._undecided += hi - lo
+        return releases
+
     def advance_to(self, tick: int) -> list[DynamicRelease]:
         """Decide every tick before ``tick``; returns the releases of the segments closed."""
         n = tick - 1 - self.decided
@@ -569,6 +606,17 @@ class DynamicCounter:
 
     def _record(self, item: str, op: str) -> None:
         x = self.index[item]
+        if self.plan.mechanism == "baseline":
+            # inserts minus deletes, whatever is present (below zero only on an invalid stream):
+            # the baseline's releases need no instances, so it keeps none
+            if op == "insert":
+                self._ins_counts[x] += 1
+                self.exact[x] += 1
+            else:
+                self._del_counts[x] += 1
+                self.exact[x] -= 1
+            self.updates += 1
+            return
         if op == "insert":
             iid = self._next_id
             self._next_id += 1
@@ -578,11 +626,9 @@ class DynamicCounter:
             self._ins_counts[x] += 1
             self.exact[x] += 1
         else:
-            self._del_counts[x] += 1  # the baseline counts every delete, present or not
+            self._del_counts[x] += 1
             if self.stacks[x]:
                 self._match_delete(x)
-            elif self.plan.mechanism == "baseline":
-                self.exact[x] -= 1  # inserts minus deletes: below zero only on an invalid stream
             # else: no live instance, the interval tree has nothing to delete
         self.updates += 1
 

@@ -1,0 +1,176 @@
+"""``dpstream bench dynamic --throughput``: updates/s of one dynamic query, through Kafka (one
+worker) and through replay, on the same update records in the same run.
+
+The records are a heavy-churn stream (:func:`dpstream.processor.bench.dynamic.generate_stream`,
+its live items reverting to ``--restart-live``) over ``--items`` labels in the
+``{"item", "op", "ts"}`` format, dated at the moment they are produced, in the order produced:
+the update topic (one partition, ``LogAppendTime``) holds them before a worker starts. Then,
+``--seeds`` times each, alternating:
+
+* replay: ``ReplayRunner`` (``dpstream replay``) reads the same records from a file, with the
+  same query on a fresh state directory, to the end, every tick decided (``--until`` the last
+  record's time plus the lateness);
+* worker: ``dpstream worker`` in a subprocess, fresh state and a fresh application id, timed
+  from its readiness until its metrics show every record read and logged
+  (``dpstream_events_in_total``) and its status page every tick up to the last record's decided
+  (``decided_tick``): its timer decides ticks as its watermark (the records' broker times)
+  passes them, so the counter's work is in the time. The run fails if the worker dropped any
+  update. ``--compare-with REV``: the same with that commit's worker (timed to the updates
+  logged if it does not report its decided tick).
+
+Reported: each median, and the worker's rate against replay's.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+from dpstream.processor.bench.dynamic import generate_stream
+from dpstream.processor.bench.kafka import _metrics, _start_workers, _stop_workers, older_code
+from dpstream.processor.bench.report import machine
+from dpstream.processor.config import parse_duration_ms
+
+TICK = "1s"
+LATENESS_MS = 1000
+
+
+def query_yaml(name: str, topic: str, items: int, start_ms: int) -> str:
+    labels = ", ".join(f'"item{k}"' for k in range(items))
+    return (f"dynamic:\n  - name: {name}\n    input_topic: {topic}\n    output_topic: {topic}-counts\n"
+            f"    items: [{labels}]\n    start: {start_ms}\n    tick: {TICK}\n    allowed_lateness: {LATENESS_MS}ms\n"
+            f"    epsilon: 1.0\n    mechanism: baseline\n")
+
+
+def produce_updates(broker: str, topic: str, updates: int, items: int, live: int, seed: int) -> tuple[list[bytes], int]:
+    """The stream, dated as produced (``LogAppendTime`` topic of one partition); returns the
+    records as written and the last one's time."""
+    from confluent_kafka import Producer
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    admin = AdminClient({"bootstrap.servers": broker})
+    admin.create_topics([NewTopic(topic, 1, 1, config={"message.timestamp.type": "LogAppendTime"})])[topic].result(30)
+    which, inserts = generate_stream("heavy_churn", updates, items, seed, target=live)
+    producer = Producer({"bootstrap.servers": broker, "linger.ms": 20, "batch.size": 1_000_000, "compression.type": "lz4",
+                         "queue.buffering.max.messages": 2_000_000})
+    lines, last = [], 0
+    ops = (b'"delete"', b'"insert"')
+    for lo in range(0, updates, 10_000):
+        now = int(time.time() * 1000)
+        for x, ins in zip(which[lo:lo + 10_000].tolist(), inserts[lo:lo + 10_000].tolist()):
+            line = b'{"item": "item%d", "op": %s, "ts": %d}' % (x, ops[ins], now)
+            lines.append(line)
+            while True:
+                try:
+                    producer.produce(topic, line)
+                    break
+                except BufferError:
+                    producer.poll(0.05)
+        producer.poll(0)
+        last = now
+    if producer.flush(120):
+        raise RuntimeError("the update records were not all acknowledged")
+    return lines, last
+
+
+def replay_rate(config_text: str, lines: list[bytes], until_ms: int) -> tuple[float, int]:
+    """Updates/s of a replay of ``lines`` (fresh state), and its releases."""
+    from dpstream.processor.adapters.replay import ReplayRunner
+    from dpstream.processor.config import load_config
+
+    with tempfile.TemporaryDirectory(prefix="dpstream-bench-") as tmp:
+        path, config_path = Path(tmp) / "updates.jsonl", Path(tmp) / "q.yaml"
+        path.write_bytes(b"\n".join(lines) + b"\n")
+        config_path.write_text(config_text)
+        runner = ReplayRunner(load_config(str(config_path)), bytes(range(1, 33)), None, log=io.StringIO(), noise_label="bench")
+        out = io.StringIO()
+        started = time.perf_counter()
+        try:
+            runner.run(str(path), out, until_ms=until_ms)
+        finally:
+            runner.close()
+        elapsed = time.perf_counter() - started
+    return len(lines) / elapsed, out.getvalue().count("\n")
+
+
+def _decided_tick(port: int) -> int:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/status.json", timeout=5) as r:
+        status = json.loads(r.read())
+    return max((q.get("decided_tick") or 0 for q in status["queries"] if q.get("kind") == "dynamic"), default=0)
+
+
+def worker_rate(broker: str, config_text: str, key_file: str, expected: int, last_tick: int, code: str | None = None
+                ) -> tuple[float, dict]:
+    """One worker's updates/s (``code``: another commit's worker, :func:`older_code`): until every
+    update is read and logged and every tick up to ``last_tick`` decided, so the counter's work is
+    in the time. (A worker that does not report its decided tick is timed to the updates logged.)"""
+    with tempfile.TemporaryDirectory(prefix="dpstream-bench-") as state:
+        config_path = Path(state) / "q.yaml"
+        config_path.write_text(config_text)
+        procs, ports = _start_workers(broker, str(config_path), key_file, 1, Path(state), 1, code=code)
+        try:
+            started = time.perf_counter()
+            while True:
+                m = _metrics(ports[0])
+                if m.get("dpstream_events_in_total", 0) >= expected and (code is not None or _decided_tick(ports[0]) >= last_tick):
+                    elapsed = time.perf_counter() - started
+                    m["elapsed_s"] = elapsed
+                    return expected / elapsed, m
+                if time.perf_counter() - started > 600:
+                    raise RuntimeError(f"the worker read {m.get('dpstream_events_in_total', 0):.0f} of {expected} updates in 600 s")
+                time.sleep(0.05)
+        finally:
+            _stop_workers(procs)
+
+
+def run_throughput_bench(broker: str, updates: int, items: int, live: int, repeats: int, json_path: str | None,
+                         compare_with: str | None = None, out=sys.stderr) -> dict:
+    p = lambda s="": print(s, file=out, flush=True)  # noqa: E731
+    topic = f"bench-updates-{uuid.uuid4().hex[:8]}"
+    start_ms = int(time.time() * 1000) // 1000 * 1000 - 60_000
+    config_text = query_yaml("bench_dynamic", topic, items, start_ms)
+    p(f"bench dynamic --throughput: {updates:,} updates over {items} items (heavy churn, live items ~{live:,}), "
+      f"tick {TICK}, one partition, {repeats} run(s) each")
+    lines, last = produce_updates(broker, topic, updates, items, live, seed=7)
+    until = last + LATENESS_MS + 1000
+    last_tick = (last - start_ms) // parse_duration_ms(TICK) + 1
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="dpstream-bench-key-"))
+        older = stack.enter_context(older_code(compare_with)) if compare_with else None
+        key_file = Path(tmp) / "noise.key"
+        key_file.write_text(bytes(range(1, 33)).hex())
+        key_file.chmod(0o600)
+        runs: dict[str, list[float]] = {"replay": [], "worker": [], **({"older": []} if older else {})}
+        releases = []
+        for r in range(repeats):
+            rate, n = replay_rate(config_text, lines, until)
+            runs["replay"].append(rate)
+            releases.append(n)
+            p(f"  run {r + 1}: replay {rate:,.0f} updates/s ({n} releases)")
+            for kind, code in [("worker", None), *([("older", older)] if older else [])]:
+                rate, m = worker_rate(broker, config_text, str(key_file), updates, last_tick, code)
+                if m.get("dpstream_events_dropped_total", 0):
+                    raise RuntimeError(f"the {kind} worker dropped {m['dpstream_events_dropped_total']:.0f} updates")
+                runs[kind].append(rate)
+                p(f"  run {r + 1}: {'worker' if code is None else 'worker at ' + compare_with} {rate:,.0f} updates/s "
+                  f"({m['elapsed_s']:.1f} s from ready)")
+    report = {"machine": machine(), "updates": updates, "items": items, "live": live, "tick": TICK, "runs": runs,
+              "replay_releases": releases, **{f"{k}_updates_per_s": statistics.median(v) for k, v in runs.items()}}
+    report["worker_over_replay"] = report["worker_updates_per_s"] / report["replay_updates_per_s"]
+    line = (f"medians: worker {report['worker_updates_per_s']:,.0f} updates/s, replay {report['replay_updates_per_s']:,.0f} "
+            f"updates/s (worker/replay {report['worker_over_replay']:.2f}x)")
+    if older:
+        report["compare_with"] = compare_with
+        report["worker_over_older"] = report["worker_updates_per_s"] / report["older_updates_per_s"]
+        line += f"; worker at {compare_with} {report['older_updates_per_s']:,.0f} updates/s ({report['worker_over_older']:.2f}x)"
+    p(line)
+    if json_path:
+        Path(json_path).write_text(json.dumps(report, indent=1))
+    return report
