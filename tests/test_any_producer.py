@@ -95,7 +95,7 @@ def test_compressed_input_of_every_codec_is_counted_as_replay_counts_it(tmp_path
     with running(tmp_path, broker) as sc:
         create_topics(sc.broker, [TopicSpec(sc.input, 4, INPUT_TOPIC_CONFIG)])
         w = sc.ready_worker("one", extra=("--assignment", "group", "--instance-id", "one") if assignment == "group" else ())
-        lines = _events(sc, 4_000, lead_s=4)
+        lines = _events(sc, 4_200, lead_s=4)  # a multiple of 3: every user at the bound exactly (_events)
         codecs = ("gzip", "snappy", "lz4", "zstd")
         producers = [Producer({"bootstrap.servers": sc.broker, "compression.type": c, "linger.ms": 50}) for c in codecs]
         for i, line in enumerate(lines):

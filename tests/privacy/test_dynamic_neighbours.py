@@ -77,14 +77,21 @@ def tick_order(stream):
 @contextlib.contextmanager
 def recording():
     """Record what the real counter takes in, by wrapping (and calling through) the real
-    methods: each update given to DynamicCounter.apply, the per-tick counts given to the
-    partitioner, and the increments fed to the baseline's two insertion-only counters."""
+    methods: each update given to DynamicCounter.apply or apply_many (the engine's path: decided
+    updates by the stretch), the per-tick counts given to the partitioner, and the increments fed
+    to the baseline's two insertion-only counters."""
     rec = {"taken": [], "ticks": Counter(), "fed": defaultdict(lambda: np.zeros(len(ITEMS), dtype=np.int64))}
     apply, advance, feed = mech.DynamicCounter.apply, mech.PrivatePartitioner.advance, mech.InsertionOnlyCounter.feed
+    apply_many = mech.DynamicCounter.apply_many
 
     def spy_apply(self, item, op, tick):
         rec["taken"].append((self.index[item], op, tick))
         return apply(self, item, op, tick)
+
+    def spy_apply_many(self, items, inserts, ticks):
+        rec["taken"] += [(x, "insert" if ins else "delete", t) for x, ins, t in
+                         zip(np.asarray(items).tolist(), np.asarray(inserts).tolist(), np.asarray(ticks).tolist())]
+        return apply_many(self, items, inserts, ticks)
 
     def spy_advance(self, counts):
         for k, c in enumerate(np.asarray(counts).tolist()):
@@ -99,6 +106,7 @@ def recording():
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(mech.DynamicCounter, "apply", spy_apply)
+        mp.setattr(mech.DynamicCounter, "apply_many", spy_apply_many)
         mp.setattr(mech.PrivatePartitioner, "advance", spy_advance)
         mp.setattr(mech.InsertionOnlyCounter, "feed", spy_feed)
         yield rec
