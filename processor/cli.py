@@ -642,7 +642,7 @@ def cmd_bench_dynamic(args: argparse.Namespace) -> int:
         if args.updates < 1 or args.restart_live < 1:
             raise ConfigError("--updates and --restart-live: positive counts")
         run_throughput_bench(broker_address(args.broker), updates=args.updates, items=args.items, live=args.restart_live,
-                             repeats=args.seeds, json_path=args.json, compare_with=args.compare_with)
+                             repeats=args.seeds, json_path=args.json, compare_with=args.compare_with, envelope=args.envelope)
         return 0
     if args.restart:
         from dpstream.processor.bench.dynamic_restart import run_restart_bench
@@ -952,6 +952,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "--seeds runs each, medians; needs --broker")
     _broker_arg(dyn)
     dyn.add_argument("--compare-with", metavar="REV", help="--throughput: also time this repository's worker at another commit")
+    dyn.add_argument("--envelope", choices=("none", "debezium"), default="none",
+                     help="--throughput: the records' shape: update records (default) or a table's Debezium change events")
     dyn.add_argument("--restart-histories", default="100000,10000000", metavar="N,N,...",
                      help="--restart: the histories' update counts (default 100000,10000000)")
     dyn.add_argument("--restart-live", type=int, default=10_000, help="--restart: live items the histories revert to (default 10,000)")

@@ -280,20 +280,23 @@ class ChangeEventParser:
         self.items = frozenset(items)
         self._item, self._time = field_reader(query.item_field), field_reader(query.time_field)
         self._unit = None if query.unit_field is None else field_reader(query.unit_field)
+        self._start, self._tick_ms = query.start, query.tick_ms  # read once: every record uses them
 
     def _image(self, event: Mapping, side: str, op: str) -> Union[tuple[str, Optional[str]], InvalidRecord]:
         """The (item, unit) of the event's ``before`` or ``after`` row."""
         row = event.get(side)
-        if not isinstance(row, Mapping):
+        if type(row) is not dict and not isinstance(row, Mapping):  # decoded JSON: a dict, checked at once
             why = " (a delete or update needs the row's old values: PostgreSQL tables need REPLICA IDENTITY FULL)" \
                 if side == "before" else ""
             return InvalidRecord(f"field {side!r} is missing or null for op {op!r}{why}")
         q = self.query
-        item = _text(self._item(row), f"{side}.{q.item_field}")
-        if isinstance(item, InvalidRecord):
-            return item
-        if item not in self.items:
-            return InvalidRecord(f"field {side}.{q.item_field!r} is not in the query's declared items")
+        item = self._item(row)
+        if type(item) is not str or item not in self.items:  # the usual case skips _text: a declared item is valid text
+            item = _text(item, f"{side}.{q.item_field}")
+            if isinstance(item, InvalidRecord):
+                return item
+            if item not in self.items:
+                return InvalidRecord(f"field {side}.{q.item_field!r} is not in the query's declared items")
         unit = None
         if self._unit is not None:
             unit = _text(self._unit(row), f"{side}.{q.unit_field}")
@@ -302,10 +305,11 @@ class ChangeEventParser:
         return item, unit
 
     def from_mapping(self, obj: Union[Mapping, InvalidRecord]) -> Union[list[Update], InvalidRecord]:
-        if obj is TOMBSTONE or obj == TOMBSTONE:
-            return []
-        if isinstance(obj, InvalidRecord):
-            return obj
+        if type(obj) is not dict:  # decoded JSON is a dict: the other checks are for the rest
+            if obj is TOMBSTONE or obj == TOMBSTONE:
+                return []
+            if isinstance(obj, InvalidRecord):
+                return obj
         if len(obj) == 2 and "payload" in obj and "schema" in obj:  # JsonConverter with schemas.enable=true
             obj = obj["payload"]
             if not isinstance(obj, Mapping):
@@ -314,12 +318,14 @@ class ChangeEventParser:
         op = obj.get("op")
         if op not in ("c", "r", "u", "d"):
             return InvalidRecord("field 'op' must be 'c', 'r', 'u' or 'd' (a Debezium change event's)")
-        ts = _event_time(self._time(obj), q.time_field)
-        if isinstance(ts, InvalidRecord):
-            return ts
-        if ts < q.start:
+        ts = self._time(obj)
+        if type(ts) is not int:
+            ts = _event_time(ts, q.time_field)
+            if isinstance(ts, InvalidRecord):
+                return ts
+        if ts < self._start:
             return InvalidRecord(f"field {q.time_field!r} is before the query's start")
-        tick = (ts - q.start) // q.tick_ms + 1
+        tick = (ts - self._start) // self._tick_ms + 1
         out = []
         if op in ("u", "d"):
             old = self._image(obj, "before", op)

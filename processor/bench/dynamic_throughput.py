@@ -42,16 +42,52 @@ TICK = "1s"
 LATENESS_MS = 1000
 
 
-def query_yaml(name: str, topic: str, items: int, start_ms: int) -> str:
+def query_yaml(name: str, topic: str, items: int, start_ms: int, envelope: str = "none") -> str:
     labels = ", ".join(f'"item{k}"' for k in range(items))
-    return (f"dynamic:\n  - name: {name}\n    input_topic: {topic}\n    output_topic: {topic}-counts\n"
+    shape = "    envelope: debezium\n    item_field: plan\n" if envelope == "debezium" else ""
+    return (f"dynamic:\n  - name: {name}\n    input_topic: {topic}\n    output_topic: {topic}-counts\n{shape}"
             f"    items: [{labels}]\n    start: {start_ms}\n    tick: {TICK}\n    allowed_lateness: {LATENESS_MS}ms\n"
             f"    epsilon: 1.0\n    mechanism: baseline\n")
 
 
-def produce_updates(broker: str, topic: str, updates: int, items: int, live: int, seed: int) -> tuple[list[bytes], int]:
-    """The stream, dated as produced (``LogAppendTime`` topic of one partition); returns the
-    records as written and the last one's time."""
+class ChangeEvents:
+    """The stream as a table's Debezium change events (plain envelope, JSON without schemas, as
+    Kafka Connect's JsonConverter with ``schemas.enable=false`` writes them): an insert is a
+    ``c`` event of a new row, a delete a ``d`` event of a live row of that item (its ``before``
+    image), and after every fourth insert a ``u`` event edits a live row without moving it to
+    another item (most updates of a real table touch other columns), which carries no update."""
+
+    def __init__(self):
+        self.rows: dict[int, list[int]] = {}  # item -> live row ids
+        self.next_id = 1
+
+    def row(self, rid: int, item: int) -> bytes:
+        return b'{"id":%d,"customer_id":"c%d","plan":"item%d","seats":%d,"renews_at":"2027-01-%02dT00:00:00Z"}' % (
+            rid, rid % 99_991, item, rid % 7 + 1, rid % 28 + 1)
+
+    def event(self, op: bytes, before: bytes, after: bytes, ts: int, rid: int) -> bytes:
+        return (b'{"before":%s,"after":%s,"source":{"version":"2.7.3.Final","connector":"postgresql","name":"dbserver1",'
+                b'"ts_ms":%d,"db":"app","schema":"public","table":"subscriptions","txId":%d,"lsn":%d},"op":"%s",'
+                b'"ts_ms":%d,"transaction":null}') % (before, after, ts - 5, rid, rid * 8, op, ts)
+
+    def lines(self, item: int, insert: bool, ts: int) -> list[bytes]:
+        if insert:
+            rid, self.next_id = self.next_id, self.next_id + 1
+            self.rows.setdefault(item, []).append(rid)
+            out = [self.event(b"c", b"null", self.row(rid, item), ts, rid)]
+            if rid % 4 == 0:
+                out.append(self.event(b"u", self.row(rid, item), self.row(rid + 1, item).replace(b'"id":%d' % (rid + 1), b'"id":%d' % rid),
+                                      ts, rid))
+            return out
+        rid = self.rows[item].pop()
+        return [self.event(b"d", self.row(rid, item), b"null", ts, rid)]
+
+
+def produce_updates(broker: str, topic: str, updates: int, items: int, live: int, seed: int, envelope: str = "none"
+                    ) -> tuple[list[bytes], int]:
+    """The stream, dated as produced (``LogAppendTime`` topic of one partition), as update
+    records or (``envelope`` debezium) as :class:`ChangeEvents`; returns the records as written
+    and the last one's time."""
     from confluent_kafka import Producer
     from confluent_kafka.admin import AdminClient, NewTopic
 
@@ -62,17 +98,18 @@ def produce_updates(broker: str, topic: str, updates: int, items: int, live: int
                          "queue.buffering.max.messages": 2_000_000})
     lines, last = [], 0
     ops = (b'"delete"', b'"insert"')
+    table = ChangeEvents() if envelope == "debezium" else None
     for lo in range(0, updates, 10_000):
         now = int(time.time() * 1000)
         for x, ins in zip(which[lo:lo + 10_000].tolist(), inserts[lo:lo + 10_000].tolist()):
-            line = b'{"item": "item%d", "op": %s, "ts": %d}' % (x, ops[ins], now)
-            lines.append(line)
-            while True:
-                try:
-                    producer.produce(topic, line)
-                    break
-                except BufferError:
-                    producer.poll(0.05)
+            for line in table.lines(x, ins, now) if table else [b'{"item": "item%d", "op": %s, "ts": %d}' % (x, ops[ins], now)]:
+                lines.append(line)
+                while True:
+                    try:
+                        producer.produce(topic, line)
+                        break
+                    except BufferError:
+                        producer.poll(0.05)
         producer.poll(0)
         last = now
     if producer.flush(120):
@@ -80,8 +117,9 @@ def produce_updates(broker: str, topic: str, updates: int, items: int, live: int
     return lines, last
 
 
-def replay_rate(config_text: str, lines: list[bytes], until_ms: int) -> tuple[float, int]:
-    """Updates/s of a replay of ``lines`` (fresh state), and its releases."""
+def replay_rate(config_text: str, lines: list[bytes], until_ms: int, updates: int | None = None) -> tuple[float, int]:
+    """Updates/s of a replay of ``lines`` (fresh state; ``updates`` they carry, default one
+    each), and its releases."""
     from dpstream.processor.adapters.replay import ReplayRunner
     from dpstream.processor.config import load_config
 
@@ -97,7 +135,7 @@ def replay_rate(config_text: str, lines: list[bytes], until_ms: int) -> tuple[fl
         finally:
             runner.close()
         elapsed = time.perf_counter() - started
-    return len(lines) / elapsed, out.getvalue().count("\n")
+    return (updates or len(lines)) / elapsed, out.getvalue().count("\n")
 
 
 def _decided_tick(port: int) -> int:
@@ -106,8 +144,8 @@ def _decided_tick(port: int) -> int:
     return max((q.get("decided_tick") or 0 for q in status["queries"] if q.get("kind") == "dynamic"), default=0)
 
 
-def worker_rate(broker: str, config_text: str, key_file: str, expected: int, last_tick: int, code: str | None = None
-                ) -> tuple[float, dict]:
+def worker_rate(broker: str, config_text: str, key_file: str, expected: int, last_tick: int, code: str | None = None,
+                updates: int | None = None) -> tuple[float, dict]:
     """One worker's updates/s (``code``: another commit's worker, :func:`older_code`): until every
     update is read and logged and every tick up to ``last_tick`` decided, so the counter's work is
     in the time. (A worker that does not report its decided tick is timed to the updates logged.)"""
@@ -122,7 +160,7 @@ def worker_rate(broker: str, config_text: str, key_file: str, expected: int, las
                 if m.get("dpstream_events_in_total", 0) >= expected and (code is not None or _decided_tick(ports[0]) >= last_tick):
                     elapsed = time.perf_counter() - started
                     m["elapsed_s"] = elapsed
-                    return expected / elapsed, m
+                    return (updates or expected) / elapsed, m
                 if time.perf_counter() - started > 600:
                     raise RuntimeError(f"the worker read {m.get('dpstream_events_in_total', 0):.0f} of {expected} updates in 600 s")
                 time.sleep(0.05)
@@ -131,14 +169,17 @@ def worker_rate(broker: str, config_text: str, key_file: str, expected: int, las
 
 
 def run_throughput_bench(broker: str, updates: int, items: int, live: int, repeats: int, json_path: str | None,
-                         compare_with: str | None = None, out=sys.stderr) -> dict:
+                         compare_with: str | None = None, envelope: str = "none", out=sys.stderr) -> dict:
     p = lambda s="": print(s, file=out, flush=True)  # noqa: E731
     topic = f"bench-updates-{uuid.uuid4().hex[:8]}"
     start_ms = int(time.time() * 1000) // 1000 * 1000 - 60_000
-    config_text = query_yaml("bench_dynamic", topic, items, start_ms)
-    p(f"bench dynamic --throughput: {updates:,} updates over {items} items (heavy churn, live items ~{live:,}), "
+    config_text = query_yaml("bench_dynamic", topic, items, start_ms, envelope)
+    shape = "Debezium change events (c, d, and u events that move no row)" if envelope == "debezium" else "update records"
+    p(f"bench dynamic --throughput: {updates:,} updates over {items} items (heavy churn, live items ~{live:,}) as {shape}, "
       f"tick {TICK}, one partition, {repeats} run(s) each")
-    lines, last = produce_updates(broker, topic, updates, items, live, seed=7)
+    lines, last = produce_updates(broker, topic, updates, items, live, seed=7, envelope=envelope)
+    if len(lines) != updates:
+        p(f"  {len(lines):,} records carry the {updates:,} updates")
     until = last + LATENESS_MS + 1000
     last_tick = (last - start_ms) // parse_duration_ms(TICK) + 1
     with contextlib.ExitStack() as stack:
@@ -150,18 +191,19 @@ def run_throughput_bench(broker: str, updates: int, items: int, live: int, repea
         runs: dict[str, list[float]] = {"replay": [], "worker": [], **({"older": []} if older else {})}
         releases = []
         for r in range(repeats):
-            rate, n = replay_rate(config_text, lines, until)
+            rate, n = replay_rate(config_text, lines, until, updates)
             runs["replay"].append(rate)
             releases.append(n)
             p(f"  run {r + 1}: replay {rate:,.0f} updates/s ({n} releases)")
             for kind, code in [("worker", None), *([("older", older)] if older else [])]:
-                rate, m = worker_rate(broker, config_text, str(key_file), updates, last_tick, code)
+                rate, m = worker_rate(broker, config_text, str(key_file), len(lines), last_tick, code, updates)
                 if m.get("dpstream_events_dropped_total", 0):
                     raise RuntimeError(f"the {kind} worker dropped {m['dpstream_events_dropped_total']:.0f} updates")
                 runs[kind].append(rate)
                 p(f"  run {r + 1}: {'worker' if code is None else 'worker at ' + compare_with} {rate:,.0f} updates/s "
                   f"({m['elapsed_s']:.1f} s from ready)")
-    report = {"machine": machine(), "updates": updates, "items": items, "live": live, "tick": TICK, "runs": runs,
+    report = {"machine": machine(), "updates": updates, "records": len(lines), "envelope": envelope, "items": items,
+              "live": live, "tick": TICK, "runs": runs,
               "replay_releases": releases, **{f"{k}_updates_per_s": statistics.median(v) for k, v in runs.items()}}
     report["worker_over_replay"] = report["worker_updates_per_s"] / report["replay_updates_per_s"]
     line = (f"medians: worker {report['worker_updates_per_s']:,.0f} updates/s, replay {report['replay_updates_per_s']:,.0f} "
