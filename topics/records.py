@@ -219,6 +219,18 @@ class Update:
     unit: Optional[str]  # the privacy unit's id, if the query has a unit field
 
 
+def _update_time(ts, name: str, start: int) -> Union[int, InvalidRecord]:
+    """A dynamic query's update time: epoch milliseconds, not before the query's start (an int,
+    the usual case, is taken as it is)."""
+    if type(ts) is not int:
+        ts = _event_time(ts, name)
+        if isinstance(ts, InvalidRecord):
+            return ts
+    if ts < start:
+        return InvalidRecord(f"field {name!r} is before the query's start")
+    return ts
+
+
 class UpdateParser:
     """A dynamic query's update from a decoded record, by its field names, declared items and ticks."""
 
@@ -245,13 +257,9 @@ class UpdateParser:
         op = self._op(obj)
         if op not in self.OPS:
             return InvalidRecord(f"field {q.op_field!r} must be 'insert' or 'delete'")
-        ts = self._time(obj)
-        if type(ts) is not int:
-            ts = _event_time(ts, q.time_field)
-            if isinstance(ts, InvalidRecord):
-                return ts
-        if ts < self._start:
-            return InvalidRecord(f"field {q.time_field!r} is before the query's start")
+        ts = _update_time(self._time(obj), q.time_field, self._start)
+        if isinstance(ts, InvalidRecord):
+            return ts
         unit = None
         if self._unit is not None:
             unit = _text(self._unit(obj), q.unit_field)
@@ -318,13 +326,9 @@ class ChangeEventParser:
         op = obj.get("op")
         if op not in ("c", "r", "u", "d"):
             return InvalidRecord("field 'op' must be 'c', 'r', 'u' or 'd' (a Debezium change event's)")
-        ts = self._time(obj)
-        if type(ts) is not int:
-            ts = _event_time(ts, q.time_field)
-            if isinstance(ts, InvalidRecord):
-                return ts
-        if ts < self._start:
-            return InvalidRecord(f"field {q.time_field!r} is before the query's start")
+        ts = _update_time(self._time(obj), q.time_field, self._start)
+        if isinstance(ts, InvalidRecord):
+            return ts
         tick = (ts - self._start) // self._tick_ms + 1
         out = []
         if op in ("u", "d"):
