@@ -1126,9 +1126,6 @@ class DynamicTables:
         for key, value in self.store.scan_prefix(sk.DYNAMIC_TICK_LOG + self.qid):
             yield int.from_bytes(key[-8:], "big"), int.from_bytes(value[:4], "little"), value[4], int.from_bytes(key[-16:-8], "big")
 
-    def append(self, batch: WriteBatch, seq: int, item: int, op: int, tick: int) -> None:
-        self.append_many(batch, [seq], [item], [op], [tick])
-
     def append_many(self, batch: WriteBatch, seqs, items, ops, ticks) -> None:
         """Log updates: one entry each, keyed by tick and sequence (big-endian, so that a scan
         and a range delete go by tick), holding the item index (u32) and the op code."""
