@@ -29,6 +29,16 @@ at most 2 (the window's two ends) in its deletion counters' input, hence their s
 The insertion-only counters follow Chan, Shi, Song (the paper's [5], section 2.3): blocks
 [2^b, 2^{b+1}) of steps, each block's total released with eps/2, and inside block b a binary
 tree of b + 1 levels sharing the other eps/2.
+
+Range counts through multiplicative weights (``static_release: mwem_ranges``; the paper's
+Appendix A.1, PMW; Hardt, Ligett and McSherry's MWEM): a static release of a histogram over the
+ordered items, answering every range [a, b] of them. Of its epsilon, :data:`MWEM_SIZE_SHARE`
+protects its noisy size, and each of its :data:`MWEM_ROUNDS` rounds spends the rest in halves on
+selecting a badly answered range (report noisy max with discrete Laplace noise of scale
+``2 / eps_select``: a range's error score moves by at most 1 between neighbours, up or down) and
+on measuring it (scale ``1 / eps_measure``). Basic composition: the parts add up to epsilon.
+With it, an insertion-only counter becomes the same block/tree construction with a static
+release at each node (:func:`insertion_only_epsilons`), Algorithm 3's Q-Ins.
 """
 from __future__ import annotations
 
@@ -101,6 +111,9 @@ class DynamicPlan:
     beta: float
     partition_share: float
     mechanism: str
+    #: the static release at the interval tree's nodes, or at the baseline's counter nodes:
+    #: ``histogram`` (Laplace per item) or ``mwem_ranges`` (:class:`MwemBudget`)
+    static_release: str = "histogram"
 
     @property
     def epsilon_partition(self) -> float:
@@ -130,4 +143,69 @@ class DynamicPlan:
             "deletion_counter_sensitivity": TREE_DELETION_SENSITIVITY if self.mechanism == "interval_tree" else None,
             "node_epsilon_by_level": [level_epsilon(self.epsilon_counts, lvl) for lvl in range(1, 9)]
             if self.mechanism == "interval_tree" else None,
+            # (None for the histogram: the plans written before static releases had a choice)
+            "static_release": None if self.static_release == "histogram" else self.static_release,
+            "mwem": {"rounds": MWEM_ROUNDS, "size_share": MWEM_SIZE_SHARE} if self.static_release == "mwem_ranges" else None,
         }
+
+
+#: share of an MWEM release's epsilon spent on its noisy size (the synthetic histogram's mass)
+MWEM_SIZE_SHARE = 0.1
+#: rounds of an MWEM release: a public constant (the error-optimal number grows with the data
+#: size, which is private; 8 is near it for the sizes docs/benchmarks.md measures)
+MWEM_ROUNDS = 8
+
+
+@dataclass(frozen=True)
+class MwemBudget:
+    """How one MWEM release of epsilon ``eps`` spends it (module docstring): the parts add up to
+    eps (basic composition of pure-DP steps)."""
+
+    eps: float
+    rounds: int = MWEM_ROUNDS
+
+    @property
+    def eps_size(self) -> float:
+        return MWEM_SIZE_SHARE * self.eps
+
+    @property
+    def eps_select(self) -> float:
+        return (1.0 - MWEM_SIZE_SHARE) * self.eps / (2 * self.rounds)
+
+    @property
+    def eps_measure(self) -> float:
+        return (1.0 - MWEM_SIZE_SHARE) * self.eps / (2 * self.rounds)
+
+    @property
+    def size_scale(self) -> float:
+        return 1.0 / self.eps_size
+
+    @property
+    def select_scale(self) -> float:
+        """Report noisy max over error scores of sensitivity 1 that can move either way: the
+        winner's margin moves by up to 2, so scale 2 / eps (docs/privacy.md, "Range counts")."""
+        return 2.0 / self.eps_select
+
+    @property
+    def measure_scale(self) -> float:
+        return 1.0 / self.eps_measure
+
+    @property
+    def spent(self) -> float:
+        return self.eps_size + self.rounds * (self.eps_select + self.eps_measure)
+
+
+def insertion_only_epsilons(eps: float, step: int, sensitivity: int = 1) -> tuple[float, float]:
+    """The epsilon of a static release at a node of an insertion-only counter whose input changes by
+    at most ``sensitivity`` updates (group privacy): a block total's ``eps / (2 sensitivity)``, a
+    node of block b's tree ``eps / (2 sensitivity (b + 1))``. For the Laplace histogram these are
+    the reciprocals of :func:`counter_scales`."""
+    b = step.bit_length() - 1
+    return eps / (2.0 * sensitivity), eps / (2.0 * sensitivity * (b + 1))
+
+
+def pmw_error(size: float, eps: float, domain: int, queries: int, beta: float) -> float:
+    """The paper's Appendix A.1 bound for PMW/MWEM with delta = 0, without its constant:
+    ``|D|^(2/3) (log |X| log(|Q| / beta) / eps)^(1/3)``, the shape the benchmark compares the
+    measured error with (docs/benchmarks.md, "Where the interval tree earns its place")."""
+    return max(size, 1.0) ** (2.0 / 3.0) * (math.log(domain) * math.log(queries / beta) / eps) ** (1.0 / 3.0)

@@ -41,6 +41,7 @@ from dpstream.accountant.ledger import BudgetPolicy
 from dpstream.accountant.pins import PLAN
 from dpstream.accountant.plan import plan_fingerprint
 from dpstream.processor.mechanisms.aggregates import AGGREGATES, aggregate_named
+from dpstream.processor.mechanisms.linear_queries import MAX_RANGE_ITEMS
 
 _DURATION = re.compile(r"^\s*(\d+)\s*(ms|s|m|h|d)\s*$")
 _UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
@@ -337,6 +338,10 @@ class DynamicQueryConfig(BaseModel):
     beta: float = Field(0.05, gt=0, lt=1)
     partition_share: float = Field(0.25, gt=0, lt=1)
     mechanism: Literal["baseline", "interval_tree"] = "baseline"
+    #: what each node releases (docs/user-guide.md, "Range counts"): ``histogram`` (a noisy count
+    #: per item) or ``mwem_ranges`` (a synthetic histogram fitted to every range of the items, in
+    #: the order declared, by multiplicative weights; at most MAX_RANGE_ITEMS items)
+    static_release: Literal["histogram", "mwem_ranges"] = "histogram"
     #: how a record holds its updates: ``none`` (one update per record, the fields above) or
     #: ``debezium`` (a change event: ChangeEventParser)
     envelope: Literal["none", "debezium"] = "none"
@@ -436,11 +441,18 @@ class DynamicQueryConfig(BaseModel):
             raise ValueError("must be distinct")
         return value
 
+    @model_validator(mode="after")
+    def _range_items(self):
+        if self.static_release == "mwem_ranges" and len(self.items) > MAX_RANGE_ITEMS:
+            raise ValueError(f"items: static_release mwem_ranges answers every range of the items, at most {MAX_RANGE_ITEMS} "
+                             f"of them (this query declares {len(self.items)}); bucket the attribute more coarsely")
+        return self
+
     def plan(self) -> DynamicPlan:
         # group privacy (pure DP): a unit moves at most contribution_bound updates, a record (the
         # privacy unit without unit_field) at most updates_per_record (docs/privacy.md, "Change streams")
         return DynamicPlan(self.epsilon / (self.contribution_bound if self.unit_field else self.updates_per_record), self.delta,
-                           self.beta, self.partition_share, self.mechanism)
+                           self.beta, self.partition_share, self.mechanism, self.static_release)
 
 
 class BudgetLimit(BaseModel):

@@ -4,6 +4,7 @@ ticks decided on the clock in (tick, arrival) order, and recovery from the updat
 import json
 
 import numpy as np
+import pytest
 
 from dpstream.processor.config import DynamicQueryConfig
 from dpstream.processor.engine.dynamic_stream import DynamicQueryState
@@ -80,6 +81,29 @@ def test_restart_replays_the_log_and_republishes_unpublished_releases(tmp_path):
     got = half + resent + rest
     assert [json.dumps(r, sort_keys=True) for r in got] == [json.dumps(r, sort_keys=True) for r in reference]
     store.close()
+
+
+@pytest.mark.parametrize("mechanism", ["baseline", "interval_tree"])
+def test_range_count_releases_survive_a_restart_and_name_their_release(tmp_path, mechanism):
+    """static_release mwem_ranges through the agent's state: releases carry the rounded
+    synthetic counts and no intervals, name the release in ``mechanism``, and a restart from the
+    RocksDB state (snapshots and the log behind them) publishes exactly the uninterrupted run's."""
+    records = stream(12_000, seed=4)
+    ref_store = MemoryStore()
+    reference = run(make(ref_store, mechanism=mechanism, static_release="mwem_ranges"), records, ref_store)
+    assert len(reference) > 5
+    for rec in reference:
+        assert rec["mechanism"] == f"dynamic:{mechanism}+mwem_ranges"
+        assert not any(key.startswith(("ci95", "total_ci95")) for key in rec)
+        assert all(isinstance(v, int) for v in rec["counts"].values()) and rec["total"] == sum(rec["counts"].values())
+    store = RocksDBStore(tmp_path / "s")
+    got = run(make(store, mechanism=mechanism, static_release="mwem_ranges"), records[:6_000], store)
+    store.close()
+    store = RocksDBStore(tmp_path / "s")
+    again = make(store, mechanism=mechanism, static_release="mwem_ranges")
+    got += run(again, records[6_000:], store)
+    store.close()
+    assert [json.dumps(r, sort_keys=True) for r in got] == [json.dumps(r, sort_keys=True) for r in reference]
 
 
 def test_invalid_updates_and_unit_bound():

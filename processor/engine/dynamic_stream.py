@@ -64,13 +64,16 @@ def dynamic_release_record(query: DynamicQueryConfig, counter: DynamicCounter, r
     halted), so the interval is post-processing and costs nothing, but its width is not a public
     constant (docs/privacy.md, "Error bars")."""
     plan = counter.plan
-    # the counters add integer noise to integer counts (exactly, well below 2^53): integers
-    counts = {item: int(v) for item, v in zip(counter.items, release.counts.tolist())}
+    # the histogram counters add integer noise to integer counts (exactly, well below 2^53): integers
+    # (a synthetic histogram's, static_release mwem_ranges, are rounded)
+    counts = {item: int(round(v)) for item, v in zip(counter.items, release.counts.tolist())}
     time_ms = query.start + release.position * query.tick_ms
     total = int(sum(counts.values()))
     record = {"query": query.name, "segment": release.segment, "tick": release.position,
               "time": time_ms, "time_iso": iso_utc(time_ms), "counts": counts,
-              "total": total, "mechanism": f"dynamic:{plan.mechanism}",
+              "total": total,
+              # (a static release other than the histogram is named: its counts are a synthetic histogram's)
+              "mechanism": f"dynamic:{plan.mechanism}" + ("" if plan.static_release == "histogram" else f"+{plan.static_release}"),
               "epsilon": query.epsilon, "delta": plan.delta_spent}
     if release.noise_scales is not None:
         half = discrete_laplace_sum_halfwidth(release.noise_scales)

@@ -52,6 +52,7 @@ from dpstream.accountant.dynamic import (
     svt_threshold,
 )
 from dpstream.processor.mechanisms import discrete_laplace
+from dpstream.processor.mechanisms.linear_queries import InsertionOnlyRelease, mwem_ranges
 from dpstream.processor.mechanisms.noise import NodeNoise, TreeIdentity
 
 NOISE_CHUNK = 4096
@@ -217,6 +218,21 @@ def noisy_histogram(counts: np.ndarray, eps: float, noise: DynamicNoise, label: 
 
 StaticRelease = Callable[[np.ndarray, float, DynamicNoise, str], np.ndarray]
 
+#: the static releases a dynamic query can name (``static_release``), each eps-DP for a histogram
+#: whose neighbour differs by one in one item: the extension point's one home
+STATIC_RELEASES: dict[str, StaticRelease] = {"histogram": noisy_histogram, "mwem_ranges": mwem_ranges}
+
+
+def insertion_only(eps: float, dims: int, noise: DynamicNoise, label: str, static_release: StaticRelease,
+                   sensitivity: int = 1):
+    """An insertion-only mechanism for what ``static_release`` answers (Algorithm 3's Q-Ins, and the
+    baseline's two counters): for the Laplace histogram its own counter (:class:`InsertionOnlyCounter`,
+    whose noise is known and drawn lazily), for any other the same block/tree construction with
+    that release at each node (:class:`InsertionOnlyRelease`)."""
+    if static_release is noisy_histogram:
+        return InsertionOnlyCounter(eps, dims, noise, label, sensitivity)
+    return InsertionOnlyRelease(eps, dims, noise, label, static_release, sensitivity)
+
 
 class NodeMechanism:
     """Algorithm 3 at node v_i (section 4.2), with node budget eps(v) (section 4.3). Its size and
@@ -245,7 +261,7 @@ class NodeMechanism:
         tag = f"{self.label}:r{self.r}"
         self.n_tilde = len(self.members) + float(self.noise.laplace(1.0 / self.eps_r, f"{tag}:size", 1)[0])
         sens = TREE_DELETION_SENSITIVITY
-        self.q_ins = InsertionOnlyCounter(self.eps_r, self.dims, self.noise, f"{tag}:q-ins", sens)
+        self.q_ins = insertion_only(self.eps_r, self.dims, self.noise, f"{tag}:q-ins", self.static_release, sens)
         self.lap_ins = InsertionOnlyCounter(self.eps_r, 1, self.noise, f"{tag}:lap-ins", sens)
         if check_termination:
             # gamma of the fresh Lap-Ins counter at its first step, with probability 1 - beta_r
@@ -284,8 +300,10 @@ class NodeMechanism:
     def snapshot(self) -> dict:
         """Its state: members, round, decisions taken, the round's noisy size and static release
         (kept, not recomputed: the histogram it was taken of is gone) and its two counters."""
-        ids = np.fromiter(self.members.keys(), dtype=np.int64, count=len(self.members))
-        items = np.fromiter(self.members.values(), dtype=np.int32, count=len(self.members))
+        # in id order: the members dict is filled from sets, whose order depends on their history,
+        # and one state should give one snapshot, byte for byte
+        ids = np.array(sorted(self.members), dtype=np.int64)
+        items = np.fromiter((self.members[i] for i in ids.tolist()), dtype=np.int32, count=len(ids))
         state = {"index": self.index, "ids": ids, "items": items, "halted": self.halted, "restarts": self.restarts,
                  "initial_size": self.initial_size, "r": self.r, "n_tilde": self.n_tilde}
         if not self.halted:
@@ -304,7 +322,7 @@ class NodeMechanism:
         node.r, node.n_tilde = int(state["r"]), float(state["n_tilde"])
         node.eps_r, node.beta_r = round_epsilon(eps_node, node.r), round_beta(beta, node.r)
         tag, sens = f"{node.label}:r{node.r}", TREE_DELETION_SENSITIVITY
-        node.q_ins = InsertionOnlyCounter(node.eps_r, dims, noise, f"{tag}:q-ins", sens)
+        node.q_ins = insertion_only(node.eps_r, dims, noise, f"{tag}:q-ins", static_release, sens)
         node.lap_ins = InsertionOnlyCounter(node.eps_r, 1, noise, f"{tag}:lap-ins", sens)
         if not node.halted:
             node.base = np.array(state["base"], dtype=np.float64)
@@ -320,10 +338,10 @@ class NodeMechanism:
         constants (docs/privacy.md, "Error bars"). A halted node answers 0 with no noise (its items
         are then missing: a bias, not noise). None for a static release other than
         :func:`noisy_histogram`, whose noise this does not know."""
+        if self.static_release is not noisy_histogram:
+            return None  # (even when halted: such a release never carries intervals)
         if self.halted:
             return []
-        if self.static_release is not noisy_histogram:
-            return None
         return [1.0 / self.eps_r] + self.q_ins.scales()
 
 
@@ -439,8 +457,11 @@ class DynamicCounter:
     """Per-item counts of a multiset under inserts and deletes, published at each segment."""
 
     def __init__(self, plan: DynamicPlan, items: list[str], noise: Optional[NodeNoise], query: str,
-                 static_release: StaticRelease = noisy_histogram):
+                 static_release: Optional[StaticRelease] = None):
+        """``static_release``: the plan's (:data:`STATIC_RELEASES`) unless given (tests)."""
         self.plan = plan
+        static_release = STATIC_RELEASES[plan.static_release] if static_release is None else static_release
+        self.static_release = static_release
         self.items = list(items)
         self.index = {item: i for i, item in enumerate(self.items)}
         self.dims = len(self.items)
@@ -463,8 +484,8 @@ class DynamicCounter:
             self.tree = OnlineIntervalTree(plan, self.dims, self.noise, static_release)
         else:
             eps = plan.epsilon_counts  # inserts and deletes are disjoint: parallel composition
-            self.inserts = InsertionOnlyCounter(eps, self.dims, self.noise, "baseline:inserts")
-            self.deletes = InsertionOnlyCounter(eps, self.dims, self.noise, "baseline:deletes")
+            self.inserts = insertion_only(eps, self.dims, self.noise, "baseline:inserts", static_release)
+            self.deletes = insertion_only(eps, self.dims, self.noise, "baseline:deletes", static_release)
 
     def live_size(self) -> int:
         """Live instances: what a snapshot holds (in proportion), whatever the history. The
@@ -654,7 +675,7 @@ class DynamicCounter:
             self.inserts.feed(self._ins_counts.copy())
             self.deletes.feed(self._del_counts.copy())
             counts = self.inserts.estimate() - self.deletes.estimate()
-            scales = self.inserts.scales() + self.deletes.scales()
+            scales = self.inserts.scales() + self.deletes.scales() if self.static_release is noisy_histogram else None
         self._inserted, self._deleted = [], []
         self._ins_counts[:] = 0
         self._del_counts[:] = 0
