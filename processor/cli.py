@@ -185,6 +185,13 @@ def _human_dynamic_plan(q) -> str:
             " for each of the insert and delete counters (every update is in one: parallel composition)"),
         f"  total spent        eps {plan.epsilon_spent:.6g}, delta 0 (Laplace only; declared delta {q.delta:g} unused)",
     ]
+    if plan.static_release == "mwem_ranges":
+        from dpstream.accountant.dynamic import MWEM_ROUNDS, MWEM_SIZE_SHARE
+
+        lines.insert(-1, f"  static release     mwem_ranges: a synthetic histogram fitted to all {len(q.items) * (len(q.items) + 1) // 2} "
+                         f"ranges of the items in their declared order by multiplicative weights; of each release's eps, "
+                         f"{MWEM_SIZE_SHARE:g} for its size and the rest over {MWEM_ROUNDS} rounds (select by report noisy max, "
+                         f"measure); no confidence intervals")
     return "\n".join(lines)
 
 
@@ -644,6 +651,23 @@ def cmd_bench_dynamic(args: argparse.Namespace) -> int:
         run_throughput_bench(broker_address(args.broker), updates=args.updates, items=args.items, live=args.restart_live,
                              repeats=args.seeds, json_path=args.json, compare_with=args.compare_with, envelope=args.envelope)
         return 0
+    if args.ranges:
+        from dpstream.processor.bench.dynamic_ranges import run_ranges_bench
+        from dpstream.processor.mechanisms.linear_queries import MAX_RANGE_ITEMS
+
+        try:
+            histories = tuple(int(h) for h in args.range_histories.split(","))
+        except ValueError:
+            raise ConfigError(f"--range-histories: a comma-separated list of update counts, got {args.range_histories!r}") from None
+        if not histories or min(histories) < 1:
+            raise ConfigError(f"--range-histories: positive update counts, got {args.range_histories!r}")
+        if not 2 <= args.range_items <= MAX_RANGE_ITEMS:
+            raise ConfigError(f"--range-items: must be in [2, {MAX_RANGE_ITEMS}], got {args.range_items}")
+        if args.range_live < 1:
+            raise ConfigError(f"--range-live: a positive count, got {args.range_live}")
+        run_ranges_bench(histories, items=args.range_items, live=args.range_live, epsilon=args.epsilon, beta=args.beta,
+                         partition_share=args.partition_share, seeds=args.seeds, json_path=args.json)
+        return 0
     if args.restart:
         from dpstream.processor.bench.dynamic_restart import run_restart_bench
 
@@ -954,6 +978,14 @@ def build_parser() -> argparse.ArgumentParser:
     dyn.add_argument("--compare-with", metavar="REV", help="--throughput: also time this repository's worker at another commit")
     dyn.add_argument("--envelope", choices=("none", "debezium"), default="none",
                      help="--throughput: the records' shape: update records (default) or a table's Debezium change events")
+    dyn.add_argument("--ranges", action="store_true",
+                     help="instead: range counts over ordered items (static_release mwem_ranges vs histogram) under heavy churn, "
+                          "all four mechanism and release pairs on the same streams, one row per --range-histories entry "
+                          "(--seeds streams each, medians)")
+    dyn.add_argument("--range-histories", default="20000,200000,2000000", metavar="N,N,...",
+                     help="--ranges: the streams' update counts (default 20000,200000,2000000)")
+    dyn.add_argument("--range-items", type=int, default=32, help="--ranges: ordered items (default 32)")
+    dyn.add_argument("--range-live", type=int, default=2_000, help="--ranges: live items the streams revert to (default 2,000)")
     dyn.add_argument("--restart-histories", default="100000,10000000", metavar="N,N,...",
                      help="--restart: the histories' update counts (default 100000,10000000)")
     dyn.add_argument("--restart-live", type=int, default=10_000, help="--restart: live items the histories revert to (default 10,000)")
