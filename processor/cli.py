@@ -185,6 +185,9 @@ def _human_dynamic_plan(q) -> str:
             " for each of the insert and delete counters (every update is in one: parallel composition)"),
         f"  total spent        eps {plan.epsilon_spent:.6g}, delta 0 (Laplace only; declared delta {q.delta:g} unused)",
     ]
+    if q.shards > 1:
+        lines.insert(2, f"  shards             {q.shards}: item i (declared order) in shard i % {q.shards}, each shard its own mechanism "
+                        "at this plan (an update reaches one: parallel composition)")
     if plan.static_release == "mwem_ranges":
         from dpstream.accountant.dynamic import MWEM_ROUNDS, MWEM_SIZE_SHARE
 
@@ -264,7 +267,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
                 if dead:
                     dead.close()
         stats = {p.query.name: p.stats for p in runner.pipelines}
-        dynamic = [(d.query.name, d.updates_in, dict(d.dropped), d.counter.segment - 1) for d in runner.dynamic]
+        dynamic = [(d.query.name, d.updates_in, dict(d.dropped), d.counter.released) for d in runner.dynamic]
     finally:
         runner.close()
     invalid = sum(summary.invalid.values())

@@ -342,6 +342,9 @@ class DynamicQueryConfig(BaseModel):
     #: per item) or ``mwem_ranges`` (a synthetic histogram fitted to every range of the items, in
     #: the order declared, by multiplicative weights; at most MAX_RANGE_ITEMS items)
     static_release: Literal["histogram", "mwem_ranges"] = "histogram"
+    #: the items' fixed split into shards (item i, in declared order, in shard i % shards), each
+    #: with a mechanism of its own at this epsilon (docs/user-guide.md, "Shards"); 1: one mechanism
+    shards: int = Field(1, ge=1)
     #: how a record holds its updates: ``none`` (one update per record, the fields above) or
     #: ``debezium`` (a change event: ChangeEventParser)
     envelope: Literal["none", "debezium"] = "none"
@@ -416,6 +419,8 @@ class DynamicQueryConfig(BaseModel):
                     "absent_deletes": "taken_in"}
         if self.envelope != "none":  # (absent before envelopes existed: those states keep their fingerprint)
             schedule["envelope"] = self.envelope
+        if self.shards != 1:  # (likewise before shards)
+            schedule["shards"] = self.shards
         return plan_fingerprint([self.plan(), schedule]).hex()
 
     def pins(self) -> dict:
@@ -440,6 +445,12 @@ class DynamicQueryConfig(BaseModel):
         if len(set(value)) != len(value):
             raise ValueError("must be distinct")
         return value
+
+    @model_validator(mode="after")
+    def _shards(self):
+        if self.shards > len(self.items):
+            raise ValueError(f"shards: at most the number of items ({len(self.items)}), got {self.shards}")
+        return self
 
     @model_validator(mode="after")
     def _range_items(self):

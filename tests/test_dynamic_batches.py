@@ -145,13 +145,13 @@ def fed_updates(recs: list, arrivals: list[int], unit: bool) -> Counter:
     store = MemoryStore()
     state = make(store, unit)
     fed: Counter = Counter()
-    take = state.counter.apply_many
+    take = state.counter.counters[0].apply_many  # one shard: its items are the query's
 
     def spy(items, inserts, ticks):
         fed.update(zip(np.asarray(ticks).tolist(), np.asarray(items).tolist(), np.asarray(inserts).tolist()))
         return take(items, inserts, ticks)
 
-    state.counter.apply_many = spy
+    state.counter.counters[0].apply_many = spy
     moves = iter(range(200, 2_000, 100))
     next_move = next(moves)
     for rec, at in zip(recs, arrivals):

@@ -121,7 +121,7 @@ def test_invalid_updates_and_unit_bound():
     for _ in range(3):  # the unit's third update is dropped, not counted
         assert st.apply({"item": "a", "op": "insert", "ts": 6, "user": "x"}, batch) is None
     st.advance_clock(1_000 + 20, batch)  # ticks of 5 ms, 1 s allowed lateness
-    assert st.counter.updates == 3
+    assert st.counter.counters[0].updates == 3
     assert st.counter.exact.tolist() == [1, 0, 0, 0]  # the baseline: inserts minus deletes
     assert st.dropped["contribution_bound"] == 1 and st.dropped["malformed"] == 5
     # time never goes back to a decided tick; an update far ahead of its arrival clock is future

@@ -39,7 +39,7 @@ from dpstream.processor.config import (
     level_plans_for,
 )
 from dpstream.processor.engine.dynamic_stream import dynamic_release_record
-from dpstream.processor.mechanisms.dynamic import DynamicCounter
+from dpstream.processor.mechanisms.dynamic import ShardedCounter
 from dpstream.processor.mechanisms.noise import NodeNoise
 from dpstream.topics.records import iso_utc
 from tests.conftest import TEST_LABEL, TEST_SECRET
@@ -262,7 +262,7 @@ def test_dynamic_intervals_cover_the_live_counts(mechanism):
     release and a middle one are two samples of 3,000 intervals each."""
     items = [f"i{j}" for j in range(3000)]
     query = DynamicQueryConfig(name=f"cover-{mechanism}", items=items, start=START, tick="1s", epsilon=1.0, mechanism=mechanism)
-    counter = DynamicCounter(query.plan(), items, NodeNoise(TEST_SECRET, "intervals"), query.name)
+    counter = ShardedCounter(query.plan(), items, NodeNoise(TEST_SECRET, "intervals"), query.name)  # one shard
     rng = np.random.default_rng(3)
     live, releases = [], []
     for _ in range(30_000):
@@ -271,7 +271,7 @@ def test_dynamic_intervals_cover_the_live_counts(mechanism):
         else:
             item, op = items[int(rng.integers(len(items)))], "insert"
             live.append(item)
-        release = counter.update(item, op)
+        release = counter.counters[0].update(item, op)
         if release is not None:
             releases.append((release, dynamic_release_record(query, counter, release)))
     assert len(releases) >= 3

@@ -1186,7 +1186,7 @@ class DpstreamWorker:
     def dynamic_published_messages(self, key: tuple[str, int]) -> list[Message]:
         """Exactly once: the progress records of the pending dynamic releases (sent with them)."""
         source = self.dynamic[key]
-        return [Message(PROGRESS_TOPIC, encode_json({"segment": st.pending[-1].segment}),
+        return [Message(PROGRESS_TOPIC, encode_json({"segment": st.pending[-1].sequence}),
                         f"{self.app_id}/{source.name}/published/{st.query.name}".encode())
                 for st in self.dynamic_states[key] if st.pending]
 

@@ -63,7 +63,7 @@ def build_history(path: Path, query: DynamicQueryConfig, secret: bytes, updates:
     seconds = time.perf_counter() - started
     fed = {"updates": updates, "feed_seconds": seconds, "updates_per_second": updates / seconds,
            # the items present (the exact counts; the baseline's state holds counts, not instances)
-           "live_items": int(np.clip(state.counter.exact, 0, None).sum()), "segments": state.counter.segment - 1}
+           "live_items": int(np.clip(state.counter.exact, 0, None).sum()), "segments": state.counter.released}
     store.close()
     return fed
 

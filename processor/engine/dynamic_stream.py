@@ -37,7 +37,7 @@ from dpstream.accountant import pins
 from dpstream.accountant.intervals import CI_FIELD, discrete_laplace_sum_halfwidth
 from dpstream.processor.config import DynamicQueryConfig
 from dpstream.processor.engine.pipeline import PlanChangedError
-from dpstream.processor.mechanisms.dynamic import DynamicCounter, DynamicRelease
+from dpstream.processor.mechanisms.dynamic import DynamicRelease, ShardedCounter
 from dpstream.processor.mechanisms.noise import NodeNoise, Pseudonymizer
 from dpstream.state.store import Store, WriteBatch
 from dpstream.state.tables import DynamicTables
@@ -55,7 +55,7 @@ class LoggedUpdate:
     tick: int
 
 
-def dynamic_release_record(query: DynamicQueryConfig, counter: DynamicCounter, release: DynamicRelease) -> dict:
+def dynamic_release_record(query: DynamicQueryConfig, counter: ShardedCounter, release: DynamicRelease) -> dict:
     """One published update of a dynamic query: noisy counts of every declared item, with their
     confidence intervals and the time's ISO-8601 twin. Each count's interval is +- a half-width
     computed from the scales of its discrete Laplace draws only (the total's from the draws of all
@@ -66,7 +66,7 @@ def dynamic_release_record(query: DynamicQueryConfig, counter: DynamicCounter, r
     plan = counter.plan
     # the histogram counters add integer noise to integer counts (exactly, well below 2^53): integers
     # (a synthetic histogram's, static_release mwem_ranges, are rounded)
-    counts = {item: int(round(v)) for item, v in zip(counter.items, release.counts.tolist())}
+    counts = {item: int(round(v)) for item, v in zip(counter.shard_items(release.shard), release.counts.tolist())}
     time_ms = query.start + release.position * query.tick_ms
     total = int(sum(counts.values()))
     record = {"query": query.name, "segment": release.segment, "tick": release.position,
@@ -75,6 +75,8 @@ def dynamic_release_record(query: DynamicQueryConfig, counter: DynamicCounter, r
               # (a static release other than the histogram is named: its counts are a synthetic histogram's)
               "mechanism": f"dynamic:{plan.mechanism}" + ("" if plan.static_release == "histogram" else f"+{plan.static_release}"),
               "epsilon": query.epsilon, "delta": plan.delta_spent}
+    if query.shards > 1:  # the shard's items only, in its own segments (docs/user-guide.md, "Shards")
+        record["shard"], record["shards"] = release.shard, query.shards
     if release.noise_scales is not None:
         half = discrete_laplace_sum_halfwidth(release.noise_scales)
         half_total = discrete_laplace_sum_halfwidth(release.noise_scales, copies=len(counts))
@@ -101,7 +103,7 @@ class DynamicQueryState:
         self.tables = DynamicTables(store, query.name)
         self.qid = self.tables.qid
         self._pin_plan()
-        self.counter = DynamicCounter(query.plan(), query.items, noise, query.name)
+        self.counter = ShardedCounter(query.plan(), query.items, noise, query.name, query.shards)
         self.parser = ChangeEventParser(query, query.items) if query.envelope == "debezium" else UpdateParser(query, query.items)
         self.dropped: Counter = Counter()
         self.refused = False  # the budget ledger refused this query: it does not run
@@ -131,7 +133,7 @@ class DynamicQueryState:
                 self._wait(seq, item, op, tick)
         decided = self.tables.last_decided()
         if decided is not None:
-            self.pending += [r for r in self._decide(decided) if r.segment > self.published]
+            self.pending += [r for r in self._decide(decided) if r.sequence > self.published]
 
     def _pin_plan(self) -> None:
         """The state holds counters built under one set of settings (budget, items, ticks, the
@@ -252,17 +254,16 @@ class DynamicQueryState:
         """Feed the waiting updates of ticks <= ``last`` in (tick, arrival) order - every one of
         them: each was judged on its own fields and the clock when it was logged - and decide
         every tick up to ``last``. Returns the releases."""
-        releases = []
-        if self._waiting[0]:
-            seq, item, op, tick = (np.array(column, dtype=np.int64) for column in self._waiting)
-            due = tick <= last
-            order = np.flatnonzero(due)
-            order = order[np.lexsort((seq[order], tick[order]))]
-            releases += self.counter.apply_many(item[order], op[order] == OPS["insert"], tick[order])
-            self._taken_in += seq[order].tolist()
-            rest = np.flatnonzero(~due)
-            self._waiting = tuple(column[rest].tolist() for column in (seq, item, op, tick))
-        releases += self.counter.advance_to(last + 1)
+        if not self._waiting[0]:
+            return self.counter.decide(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=bool), np.zeros(0, dtype=np.int64), last)
+        seq, item, op, tick = (np.array(column, dtype=np.int64) for column in self._waiting)
+        due = tick <= last
+        order = np.flatnonzero(due)
+        order = order[np.lexsort((seq[order], tick[order]))]
+        releases = self.counter.decide(item[order], op[order] == OPS["insert"], tick[order], last)
+        self._taken_in += seq[order].tolist()
+        rest = np.flatnonzero(~due)
+        self._waiting = tuple(column[rest].tolist() for column in (seq, item, op, tick))
         return releases
 
     def advance_clock(self, clock_ms: int, batch: WriteBatch, max_ticks: Optional[int] = None) -> None:
@@ -285,10 +286,11 @@ class DynamicQueryState:
         return [dynamic_release_record(self.query, self.counter, r) for r in self.pending]
 
     def mark_published(self, batch: WriteBatch, through: Optional[int] = None) -> None:
-        """The pending releases (those up to segment ``through``, if given) reached the output."""
-        done = [r for r in self.pending if through is None or r.segment <= through]
+        """The pending releases (those up to release ``through``, :attr:`DynamicRelease.sequence`,
+        if given) reached the output."""
+        done = [r for r in self.pending if through is None or r.sequence <= through]
         if done:
-            self.published = done[-1].segment
+            self.published = done[-1].sequence
             self.releases += len(done)
             self.tables.put_published(batch, self.published)
             self.pending = self.pending[len(done):]

@@ -447,6 +447,10 @@ class DynamicRelease:
     #: item; None: unknown): what its confidence interval is computed from. Functions of the budget
     #: and of privatized decisions (segment closes, node restarts and halts), never of raw data
     noise_scales: Optional[tuple] = None
+    #: the shard whose items it counts (:class:`ShardedCounter`; 0 with one shard), and its place
+    #: among all the query's releases (1, 2, ...; the segment itself with one shard)
+    shard: int = 0
+    sequence: int = 0
 
 
 class InvalidUpdate(ValueError):
@@ -681,3 +685,90 @@ class DynamicCounter:
         self._del_counts[:] = 0
         self.segment += 1
         return DynamicRelease(j, tick, counts, self.exact.copy(), None if scales is None else tuple(scales))
+
+
+# ---------------------------------------------------------------------- shards
+class ShardedCounter:
+    """A dynamic query's items split into ``shards`` fixed, public shards - item i (in declared
+    order) in shard ``i % shards`` - each with a :class:`DynamicCounter` of its own: its own
+    partitioner, counters and noise (named ``<query>#shard<k>``; with one shard, the query's own
+    name, so a one-shard query is the plain counter, byte for byte). An update is of one item, so
+    it reaches one shard's mechanism: parallel composition, each shard at the query's epsilon
+    (docs/privacy.md, "Shards"). Segments close per shard, so a busy shard releases more often
+    than a quiet one, and how one shard's segments close never depends on another's updates.
+
+    Releases come in (position, shard) order and are numbered in it (:attr:`DynamicRelease.sequence`),
+    however the ticks are decided: in one call or in many."""
+
+    def __init__(self, plan: DynamicPlan, items: list[str], noise: Optional[NodeNoise], query: str, shards: int = 1,
+                 static_release: Optional[StaticRelease] = None):
+        if not 1 <= shards <= len(items):
+            raise ValueError(f"shards must be in [1, {len(items)}] (the number of items), got {shards}")
+        self.plan = plan
+        self.items = list(items)
+        self.index = {item: i for i, item in enumerate(self.items)}
+        self.shards = shards
+        self.shard_of = np.arange(len(self.items)) % shards
+        self.local_of = np.arange(len(self.items)) // shards
+        self.counters = [DynamicCounter(plan, self.items[k::shards], noise, query if shards == 1 else f"{query}#shard{k}",
+                                        static_release) for k in range(shards)]
+        self.released = 0  # releases numbered so far
+
+    def shard_items(self, shard: int) -> list[str]:
+        return self.counters[shard].items
+
+    @property
+    def decided(self) -> int:
+        return self.counters[0].decided
+
+    @property
+    def exact(self) -> np.ndarray:
+        """The noiseless counts of every item, in declared order (benchmarks and tests only)."""
+        out = np.zeros(len(self.items), dtype=np.int64)
+        for k, counter in enumerate(self.counters):
+            out[k::self.shards] = counter.exact
+        return out
+
+    def live_size(self) -> int:
+        return sum(c.live_size() for c in self.counters)
+
+    def decide(self, items: np.ndarray, inserts: np.ndarray, ticks: np.ndarray, last: int) -> list[DynamicRelease]:
+        """Feed updates (global item indices, in the order to take them in, ticks that never go
+        back) and decide every tick up to ``last``: each shard takes its own updates in that
+        order. Returns the releases, numbered."""
+        items = np.asarray(items, dtype=np.int64)
+        inserts = np.asarray(inserts, dtype=bool)
+        ticks = np.asarray(ticks, dtype=np.int64)
+        releases = []
+        for k, counter in enumerate(self.counters):
+            if self.shards == 1:
+                mine = slice(None)
+            else:
+                mine = np.flatnonzero(self.shard_of[items] == k) if len(items) else np.zeros(0, dtype=np.int64)
+            if len(ticks):
+                releases += [(r, k) for r in counter.apply_many(self.local_of[items[mine]], inserts[mine], ticks[mine])]
+            releases += [(r, k) for r in counter.advance_to(last + 1)]
+        releases.sort(key=lambda rk: (rk[0].position, rk[1]))
+        out = []
+        for release, k in releases:
+            self.released += 1
+            release.shard = k
+            release.sequence = release.segment if self.shards == 1 else self.released
+            out.append(release)
+        return out
+
+    def snapshot(self) -> dict:
+        """With one shard, the counter's own snapshot (as before shards existed); else each
+        shard's and the number of releases so far."""
+        if self.shards == 1:
+            return self.counters[0].snapshot()
+        return {"shards": [c.snapshot() for c in self.counters], "released": self.released}
+
+    def restore(self, state: dict) -> None:
+        if self.shards == 1:
+            self.counters[0].restore(state)
+            self.released = self.counters[0].segment - 1
+            return
+        for counter, shard_state in zip(self.counters, state["shards"]):
+            counter.restore(shard_state)
+        self.released = int(state["released"])

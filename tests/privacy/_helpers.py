@@ -98,7 +98,7 @@ def replay(config: DpstreamConfig, input_path, state_dir=None, label: Optional[s
                 charges[key[1:].split(b"\0", 1)[1].decode()] = json.loads(value)
         statuses = [dict(p._status) for p in runner.pipelines]
         used_label = runner.noise_label
-        dynamic = [(d.counter.decided, d.counter.segment) for d in runner.dynamic]
+        dynamic = [(d.counter.decided, d.counter.released) for d in runner.dynamic]
     finally:
         runner.close()
     return Run(out.getvalue(), dead.getvalue(), summary, stats, entries, used_label, dynamic, statuses, charges)
