@@ -47,22 +47,29 @@ def test_the_counter_takes_a_stretch_of_updates_as_one_update_at_a_time(mechanis
     absent items included, cut into stretches anywhere: apply_many gives the releases, exact
     counts and state of apply per update."""
     plan = DynamicPlan(1.0, 0.0, 0.05, 0.25, mechanism)
-    ticks = np.cumsum([1] + [gap for _, _, gap in stream[1:]])
-    one, many = (DynamicCounter(plan, ITEMS, NodeNoise(TEST_SECRET, "batches"), "q") for _ in range(2))
-    expected = []
-    for (x, ins, _), t in zip(stream, ticks.tolist()):
-        expected += one.apply(ITEMS[x], "insert" if ins else "delete", t)
-    got = []
-    bounds = [0, *sorted(set(c for c in cuts if 0 < c < len(stream))), len(stream)]
-    items = np.array([x for x, _, _ in stream])
-    inserts = np.array([ins for _, ins, _ in stream])
-    for lo, hi in zip(bounds, bounds[1:]):
-        got += many.apply_many(items[lo:hi], inserts[lo:hi], ticks[lo:hi])
-    end = int(ticks[-1]) + 5
-    expected += one.advance_to(end)
-    got += many.advance_to(end)
+    one, many, expected, got = one_at_a_time_and_in_stretches(
+        lambda: DynamicCounter(plan, ITEMS, NodeNoise(TEST_SECRET, "batches"), "q"), ITEMS, stream, cuts)
     assert release_view(got) == release_view(expected)
     assert snapshot_view(many) == snapshot_view(one)
+
+
+def one_at_a_time_and_in_stretches(make_counter, items: list[str], stream, cuts):
+    """Two fresh counters fed ``stream`` ((item index, insert?, tick gap)): one by apply per
+    update, the other by apply_many over the stretches between ``cuts``; both then decide five
+    more ticks. Returns (one, many, one's releases, many's releases)."""
+    ticks = np.cumsum([1] + [gap for _, _, gap in stream[1:]])
+    one, many = make_counter(), make_counter()
+    expected = []
+    for (x, ins, _), t in zip(stream, ticks.tolist()):
+        expected += one.apply(items[x], "insert" if ins else "delete", t)
+    got = []
+    bounds = [0, *sorted(set(c for c in cuts if 0 < c < len(stream))), len(stream)]
+    indices = np.array([x for x, _, _ in stream])
+    inserts = np.array([ins for _, ins, _ in stream])
+    for lo, hi in zip(bounds, bounds[1:]):
+        got += many.apply_many(indices[lo:hi], inserts[lo:hi], ticks[lo:hi])
+    end = int(ticks[-1]) + 5
+    return one, many, expected + one.advance_to(end), got + many.advance_to(end)
 
 
 def test_the_counter_refuses_a_stretch_that_goes_back_or_names_an_unknown_item():

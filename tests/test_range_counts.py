@@ -54,6 +54,7 @@ from dpstream.processor.mechanisms.linear_queries import (
 from dpstream.processor.mechanisms.noise import NodeNoise
 from dpstream.state.tables import decode_snapshot, encode_snapshot
 from tests.conftest import TEST_SECRET
+from tests.test_dynamic_batches import one_at_a_time_and_in_stretches
 
 OTHER_SECRET = b"another-dpstream-test-secret-0123456789"
 MECHANISMS = ("baseline", "interval_tree")
@@ -641,20 +642,7 @@ def test_noise_scales_are_known_for_the_histogram_only(mechanism):
 @given(stream=st.lists(st.tuples(st.integers(0, len(ITEMS) - 1), st.booleans(), st.integers(0, 3)), min_size=1, max_size=150),
        cuts=st.lists(st.integers(0, 150), max_size=5))
 def test_apply_many_gives_the_releases_of_apply_one_at_a_time_with_mwem(mechanism, stream, cuts):
-    ticks = np.cumsum([1] + [gap for _, _, gap in stream[1:]])
-    one, many = mwem_counter(mechanism, epsilon=10.0), mwem_counter(mechanism, epsilon=10.0)
-    expected = []
-    for (x, ins, _), t in zip(stream, ticks.tolist()):
-        expected += one.apply(ITEMS[x], "insert" if ins else "delete", t)
-    got = []
-    bounds = [0, *sorted(set(c for c in cuts if 0 < c < len(stream))), len(stream)]
-    items = np.array([x for x, _, _ in stream])
-    inserts = np.array([ins for _, ins, _ in stream])
-    for lo, hi in zip(bounds, bounds[1:]):
-        got += many.apply_many(items[lo:hi], inserts[lo:hi], ticks[lo:hi])
-    end = int(ticks[-1]) + 5
-    expected += one.advance_to(end)
-    got += many.advance_to(end)
+    one, many, expected, got = one_at_a_time_and_in_stretches(lambda: mwem_counter(mechanism, epsilon=10.0), ITEMS, stream, cuts)
     assert view(got) == view(expected)
     assert state_view(many) == state_view(one)
 
