@@ -156,7 +156,7 @@ DynamicQueryConfig, DpstreamConfig; tests/test_helm_chart.py keeps them equal). 
 name tenant input_topic output_topic user_field key_fields value_field time_field aggregate clamp contribution_bound window allowed_lateness max_skew input_format triggers key_threshold epsilon delta beta key_selection_share composition counter per_key_bound perturbation_steps selection_weights resolution hierarchy level_shares
 {{- end }}
 {{- define "dpstream.dynamicFields" -}}
-name tenant input_topic output_topic item_field op_field time_field start tick allowed_lateness max_skew unit_field contribution_bound items epsilon delta beta partition_share mechanism envelope
+name tenant input_topic output_topic item_field op_field time_field start tick allowed_lateness max_skew unit_field contribution_bound items epsilon delta beta partition_share mechanism static_release shards envelope
 {{- end }}
 {{- define "dpstream.configFields" -}}
 queries dynamic budget input_format schema_registry kafka
