@@ -44,7 +44,8 @@ EPOCH_TOPIC = "dpstream-epochs"
 #: ``<app id>/<source topic-partition>`` (value ``{"offset"}``: the outputs of every input record
 #: up to it are on Kafka), ``<app id>/<source topic-partition>/published`` (value
 #: ``{"window", "trigger"}``: the releases of every trigger up to it are on Kafka) and
-#: ``<app id>/<update topic-partition>/published/<dynamic query>`` (value ``{"segment"}``).
+#: ``<app id>/<update topic-partition>/published/<dynamic query>`` (value ``{"segment"}``: the last
+#: release's number, which is its segment with one shard).
 PROGRESS_TOPIC = "dpstream-progress"
 
 

@@ -1175,7 +1175,7 @@ class DpstreamWorker:
 
     def mark_dynamic_published(self, key: tuple[str, int], through: Optional[dict[str, int]] = None) -> None:
         """The pending dynamic releases reached the output (``through``: only those up to each
-        query's segment, by query name)."""
+        query's release number, :attr:`DynamicRelease.sequence`, by query name)."""
         batch = WriteBatch()
         for st in self.dynamic_states[key]:
             if through is None or st.query.name in through:
@@ -1186,6 +1186,7 @@ class DpstreamWorker:
     def dynamic_published_messages(self, key: tuple[str, int]) -> list[Message]:
         """Exactly once: the progress records of the pending dynamic releases (sent with them)."""
         source = self.dynamic[key]
+        # "segment": the release number (the segment itself with one shard, as before shards)
         return [Message(PROGRESS_TOPIC, encode_json({"segment": st.pending[-1].sequence}),
                         f"{self.app_id}/{source.name}/published/{st.query.name}".encode())
                 for st in self.dynamic_states[key] if st.pending]

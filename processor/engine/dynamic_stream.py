@@ -21,9 +21,10 @@ Recovery: the counter is a deterministic function of the logged updates, the tic
 the secret (all noise is a keyed PRF of its position), so its state is not stored: on start the
 updates of the decided ticks are fed again in (tick, arrival) order and the decided ticks are
 decided again; the others wait for the clock. Releases are published after the write that
-logged their updates; ``published`` (in the same store) names the last segment that reached the
-output, and the releases the recovery recomputes past it are sent again - the same values,
-since the same updates meet the same noise.
+logged their updates; ``published`` (in the same store) names the last release that reached the
+output (its :attr:`DynamicRelease.sequence`: the segment with one shard), and the releases the
+recovery recomputes past it are sent again - the same values, since the same updates meet the
+same noise.
 """
 from __future__ import annotations
 
@@ -56,7 +57,8 @@ class LoggedUpdate:
 
 
 def dynamic_release_record(query: DynamicQueryConfig, counter: ShardedCounter, release: DynamicRelease) -> dict:
-    """One published update of a dynamic query: noisy counts of every declared item, with their
+    """One published update of a dynamic query: noisy counts of every item of the release's shard
+    (every declared item with one shard), with their
     confidence intervals and the time's ISO-8601 twin. Each count's interval is +- a half-width
     computed from the scales of its discrete Laplace draws only (the total's from the draws of all
     items), never from data; those scales follow from public parameters and from the mechanism's
