@@ -516,7 +516,7 @@ def test_harness_a_sigkilled_broker_restarts_on_its_log_with_topics_records_and_
     """scripts/broker kill: the broker process is gone at once (no clean shutdown in its log);
     scripts/broker restart brings it back on its log directory with its topics, every committed
     record (transactions included, an aborted one still aborted) and the group's offsets."""
-    from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
+    from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
     from confluent_kafka.admin import AdminClient
 
     from dpstream.topics.kafka import TopicSpec, create_topics
@@ -573,7 +573,16 @@ def test_harness_a_sigkilled_broker_restarts_on_its_log_with_topics_records_and_
         values.append(m.value())
     assert sorted(int(v) for v in values) == list(range(1010)), "every committed record survives; the aborted one stays aborted"
     side = Consumer({"bootstrap.servers": b.address, "group.id": f"{topic}-group", "enable.auto.commit": False})
-    got = {tp.partition: tp.offset for tp in side.committed([TopicPartition(topic, 0), TopicPartition(topic, 1)], timeout=30)}
+    deadline = time.time() + 60
+    while True:  # the restarted coordinator loads its offsets topic first: NOT_COORDINATOR meanwhile
+        try:
+            got = {tp.partition: tp.offset for tp in side.committed([TopicPartition(topic, 0), TopicPartition(topic, 1)], timeout=30)}
+            break
+        except KafkaException as exc:
+            if time.time() > deadline or exc.args[0].code() not in (KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+                                                                     KafkaError.COORDINATOR_NOT_AVAILABLE):
+                raise
+            time.sleep(1)
     assert got == {0: 123, 1: 45}, "the group's committed offsets survive"
     reader.close()
     side.close()
@@ -679,13 +688,16 @@ def test_joins_and_leaves_every_second_through_a_long_window_stop_no_worker(tmp_
 @pytest.mark.parametrize("mode", ["group", "static"])
 def test_a_broker_sigkill_and_restart_20_s_later_stops_no_worker(tmp_path, chaos_kafka, mode):
     """Events flow into the window until the broker is SIGKILLed (transactions in flight), it
-    is down about 20 s (restarted 5 s after the kill, it recovers its log for about 15 s), across
+    is down 20 s or more (restarted 5 s after the kill, it recovers its log for 15 s or more), across
     trigger times, and comes back on its log: every worker rides it
     out (docs/operations.md, "Health": a broker restart needs nothing) and the releases are
     replay's. Static workers survived this on a016c0c; group workers exited (issue 30, item 6)."""
     b = chaos_kafka
     sc = Scenario(tmp_path, b.address, window_s=30, triggers=5)
-    fleet = Fleet(sc)
+    # the restart's length is the machine's (JVM start and log recovery: 15 s on an idle machine,
+    # up to 64 s on a loaded 2-core one): the workers' timeout stays well past it, so the trial is
+    # about riding out a restart, not about how fast this machine restarts a broker
+    fleet = Fleet(sc, None, ("--broker-timeout", "240s"))
     try:
         start_fleet(fleet, mode, 3 if mode == "group" else 2)
         # events of the first three intervals, produced until just before the kill
@@ -697,7 +709,7 @@ def test_a_broker_sigkill_and_restart_20_s_later_stops_no_worker(tmp_path, chaos
         killed = time.time() - sc.window_start / 1000
         down = b.kill_and_restart(5)
         print(f"broker killed {killed:+.1f} s into the window, answering again {down:.1f} s later")
-        assert 12 < down < 50, f"harness: the outage must pass the 10 s wait and stay under the 60 s --broker-timeout: {down:.0f} s"
+        assert 12 < down < 200, f"harness: the outage must pass the 10 s wait and stay under the 240 s --broker-timeout: {down:.0f} s"
         expected, released = releases_after_the_window(sc, fleet)
         fleet.assert_healthy()
         assert_releases_equal(expected, released, fleet)

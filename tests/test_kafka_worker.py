@@ -426,9 +426,10 @@ def test_dynamic_agent_publishes_what_replay_publishes_and_takes_in_absent_delet
     sc = Scenario(tmp_path, broker)
     name, topic, out = f"dyn{tag}", f"it-updates-{tag}", f"it-counts-{tag}"
     tick_ms, lateness_ms = 20, 1000
-    # tick 1 begins 15 s from now: the worker starts and becomes ready, and the updates are sent,
-    # before then (a loaded 2-core machine took more than 8 s)
-    start = (int(time.time() * 1000) // 1000 + 15) * 1000
+    # tick 1 begins 40 s from now: the worker starts and becomes ready, and the updates are sent,
+    # before then (8 s on an idle 2-core machine; more than 15 s beside CI's five other test
+    # processes and their brokers)
+    start = (int(time.time() * 1000) // 1000 + 40) * 1000
     write_dynamic_config(sc, name=name, input_topic=topic, output_topic=out, items="[a, b, c]", start=start,
                          tick=f"{tick_ms}ms", allowed_lateness=f"{lateness_ms}ms", epsilon=2.0)
     rng = np.random.default_rng(5)
@@ -581,13 +582,16 @@ def test_a_recreated_input_topic_is_refused_with_its_name_not_silently_miscounte
 
 def test_live_production_through_a_window_releases_what_replay_does(tmp_path, broker):
     """Issue 15, item 4: produced live (each event dated and Kafka-timestamped as it is sent) at
-    10,000 events/s across a whole window: the worker keeps up (nothing late, with 5 s allowed)
+    10,000 events/s across a whole window: the worker keeps up (nothing late, with 15 s allowed)
     and releases what replay releases from the same events. The highest steady live rate is
     ``bench kafka --live``'s to measure (90,510/s on the 2-core machine, alone); beside five
-    other test processes on 2 cores, 20,000/s fell 5 s behind in CI, so the test runs at half."""
+    other test processes on 2 cores, 20,000/s fell 5 s behind in CI, so the test runs at half,
+    and on a slower CI machine 10,000/s fell more than 5 s behind (about 10,400 events late, in
+    two runs), so it allows 15 s: what it checks is that a worker under load loses nothing it
+    should count, not how far behind a starved one falls."""
     from dpstream.processor.bench.kafka import produce_live_lines
 
-    with running(tmp_path, broker, lateness_s=5) as sc:
+    with running(tmp_path, broker, lateness_s=15) as sc:
         w = sc.worker("live").start()
         sc.workers.append(w)
         w.wait_ready()
