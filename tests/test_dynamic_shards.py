@@ -119,7 +119,7 @@ def test_one_more_update_changes_one_shards_input_by_that_update_only(mechanism,
     for stream_ in (updates, neighbour):
         counter = ShardedCounter(plan(mechanism), ITEMS, NOISE, "q", shards)
         inputs = {}
-        for k, shard in enumerate(counter.counters):
+        for k, shard in counter.counters.items():
             take = shard.apply_many
 
             def spy(items, inserts, ticks, k=k, take=take):

@@ -37,7 +37,7 @@ import numpy as np
 from dpstream.accountant import pins
 from dpstream.accountant.intervals import CI_FIELD, discrete_laplace_sum_halfwidth
 from dpstream.processor.config import DynamicQueryConfig
-from dpstream.processor.engine.pipeline import PlanChangedError
+from dpstream.processor.engine.pipeline import PackedColumns, PlanChangedError
 from dpstream.processor.mechanisms.dynamic import DynamicRelease, ShardedCounter
 from dpstream.processor.mechanisms.noise import NodeNoise, Pseudonymizer
 from dpstream.state.store import Store, WriteBatch
@@ -46,6 +46,106 @@ from dpstream.topics.records import ChangeEventParser, InvalidRecord, Update, Up
 
 OPS = {"insert": 1, "delete": 2}
 OP_NAMES = {1: "insert", 2: "delete"}
+
+#: a routed update's sequence number packs where it was read: (input partition, offset, index of
+#: the update within its record), in 16, 45 and 2 bits; ticks are fed in this order, so the
+#: order of a tick's updates is the topic's, whatever order they reached the shard in
+SEQ_OFFSET_BITS, SEQ_SUB_BITS, SEQ_PARTITION_BITS = 45, 2, 16
+
+
+def routed_seq(partition: int, offset: int, sub: int) -> int:
+    """The sequence number of update ``sub`` of the record at ``offset`` of input ``partition``."""
+    return (int(partition) << (SEQ_OFFSET_BITS + SEQ_SUB_BITS)) | (int(offset) << SEQ_SUB_BITS) | int(sub)
+
+
+@dataclass
+class RoutedUpdates(PackedColumns):
+    """Updates of one dynamic query on their way from the input partition they were read on to
+    the partition of the query's by-item topic that runs their shard (docs/user-guide.md,
+    "Partitions"): checked already (valid, on time, not future), items as indices, no unit ids."""
+
+    ticks: np.ndarray  # int64
+    items: np.ndarray  # int64 index into the query's items
+    ops: np.ndarray  # int64 op code (OPS)
+    seqs: np.ndarray  # int64 routed_seq
+
+    _COLUMNS = (("ticks", "<i8"), ("items", "<u4"), ("ops", "<u1"), ("seqs", "<i8"))
+
+    def __len__(self) -> int:
+        return len(self.ticks)
+
+    def encode(self, texts: bool = False) -> bytes:
+        return super().encode(texts=False)  # no key texts: items travel as indices
+
+    @classmethod
+    def decode(cls, blob: bytes) -> "RoutedUpdates":
+        cols, _ = cls.decode_columns(blob)
+        return cls(*(cols[name].astype(np.int64) for name, _ in cls._COLUMNS))
+
+
+class UpdateRouter:
+    """The first step of a dynamic query on an update topic of several partitions, on each input
+    partition (docs/user-guide.md, "Partitions"; docs/privacy.md, "Partitions"): parse each
+    record, refuse the invalid, the late and the future ones, and send each update to the shard
+    of its item. Every judgement is the record's own: late when the watermark its own Kafka
+    timestamp makes (less the watermark delay) has passed its tick's decision time, future when
+    its time is more than ``max_skew`` after that timestamp. So which updates go on never depends
+    on when the worker read them, nor on other partitions."""
+
+    def __init__(self, query: DynamicQueryConfig, partition: int, watermark_delay_ms: int, index: Optional[int] = None):
+        if query.unit_field is not None:
+            raise ValueError("a unit bound across partitions is not built: unit_field needs an update topic of one partition")
+        self.query = query
+        self.partition = int(partition)
+        self.delay_ms = int(watermark_delay_ms)
+        self.index = index
+        self.parser = ChangeEventParser(query, query.items) if query.envelope == "debezium" else UpdateParser(query, query.items)
+        self.item_index = {item: i for i, item in enumerate(query.items)}
+        self.dropped: Counter = Counter()
+        self.refused = False  # the budget ledger refused this query: its updates go nowhere
+        self.updates_in = 0
+
+    def route(self, objs: Sequence[Union[dict, InvalidRecord]], stamps: Sequence[int], offsets: Sequence[int]
+              ) -> tuple[dict[int, RoutedUpdates], list[Optional[str]]]:
+        """The updates of decoded records (``stamps``: their Kafka timestamps, ``offsets``: their
+        offsets), by shard; and each record's refusal (None: routed, or dropped without a dead
+        letter)."""
+        q = self.query
+        self.updates_in += len(objs)
+        reasons: list[Optional[str]] = [None] * len(objs)
+        if self.refused:
+            self.dropped["budget"] += len(objs)
+            return {}, reasons
+        ticks, items, ops, seqs = [], [], [], []
+        skew = q.max_skew_ms
+        for i, obj in enumerate(objs):
+            parsed = self.parser.from_mapping(obj)
+            if isinstance(parsed, InvalidRecord):
+                self.dropped["malformed"] += 1
+                reasons[i] = parsed.reason
+                continue
+            updates = [parsed] if isinstance(parsed, Update) else parsed
+            if not updates:
+                continue  # a tombstone, or a change that leaves every count as it was
+            head, stamp = updates[0], int(stamps[i])
+            if head.tick <= q.decided_through(stamp - self.delay_ms):
+                self.dropped["late"] += 1
+                reasons[i] = "late: its time is in an already decided tick"
+                continue
+            if head.ts > stamp + skew:
+                self.dropped["future"] += 1
+                reasons[i] = f"future: field {q.time_field!r} is more than {q.max_skew} after the clock"
+                continue
+            for sub, u in enumerate(updates):
+                ticks.append(head.tick)
+                items.append(self.item_index[u.item])
+                ops.append(OPS[u.op])
+                seqs.append(routed_seq(self.partition, offsets[i], sub))
+        if not ticks:
+            return {}, reasons
+        routed = RoutedUpdates(*(np.array(c, dtype=np.int64) for c in (ticks, items, ops, seqs)))
+        shard = routed.items % q.shards
+        return {k: routed.take(np.flatnonzero(shard == k)) for k in np.unique(shard).tolist()}, reasons
 
 
 @dataclass(frozen=True)
@@ -95,9 +195,11 @@ SNAPSHOT_AFTER_UPDATES = 10_000
 
 class DynamicQueryState:
     def __init__(self, query: DynamicQueryConfig, noise: NodeNoise, pseudonyms: Pseudonymizer, store: Store,
-                 index: Optional[int] = None):
+                 index: Optional[int] = None, shard: Optional[int] = None):
         """``index``: the query's position in the config's ``dynamic`` list (a refusal names its
-        fields as ``dynamic[index].field``)."""
+        fields as ``dynamic[index].field``). ``shard``: run that shard only, on updates an
+        :class:`UpdateRouter` sent (:meth:`take_routed`; an update topic of several partitions),
+        instead of every shard on the records themselves."""
         self.query = query
         self.index = index
         self.store = store
@@ -105,7 +207,11 @@ class DynamicQueryState:
         self.tables = DynamicTables(store, query.name)
         self.qid = self.tables.qid
         self._pin_plan()
-        self.counter = ShardedCounter(query.plan(), query.items, noise, query.name, query.shards)
+        self.shard = shard
+        self.counter = ShardedCounter(query.plan(), query.items, noise, query.name, query.shards,
+                                      owned=None if shard is None else [shard])
+        #: routed: the sequence numbers waiting (a resent update is taken in once)
+        self._waiting_seqs: set[int] = set()
         self.parser = ChangeEventParser(query, query.items) if query.envelope == "debezium" else UpdateParser(query, query.items)
         self.dropped: Counter = Counter()
         self.refused = False  # the budget ledger refused this query: it does not run
@@ -171,6 +277,8 @@ class DynamicQueryState:
         return max(self._waiting[3], default=self.decided)
 
     def _wait(self, seq: int, item: int, op: int, tick: int) -> None:
+        if self.shard is not None:
+            self._waiting_seqs.add(seq)
         seqs, items, ops, ticks = self._waiting
         seqs.append(seq)
         items.append(item)
@@ -252,6 +360,30 @@ class DynamicQueryState:
             self.tables.append_many(batch, seqs[-n:], items[-n:], ops[-n:], ticks[-n:])
         return reasons
 
+    def take_routed(self, routed: RoutedUpdates, batch: WriteBatch) -> int:
+        """Log updates an :class:`UpdateRouter` sent to this shard (judged there already), each
+        once: one whose tick is decided already is dropped and counted late (its router judged it
+        on time by its Kafka timestamp: the broker's and the worker's clocks differed by more than
+        the watermark delay), one already waiting is a copy sent again (at least once). Returns
+        how many were dropped as late."""
+        if self.refused:
+            self.dropped["budget"] += len(routed)
+            return 0
+        decided, late = self.counter.decided, 0
+        fresh = []
+        for j, (tick, seq) in enumerate(zip(routed.ticks.tolist(), routed.seqs.tolist())):
+            if tick <= decided:
+                late += 1
+            elif seq not in self._waiting_seqs:
+                fresh.append(j)
+                self._wait(seq, int(routed.items[j]), int(routed.ops[j]), tick)
+        self.dropped["late"] += late  # (records in are counted where they were read: UpdateRouter)
+        if fresh:
+            take = np.array(fresh, dtype=np.int64)
+            self.tables.append_many(batch, routed.seqs[take].tolist(), routed.items[take].tolist(), routed.ops[take].tolist(),
+                                    routed.ticks[take].tolist())
+        return late
+
     def _decide(self, last: int) -> list[DynamicRelease]:
         """Feed the waiting updates of ticks <= ``last`` in (tick, arrival) order - every one of
         them: each was judged on its own fields and the clock when it was logged - and decide
@@ -266,6 +398,8 @@ class DynamicQueryState:
         self._taken_in += seq[order].tolist()
         rest = np.flatnonzero(~due)
         self._waiting = tuple(column[rest].tolist() for column in (seq, item, op, tick))
+        if self.shard is not None:
+            self._waiting_seqs.difference_update(seq[order].tolist())
         return releases
 
     def advance_clock(self, clock_ms: int, batch: WriteBatch, max_ticks: Optional[int] = None) -> None:

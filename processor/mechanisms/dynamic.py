@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -701,7 +701,10 @@ class ShardedCounter:
     however the ticks are decided: in one call or in many."""
 
     def __init__(self, plan: DynamicPlan, items: list[str], noise: Optional[NodeNoise], query: str, shards: int = 1,
-                 static_release: Optional[StaticRelease] = None):
+                 static_release: Optional[StaticRelease] = None, owned: Optional[Sequence[int]] = None):
+        """``owned``: the shards this instance runs (default: all). A worker that reads a
+        partitioned update topic runs one shard per partition of the query's by-item topic
+        (docs/user-guide.md, "Partitions"); its releases are numbered among its own shards'."""
         if not 1 <= shards <= len(items):
             raise ValueError(f"shards must be in [1, {len(items)}] (the number of items), got {shards}")
         self.plan = plan
@@ -710,27 +713,35 @@ class ShardedCounter:
         self.shards = shards
         self.shard_of = np.arange(len(self.items)) % shards
         self.local_of = np.arange(len(self.items)) // shards
-        self.counters = [DynamicCounter(plan, self.items[k::shards], noise, query if shards == 1 else f"{query}#shard{k}",
-                                        static_release) for k in range(shards)]
+        self.owned = list(range(shards)) if owned is None else sorted(set(int(k) for k in owned))
+        if not self.owned or not all(0 <= k < shards for k in self.owned):
+            raise ValueError(f"owned shards must be among 0..{shards - 1}, got {list(owned or [])}")
+        self.counters = {k: DynamicCounter(plan, self.items[k::shards], noise, query if shards == 1 else f"{query}#shard{k}",
+                                           static_release) for k in self.owned}
         self.released = 0  # releases numbered so far
 
     def shard_items(self, shard: int) -> list[str]:
         return self.counters[shard].items
 
+    def owns(self, items: np.ndarray) -> np.ndarray:
+        """Whether each item (global index) is in a shard this instance runs."""
+        return np.isin(self.shard_of[np.asarray(items, dtype=np.int64)], self.owned)
+
     @property
     def decided(self) -> int:
-        return self.counters[0].decided
+        return self.counters[self.owned[0]].decided
 
     @property
     def exact(self) -> np.ndarray:
-        """The noiseless counts of every item, in declared order (benchmarks and tests only)."""
+        """The noiseless counts of every item of the shards run here (zero elsewhere), in declared
+        order (benchmarks and tests only)."""
         out = np.zeros(len(self.items), dtype=np.int64)
-        for k, counter in enumerate(self.counters):
+        for k, counter in self.counters.items():
             out[k::self.shards] = counter.exact
         return out
 
     def live_size(self) -> int:
-        return sum(c.live_size() for c in self.counters)
+        return sum(c.live_size() for c in self.counters.values())
 
     def decide(self, items: np.ndarray, inserts: np.ndarray, ticks: np.ndarray, last: int) -> list[DynamicRelease]:
         """Feed updates (global item indices, in the order to take them in, ticks that never go
@@ -739,8 +750,10 @@ class ShardedCounter:
         items = np.asarray(items, dtype=np.int64)
         inserts = np.asarray(inserts, dtype=bool)
         ticks = np.asarray(ticks, dtype=np.int64)
+        if len(items) and len(self.owned) < self.shards and not self.owns(items).all():
+            raise ValueError("an update of a shard this counter does not run")
         releases = []
-        for k, counter in enumerate(self.counters):
+        for k, counter in self.counters.items():
             if self.shards == 1:
                 mine = slice(None)
             else:
@@ -762,13 +775,14 @@ class ShardedCounter:
         shard's and the number of releases so far."""
         if self.shards == 1:
             return self.counters[0].snapshot()
-        return {"shards": [c.snapshot() for c in self.counters], "released": self.released}
+        # the owned shards' snapshots, in shard order (all of them unless a worker runs one)
+        return {"shards": [c.snapshot() for c in self.counters.values()], "released": self.released}
 
     def restore(self, state: dict) -> None:
         if self.shards == 1:
             self.counters[0].restore(state)
             self.released = self.counters[0].segment - 1
             return
-        for counter, shard_state in zip(self.counters, state["shards"]):
+        for counter, shard_state in zip(self.counters.values(), state["shards"], strict=True):
             counter.restore(shard_state)
         self.released = int(state["released"])
