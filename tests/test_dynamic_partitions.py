@@ -73,10 +73,10 @@ def debezium_query(mechanism: str = "baseline", shards: int = 3) -> DynamicQuery
     return query(mechanism, shards, "debezium").model_copy(update={"item_field": "plan", "time_field": "ts_ms"})
 
 
-def one_partition(q: DynamicQueryConfig, recs: list[tuple[dict, int]], until_ms: int) -> list[dict]:
+def one_partition(q: DynamicQueryConfig, recs: list[tuple[dict, int]], until_ms: int, noise: NodeNoise = NOISE) -> list[dict]:
     """The query read from one partition, in the order given: every shard in one state."""
     store = MemoryStore()
-    state = DynamicQueryState(q, NOISE, PSEUDONYMS, store)
+    state = DynamicQueryState(q, noise, PSEUDONYMS, store)
     batch = WriteBatch()
     assert state.apply_records([r for r, _ in recs], batch, [s for _, s in recs]) == [None] * len(recs)
     state.advance_clock(until_ms, batch)
@@ -281,3 +281,91 @@ def test_a_shard_takes_a_late_arrival_as_late_and_a_copy_once():
     assert state.counter.exact.tolist() == [0, 0, 1, 0, 0, 0, 0]
     assert state.take_routed(early, WriteBatch()) == 1 and state.dropped["late"] == 1
     assert state.counter.exact.tolist() == [0, 0, 1, 0, 0, 0, 0]
+
+
+class Log:
+    """Topics as the worker core sees them (no broker): each partition a list of records, stamped
+    by the "broker" (LogAppendTime) when appended."""
+
+    def __init__(self):
+        self.partitions: dict[tuple[str, int], list] = {}
+
+    def append(self, topic: str, partition: int, key, value, stamp: int) -> None:
+        from tests.conftest import Record
+
+        records = self.partitions.setdefault((topic, partition), [])
+        records.append(Record(len(records), key, value, stamp, 1))
+
+
+def test_static_workers_on_a_partitioned_update_topic_release_what_one_partition_does(tmp_path):
+    """The worker core (processor/adapters/worker.py) on an update topic of 4 partitions, keyed by
+    a row id as Debezium keys them: two static workers share its partitions (routers) and the
+    by-item topic's 3 (shards), each reading in chunks, sending the routed updates and watermarks
+    it returns to the topics and deciding ticks on its clock; one is restarted from its state
+    directory midway. Their releases are the query's read from one partition in (partition,
+    offset) order, each published once."""
+    import json
+
+    from dpstream.processor.adapters.worker import DpstreamWorker, Ownership
+    from dpstream.processor.config import DpstreamConfig
+    from dpstream.topics.kafka import item_topic
+    from dpstream.topics.partitioner import partition_for
+    from tests.conftest import TEST_RUN_NONCE
+
+    topic, partitions = "db.public.subscriptions", 4
+    spec = {"name": "plans", "input_topic": topic, "output_topic": "plan-counts", "start": 0, "items": ITEMS, "epsilon": 2.0,
+            "tick": f"{TICK_MS}ms", "allowed_lateness": f"{LATENESS_MS}ms", "shards": 3, "mechanism": "interval_tree"}
+    cfg = DpstreamConfig(dynamic=[spec])
+
+    def open_worker(i: int) -> DpstreamWorker:
+        return DpstreamWorker(cfg, TEST_SECRET, tmp_path / f"w{i}", Ownership(i, 2), {}, 2, run_nonce=TEST_RUN_NONCE,
+                              watermark_delay_ms=DELAY_MS, dynamic_partitions={topic: partitions})
+
+    workers = [open_worker(0), open_worker(1)]
+    assert sorted(k for w in workers for k in w.dynamic) == [(topic, p) for p in range(partitions)]
+    by_item = item_topic("plans")
+    assert sorted(k for w in workers for k in w.dynamic_shards) == [(by_item, k) for k in range(3)]
+    recs = records(600, 5)
+    log, rng = Log(), np.random.default_rng(3)
+    rows = rng.integers(0, 50, len(recs))
+    home = partition_for([f"row-{r}".encode() for r in rows.tolist()], partitions, "murmur2").tolist()
+    for (rec, stamp), p in zip(recs, home):
+        log.append(topic, p, None, json.dumps(rec).encode(), stamp)
+    until = recs[-1][1] + 200
+    released, now = [], 0
+
+    def step(w: DpstreamWorker, now: int, ends=None) -> None:
+        for key, source in [*w.dynamic.items(), *w.dynamic_shards.items()]:
+            todo = [r for r in log.partitions.get(key, []) if r.offset > source.last_offset][:int(rng.integers(1, 40))]
+            if not todo:
+                continue
+            result = w.process_dynamic(*key, todo)
+            for m in result.messages:
+                log.append(m.topic, m.partition, m.key, m.value, now)
+            result.commit()
+        for m in w.watermark_messages(now, ends):
+            log.append(m.topic, m.partition, m.key, m.value, now)
+        for key in w.advance_dynamic(now):
+            released.extend(json.loads(m.value) for m in w.dynamic_releases(key))
+            w.mark_dynamic_published(key)
+
+    restarted = False
+    for t in range(0, recs[-1][1] + 1, 3):  # the clock: the records stamped so far are readable
+        now = t
+        for w in workers:
+            step(w, now)
+        if not restarted and t >= recs[-1][1] // 2:  # worker 1 stops and starts again on its state
+            restarted = bool(released)
+            workers[1].close()
+            workers[1] = open_worker(1)
+    assert restarted, "a restart after some releases"
+    ends = {(topic, p): until + DELAY_MS for p in range(partitions)}  # every partition read to its end
+    for _ in range(60):
+        for w in workers:
+            step(w, until + DELAY_MS, ends)
+    label = workers[0].noise.label
+    for w in workers:
+        w.close()
+    expected = one_partition(query("interval_tree", 3), canonical(recs, home), until, NodeNoise(TEST_SECRET, label))
+    assert all(r.pop("run")["noise_label"] == label and r.pop("app_id") for r in released)
+    assert len(expected) > 10 and view(released) == view(expected)

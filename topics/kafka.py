@@ -101,6 +101,14 @@ def rerouting_topic(query_name: str, app_id: str = "dpstream", epoch: str = "1")
     return repartition_topic(query_name, app_id, epoch)[:-len("-by-key")] + "-by-user"
 
 
+def item_topic(query_name: str, app_id: str = "dpstream", epoch: str = "1") -> str:
+    """A dynamic query's updates on their way from the partitions of an update topic of several
+    to the shard of their item: one partition per shard (``shards``), partition k read into
+    shard k's state (docs/user-guide.md, "Partitions"). Named per application and epoch like
+    :func:`repartition_topic`: ``<app id>-<query>-by-item``."""
+    return repartition_topic(query_name, app_id, epoch)[:-len("-by-key")] + "-by-item"
+
+
 def dead_letter_retention_ms(environ: Optional[Mapping[str, str]] = None) -> int:
     """How long the dead-letter topic keeps a record, from ``$DPSTREAM_DEAD_LETTER_RETENTION``
     (default 7 days); a bad value is an error naming the variable."""
@@ -123,7 +131,9 @@ def dead_letter_topic_config(environ: Optional[Mapping[str, str]] = None) -> dic
 def topics_for(queries: Iterable, partitions: int = 8, dynamic: Iterable = (), app_id: str = "dpstream",
                epoch: str = "1") -> list[TopicSpec]:
     """Every topic the queries need, deduplicated by name (queries may share input/output).
-    A dynamic query's input has one partition: its counter needs one order of all updates."""
+    A dynamic query's update topic is created with one partition when missing; one of several
+    (yours, or Debezium's) is routed to the query's shards through its by-item topic, which the
+    worker creates once it knows (processor/adapters/worker_startup.py)."""
     specs: dict[str, TopicSpec] = {}
 
     def add(spec: TopicSpec) -> None:

@@ -182,7 +182,7 @@ class ElasticRun(WorkerRun):
             for key in worker.advance_dynamic(now, ends):
                 messages += worker.dynamic_releases(key)
                 worker.mark_dynamic_published(key)
-            sources = list(worker.dynamic.values())
+            sources = [worker.source_of(key) for key in worker.dynamic_states]
             try:
                 await self.transact("dynamic", sources, messages)
             except TransactionAbandonedError as exc:
@@ -195,7 +195,7 @@ class ElasticRun(WorkerRun):
         before it asked."""
         gc, worker = self.consumer, self.worker
         # the by-key partitions' ends too: their lag on the status page (partition_status)
-        keys = [*worker.stage1, *worker.dynamic, *worker.stage2]
+        keys = [*worker.stage1, *worker.dynamic, *worker.stage2, *worker.dynamic_shards]
         if gc is None:
             return {}
         try:
@@ -209,7 +209,7 @@ class ElasticRun(WorkerRun):
         ends = {}
         for key, (high, asked) in highs.items():
             src = worker.source_of(key)
-            if src is None or key in worker.stage2:
+            if src is None or key in worker.stage2 or key in worker.dynamic_shards:
                 continue
             committed = src.last_offset + 1
             position = self.reader.position(key)

@@ -83,7 +83,7 @@ class StaticRun(WorkerRun):
             worker.resume(progress)
         await self.publish(worker.unpublished())
         worker.log_triggers(force=True)  # what an earlier run fired and this one sent
-        for key in worker.dynamic:  # releases recomputed from the update log, not yet sent
+        for key in list(worker.dynamic_states):  # releases recomputed from the update log, not yet sent
             await self.publish_dynamic(key)
         # the logs must still hold what the state has read (a recreated topic, a broker that
         # lost data: refused, never silently counted from wherever the log is now)
@@ -97,7 +97,8 @@ class StaticRun(WorkerRun):
         await consumer.start()
         self.consumer = consumer
         stage_of = {}
-        for key, src in [*worker.stage1.items(), *worker.stage2.items(), *worker.dynamic.items(), *worker.lanes.items()]:
+        for key, src in [*worker.stage1.items(), *worker.stage2.items(), *worker.dynamic.items(), *worker.dynamic_shards.items(),
+                         *worker.lanes.items()]:
             stage_of[_tp(*key)] = (self.stage_of(key), src)
         lane_starts = await loop.run_in_executor(None, lambda: lane_positions(self.broker, worker.lanes))
         consumer.assign(list(stage_of))
@@ -222,7 +223,7 @@ class StaticRun(WorkerRun):
         transaction markers, which no record's offset stands for)."""
         worker = self.worker
         out = {}
-        for key, src in [*worker.stage1.items(), *worker.stage2.items(), *worker.dynamic.items()]:
+        for key, src in [*worker.stage1.items(), *worker.stage2.items(), *worker.dynamic.items(), *worker.dynamic_shards.items()]:
             offset = src.last_offset + 1
             position = self.positions.get(key)
             if position is not None and position > offset >= self.batches.fetched.get(key, 0):

@@ -72,7 +72,7 @@ from dpstream.processor.engine.budget import (
     ChargeSchedule,
     open_ledger,
 )
-from dpstream.processor.engine.dynamic_stream import DynamicQueryState
+from dpstream.processor.engine.dynamic_stream import DynamicQueryState, RoutedUpdates, UpdateRouter
 from dpstream.processor.engine.pipeline import (
     BoundedRecords,
     PipelineStats,
@@ -99,6 +99,7 @@ from dpstream.topics.kafka import (
     DEAD_LETTER_TOPIC,
     PROGRESS_TOPIC,
     changelog_topic,
+    item_topic,
     repartition_topic,
     rerouting_topic,
 )
@@ -561,8 +562,13 @@ class DpstreamWorker:
                  input_partitions: dict[str, int], repartitions: int, metrics: Optional[PipelineMetrics] = None,
                  block_cache_mb: int = 64, write_buffer_mb: int = 32, previous_mark: Optional[dict] = None,
                  app_id: str = "dpstream", partitioner: str = "murmur2", now_ms: Optional[int] = None,
-                 watermark_delay_ms: int = WATERMARK_DELAY_MS, restarts: int = 0, run_nonce: Optional[str] = None):
+                 watermark_delay_ms: int = WATERMARK_DELAY_MS, restarts: int = 0, run_nonce: Optional[str] = None,
+                 dynamic_partitions: Optional[dict[str, int]] = None):
+        """``dynamic_partitions``: each dynamic query's update topic's partition count (default
+        1): a topic of several runs in two steps, an :class:`UpdateRouter` on each of its
+        partitions and each query's shards on its by-item topic (docs/user-guide.md, "Partitions")."""
         self.config = config
+        self.dynamic_partitions = {q.input_topic: int((dynamic_partitions or {}).get(q.input_topic, 1)) for q in config.dynamic}
         #: how many times ``dpstream reset`` started this application over (public; epoch topic)
         self.restarts = int(restarts)
         self.watermark_delay_ms = int(watermark_delay_ms)
@@ -622,6 +628,9 @@ class DpstreamWorker:
         self._dynamic_queries: dict[str, list] = defaultdict(list)
         for q in config.dynamic:
             self._dynamic_queries[q.input_topic].append(q)
+        #: a partitioned update topic's queries: each one's by-item topic (a partition per shard)
+        self._by_item = {self.item_topic(q.name): q for q in config.dynamic if self.partitioned(q.input_topic)}
+        self._dynamic_plans: dict = {}
         # the budget ledger: each window is charged as the wall clock reaches it, from the
         # schedule's public start (budget.start, else this worker's first start, kept in state).
         # Never changelogged: every worker computes the same ledger from the public schedule
@@ -645,8 +654,11 @@ class DpstreamWorker:
             # every query's windows, owned or not, in the schedule's one order: the same ledger on
             # every worker (processor/engine/budget.py)
             self.charges = ChargeSchedule(self.gate, config.queries, start, ledger_store)
-        # dynamic queries: one-partition topics, owned by the worker that owns partition 0
-        self.dynamic: dict[tuple[str, int], SourcePartition] = {}
+        # dynamic queries: an update topic of one partition is owned by the worker that owns
+        # partition 0; one of several has its partitions (routers) and its by-item topics' (shards)
+        self.dynamic: dict[tuple[str, int], SourcePartition] = {}  # update topic partitions
+        self.dynamic_shards: dict[tuple[str, int], SourcePartition] = {}  # by-item topic partitions
+        self.dynamic_routers: dict[tuple[str, int], list[UpdateRouter]] = {}
         self.dynamic_states: dict[tuple[str, int], list[DynamicQueryState]] = defaultdict(list)
         if ownership is not None:  # static: every owned partition now (group: as the group assigns them)
             for topic in self._by_input:
@@ -655,14 +667,25 @@ class DpstreamWorker:
             for topic in self._by_repartition:
                 for p in ownership.partitions(repartitions):
                     self.add_source(topic, p, self._open(f"{topic}-{p}"))
-            if 0 in ownership.partitions(1):
-                for topic in self._dynamic_queries:
-                    self.add_source(topic, 0, self._open(f"{topic}-0"))
+            for topic in self._dynamic_queries:
+                for p in ownership.partitions(self.dynamic_partitions[topic]):
+                    self.add_source(topic, p, self._open(f"{topic}-{p}"))
+            for topic, q in self._by_item.items():
+                for k in ownership.partitions(q.shards):
+                    self.add_source(topic, k, self._open(f"{topic}-{k}"))
 
     # ------------------------------------------------------------------ sources
     def source_topics(self) -> list[str]:
         """Every topic whose partitions this application's workers read (and own by partition)."""
-        return [*self._by_input, *self._by_repartition, *self._dynamic_queries]
+        return [*self._by_input, *self._by_repartition, *self._dynamic_queries, *self._by_item]
+
+    def partitioned(self, topic: str) -> bool:
+        """Whether a dynamic update topic has several partitions (routed to shards)."""
+        return self.dynamic_partitions.get(topic, 1) > 1
+
+    def item_topic(self, query_name: str) -> str:
+        """This application's and epoch's by-item topic of a dynamic query (:func:`item_topic`)."""
+        return item_topic(query_name, self.app_id, worker_epoch(self.config, self.restarts))
 
     def add_source(self, topic: str, partition: int, store: Store) -> SourcePartition:
         """Own ``topic``'s ``partition``, its state in ``store`` (restored first when it moved)."""
@@ -684,11 +707,21 @@ class DpstreamWorker:
                 lane = self.rerouting_topic(q.name)
                 source.add_lane(lane)
                 self.lanes[(lane, partition)] = source
-        elif topic in self._dynamic_queries:
+        elif topic in self._dynamic_queries and self.partitioned(topic):
             source = SourcePartition(topic, partition, store, [])
             self.dynamic[key] = source
+            self.dynamic_routers[key] = []
             for q in self._dynamic_queries[topic]:
-                state = DynamicQueryState(q, self.noise, self.pseudonyms, store, index=self.config.dynamic.index(q))
+                router = UpdateRouter(q, partition, self.watermark_delay_ms, index=self.config.dynamic.index(q))
+                router.refused = self.gate is not None and not self.gate.start_dynamic(q)
+                self.dynamic_routers[key].append(router)
+        elif topic in self._dynamic_queries or topic in self._by_item:
+            source = SourcePartition(topic, partition, store, [])
+            queries = [self._by_item[topic]] if topic in self._by_item else self._dynamic_queries[topic]
+            (self.dynamic_shards if topic in self._by_item else self.dynamic)[key] = source
+            for q in queries:
+                state = DynamicQueryState(q, self.noise, self.pseudonyms, store, index=self.config.dynamic.index(q),
+                                          shard=partition if topic in self._by_item else None)
                 if self.gate is not None:
                     state.refused = not self.gate.start_dynamic(q)
                 self.dynamic_states[key].append(state)
@@ -704,7 +737,7 @@ class DpstreamWorker:
         if source is not None:
             for lane in source.lanes:
                 self.lanes.pop((lane, partition), None)
-        for table in (self.stage1, self.stage2, self.dynamic):
+        for table in (self.stage1, self.stage2, self.dynamic, self.dynamic_shards, self.dynamic_routers):
             table.pop(key, None)
         self.dynamic_states.pop(key, None)
         self.stores.release(f"{topic}-{partition}")
@@ -804,6 +837,8 @@ class DpstreamWorker:
         if self.ownership is not None:
             mine = {"worker_index": self.ownership.index, "workers": self.ownership.workers,
                     "input_partitions": dict(sorted(input_partitions.items())), "repartitions": self.repartitions}
+        if any(n > 1 for n in self.dynamic_partitions.values()):  # (left out otherwise: the layout of state before them)
+            mine["dynamic_partitions"] = dict(sorted(self.dynamic_partitions.items()))
         self.state_dir.mkdir(parents=True, exist_ok=True)
         path = self.state_dir / LAYOUT_FILE
         if path.exists():
@@ -831,17 +866,22 @@ class DpstreamWorker:
 
     def owned_counts(self) -> dict[str, int]:
         """How many partitions of each source topic this worker owns."""
-        counts = Counter(topic for topic, _ in [*self.stage1, *self.stage2, *self.dynamic])
+        counts = Counter(topic for topic, _ in [*self.stage1, *self.stage2, *self.dynamic, *self.dynamic_shards])
         return {topic: counts.get(topic, 0) for topic in self.source_topics()}
 
     def source_of(self, key: tuple[str, int]) -> Optional[SourcePartition]:
         """The owned source partition ``(topic, partition)`` (for a by-user topic's partition: the
         stage-1 source it is read into), None if not owned (now)."""
-        return self.stage1.get(key) or self.stage2.get(key) or self.dynamic.get(key) or self.lanes.get(key)
+        return self.stage1.get(key) or self.stage2.get(key) or self.dynamic.get(key) or self.dynamic_shards.get(key) or \
+            self.lanes.get(key)
 
     @property
     def sources(self) -> list[SourcePartition]:
-        return list(self.stage1.values()) + list(self.stage2.values()) + list(self.dynamic.values())
+        return [*self.stage1.values(), *self.stage2.values(), *self.dynamic.values(), *self.dynamic_shards.values()]
+
+    def _dynamic_source(self, key: tuple[str, int]) -> SourcePartition:
+        """The source a dynamic query state reads: an update topic's partition or a by-item one."""
+        return self.dynamic.get(key) or self.dynamic_shards[key]
 
     def pipelines(self) -> Iterable[QueryPipeline]:
         for src in self.sources:
@@ -1100,6 +1140,26 @@ class DpstreamWorker:
             value = encode_watermark(topic, p, mark)
             for pipe in source.pipelines:
                 out.extend(Message(self.repartition_topic(pipe.query.name), value, WATERMARK_KEY, q) for q in range(self.repartitions))
+        out += self._update_watermark_messages(now_ms, ends)
+        return out
+
+    def _update_watermark_messages(self, now_ms: int, ends: dict) -> list[Message]:
+        """A partitioned update topic's partitions' watermarks, to every shard of their queries:
+        after the routed updates they cover were acknowledged, so on each by-item partition a
+        marker follows them; each time it lets a shard decide another tick. A shard decides a
+        tick once every update partition's marker has passed its decision time."""
+        out = []
+        for key, routers in self.dynamic_routers.items():
+            source = self.dynamic[key]
+            own = source.read_watermark(now_ms, ends.get(key), self.watermark_delay_ms)
+            before = source.announced_ms
+            if own is None or (before is not None and
+                               all(r.query.decided_through(own) <= r.query.decided_through(before) for r in routers)):
+                continue
+            source.announced_ms = own
+            value = encode_watermark(key[0], key[1], own)
+            for r in routers:
+                out.extend(Message(self.item_topic(r.query.name), value, WATERMARK_KEY, k) for k in range(r.query.shards))
         return out
 
     @staticmethod
@@ -1121,15 +1181,54 @@ class DpstreamWorker:
         return source.input_watermark(topic, self.input_partitions[topic])
 
     # ------------------------------------------------------------------ dynamic queries
-    def process_dynamic(self, topic: str, partition: int, records: Sequence[RecordLike]) -> Optional[StageOneResult]:
+    def process_dynamic(self, topic: str, partition: int, records: Sequence[RecordLike]
+                        ) -> "Optional[StageOneResult | StageTwoResult]":
         """Log update records (judged late or future by each record's own Kafka timestamp): the
         update log, unit counts and offset in one write, committed after its dead letters are
         sent. Ticks are decided by the timer (:meth:`advance_dynamic`), never by the arrival of
-        updates."""
+        updates. On an update topic of several partitions, a partition's records are routed to
+        their shards instead (:meth:`_route_updates`), and a by-item partition logs what it is
+        sent (:meth:`_take_routed`)."""
         key = (topic, partition)
+        step = self._take_routed if key in self.dynamic_shards else self._route_updates if key in self.dynamic_routers \
+            else self._log_updates
+        source = self._dynamic_source(key)
+        records = _undelivered(source, records, lambda done: step(key, done))
+        return step(key, records) if records else None
+
+    def _route_updates(self, key: tuple[str, int], records: Sequence[RecordLike]) -> StageOneResult:
+        """A partition of a partitioned update topic: each query's updates to the by-item
+        partitions of their shards (in one transaction with the offset, exactly once), the
+        refused records dead-lettered. Its watermark follows to every shard once the batch is
+        acknowledged (:meth:`watermark_messages`)."""
+        topic, partition = key
         source = self.dynamic[key]
-        records = _undelivered(source, records, lambda done: self._log_updates(key, done))
-        return self._log_updates(key, records) if records else None
+        messages = []
+        objs = self.decoders[topic].decode([r.value for r in records])
+        stamps = [r.timestamp for r in records]
+        offsets = [r.offset for r in records]
+        for router in self.dynamic_routers[key]:
+            routed, reasons = router.route(objs, stamps, offsets)
+            out = self.item_topic(router.query.name)
+            messages += [Message(out, updates.encode(), None, k) for k, updates in sorted(routed.items())]
+            for r, reason in zip(records, reasons):
+                if reason is not None:
+                    messages.append(self._letter(router.query.name, reason, r.value or b"", f"{topic}/{partition}@{r.offset}"))
+        return StageOneResult(source, WriteBatch(), records[-1].offset, messages, read_ms=broker_stamped_max(records))
+
+    def _take_routed(self, key: tuple[str, int], records: Sequence[RecordLike]) -> StageTwoResult:
+        """A by-item partition: its shard logs the updates it was sent (each once), and takes in
+        the update topic's partitions' watermarks (kept with the offset)."""
+        source = self.dynamic_shards[key]
+        result = StageTwoResult(source, WriteBatch(), records[-1].offset, applied=len(records))
+        source.advance_watermarks(result.batch, (decode_watermark(r.value) for r in records if r.key == WATERMARK_KEY))
+        for st in self.dynamic_states[key]:
+            late = sum(st.take_routed(RoutedUpdates.decode(r.value), result.batch) for r in records if r.key != WATERMARK_KEY)
+            if late:
+                log.warning("dynamic query %s: %d updates reached %s after their tick was decided (the broker's and this "
+                            "worker's clocks differ by more than the watermark delay); counted as late", st.query.name, late,
+                            source.name)
+        return result
 
     def _log_updates(self, key: tuple[str, int], records: Sequence[RecordLike]) -> StageOneResult:
         topic, partition = key
@@ -1157,14 +1256,20 @@ class DpstreamWorker:
         due = []
         ends = read_to_end or {}
         for key, states in self.dynamic_states.items():
-            clock = self.dynamic[key].read_watermark(now_ms, ends.get(key), self.watermark_delay_ms)
+            source = self._dynamic_source(key)
+            if key in self.dynamic_shards:  # a shard: every update topic partition's watermark
+                topic = states[0].query.input_topic
+                mark = source.input_watermark(topic, self.dynamic_partitions[topic])
+                clock = None if mark is None else min(mark, now_ms)
+            else:
+                clock = source.read_watermark(now_ms, ends.get(key), self.watermark_delay_ms)
             if clock is None:
                 continue  # nothing known about the update topic yet: decide nothing
             batch = WriteBatch()
             for st in states:
                 st.advance_clock(clock, batch, max_ticks=DYNAMIC_TICKS_PER_STEP)
             if len(batch):
-                self.dynamic[key].store.write(batch)
+                source.store.write(batch)
             if any(st.pending for st in states):
                 due.append(key)
         return due
@@ -1181,11 +1286,11 @@ class DpstreamWorker:
             if through is None or st.query.name in through:
                 st.mark_published(batch, None if through is None else through[st.query.name])
         if len(batch):
-            self.dynamic[key].store.write(batch)
+            self._dynamic_source(key).store.write(batch)
 
     def dynamic_published_messages(self, key: tuple[str, int]) -> list[Message]:
         """Exactly once: the progress records of the pending dynamic releases (sent with them)."""
-        source = self.dynamic[key]
+        source = self._dynamic_source(key)
         # "segment": the release number (the segment itself with one shard, as before shards)
         return [Message(PROGRESS_TOPIC, encode_json({"segment": st.pending[-1].sequence}),
                         f"{self.app_id}/{source.name}/published/{st.query.name}".encode())
@@ -1265,9 +1370,10 @@ class DpstreamWorker:
             done = progress.get(f"{f.source.name}/published")
             if done and (f.window, f.trigger) <= (int(done["window"]), int(done["trigger"])):
                 self.mark_published(f)
-        for key, states in self.dynamic_states.items():
-            source = self.dynamic[key]
+        for source in [*self.dynamic.values(), *self.dynamic_shards.values()]:
             source.delivered_offset = int(progress[source.name]["offset"]) if source.name in progress else -1
+        for key, states in self.dynamic_states.items():
+            source = self._dynamic_source(key)
             through = {st.query.name: int(progress[f"{source.name}/published/{st.query.name}"]["segment"])
                        for st in states if f"{source.name}/published/{st.query.name}" in progress}
             self.mark_dynamic_published(key, through)
@@ -1335,6 +1441,7 @@ class DpstreamWorker:
         worker holds (processor/adapters/drop_report.py sums them per query)."""
         counts = [(pipe.query, pipe.stats.dropped) for pipe in self.pipelines()]
         counts += [(st.query, st.dropped) for states in self.dynamic_states.values() for st in states]
+        counts += [(r.query, r.dropped) for routers in self.dynamic_routers.values() for r in routers]
         return counts
 
     def refresh_metrics(self) -> None:
@@ -1357,10 +1464,20 @@ class DpstreamWorker:
         plans = self._plans
         for name, total in combined.items():
             self.metrics.observe_pipeline(name, total, plans[name], keys_released=keys_released[name])
-        for states in self.dynamic_states.values():
-            for st in states:
-                total = PipelineStats(events_in=st.updates_in, dropped=Counter(st.dropped), releases=st.releases)
-                self.metrics.observe_pipeline(st.query.name, total, st.counter.plan, keys_released=0)
+        dynamic: dict[str, PipelineStats] = {}  # per query: its routers' and its shards' counts
+        for st in (st for states in self.dynamic_states.values() for st in states):
+            total = dynamic.setdefault(st.query.name, PipelineStats())
+            total.events_in += st.updates_in
+            total.dropped.update(st.dropped)
+            total.releases += st.releases
+        for r in (r for routers in self.dynamic_routers.values() for r in routers):
+            total = dynamic.setdefault(r.query.name, PipelineStats())
+            total.events_in += r.updates_in
+            total.dropped.update(r.dropped)
+        for q in self.config.dynamic:
+            if q.name in dynamic:
+                plan = self._dynamic_plans.get(q.name) or self._dynamic_plans.setdefault(q.name, q.plan())
+                self.metrics.observe_pipeline(q.name, dynamic[q.name], plan, keys_released=0)
         for source in self.sources:
             self.metrics.state_bytes.labels(source.name).set(source.store.size_bytes())
         marks: dict[str, list] = defaultdict(list)
@@ -1401,6 +1518,11 @@ class DpstreamWorker:
             return self.stage1[key].announced_ms
         if key in self.stage2:
             return self._input_watermark(self.stage2[key])
+        if key in self.dynamic_routers:
+            return self.dynamic[key].announced_ms
+        if key in self.dynamic_shards:
+            topic = self.dynamic_states[key][0].query.input_topic
+            return self.dynamic_shards[key].input_watermark(topic, self.dynamic_partitions[topic])
         return None
 
     def status(self, now_ms: int) -> dict:
@@ -1447,9 +1569,10 @@ class DpstreamWorker:
             })
         for q in self.config.dynamic:
             states = [st for sts in self.dynamic_states.values() for st in sts if st.query.name == q.name]
+            routers = [r for rs in self.dynamic_routers.values() for r in rs if r.query.name == q.name]
             queries.append({"name": q.name, "kind": "dynamic", "output_topic": q.output_topic, "aggregate": "count",
                             "epsilon": q.epsilon, "delta": q.delta,
-                            "tick": q.tick, "events_in": sum(st.updates_in for st in states),
+                            "tick": q.tick, "events_in": sum(st.updates_in for st in states) + sum(r.updates_in for r in routers),
                             # every tick up to this one is decided (its releases computed): public, the clock's
                             "decided_tick": max((st.decided for st in states), default=None),
                             "releases": sum(st.releases for st in states),
@@ -1463,7 +1586,7 @@ class DpstreamWorker:
                  "period_ends": _iso(e.last_reset_ms + e.refresh_ms) if e.refresh_ms else None}
                 for e in recorded_entries(self.ledger.store)]}
         owned: dict[str, list[int]] = defaultdict(list)
-        for topic, p in sorted([*self.stage1, *self.stage2, *self.dynamic]):
+        for topic, p in sorted([*self.stage1, *self.stage2, *self.dynamic, *self.dynamic_shards]):
             owned[topic].append(p)
         # the run's noise label: what `dpstream replay --noise-label` takes to reproduce this
         # worker's releases (public, as in every release)

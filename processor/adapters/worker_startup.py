@@ -23,12 +23,14 @@ from dpstream.processor.adapters.worker import (
     lost_state_message,
     worker_epoch,
 )
+from dpstream.processor.engine.dynamic_stream import SEQ_PARTITION_BITS
 from dpstream.topics.kafka import (
     CHANGELOG_TOPIC_CONFIG,
     EPOCH_TOPIC,
     TopicSpec,
     client_security,
     create_topics,
+    item_topic,
     kafka_error,
     read_epoch_marks,
     repartition_topic,
@@ -89,11 +91,9 @@ class WorkerStartup:
         dynamic_inputs = {q.input_topic for q in s.config.dynamic}
         counts = partition_counts(broker, inputs | dynamic_inputs | {repartition_topic(q.name, s.app_id, epoch) for q in s.config.queries})
         self.check_timestamps(inputs | dynamic_inputs)
-        for topic in dynamic_inputs:
-            if counts[topic] != 1:
-                raise TopicLayoutError(f"dynamic input topic {topic!r} has {counts[topic]} partitions; it needs exactly 1")
+        self.open_item_topics(epoch, counts)
         # existing topics keep their partition counts: use what the broker has
-        repartitions = {n for t, n in counts.items() if t not in inputs | dynamic_inputs}
+        repartitions = {counts[repartition_topic(q.name, s.app_id, epoch)] for q in s.config.queries}
         if len(repartitions) > 1:
             raise TopicLayoutError(f"repartition topics have different partition counts: {sorted(repartitions)}")
         self.open_rerouting_topics(epoch, counts)
@@ -105,7 +105,8 @@ class WorkerStartup:
         worker = DpstreamWorker(
             s.config, s.secret, s.state_dir, None if self.group else s.ownership, {t: counts[t] for t in inputs},
             repartitions.pop() if repartitions else s.partitions, self.metrics, previous_mark=previous, app_id=s.app_id,
-            partitioner=s.partitioner, watermark_delay_ms=s.watermark_delay_ms, restarts=restarts, run_nonce=run.nonce)
+            partitioner=s.partitioner, watermark_delay_ms=s.watermark_delay_ms, restarts=restarts, run_nonce=run.nonce,
+            dynamic_partitions={t: counts[t] for t in dynamic_inputs})
         log.info(run.log_line(worker.noise.label))
         mark = dict(worker.epoch_mark)
         if self.group:
@@ -127,6 +128,36 @@ class WorkerStartup:
                 raise TopicLayoutError(f"by-user topic {topic} has {have[topic]} partitions, its input topic {n}: they must be "
                                        f"equal (partition p of each is read into one state); delete it (dpstream reset) or "
                                        f"give it {n} partitions")
+
+    def open_item_topics(self, epoch: str, counts: dict) -> None:
+        """A dynamic query on an update topic of several partitions: its by-item topic, one
+        partition per shard (processor/adapters/worker.py, "dynamic queries"), whose counts join
+        ``counts``. Refused: a unit bound (not built across partitions), more partitions than a
+        routed update's sequence number holds, a by-item topic of another partition count."""
+        wanted = {}
+        for i, q in enumerate(self.s.config.dynamic):
+            n = counts[q.input_topic]
+            if n == 1:
+                continue
+            if q.unit_field is not None:
+                raise TopicLayoutError(
+                    f"dynamic[{i}].unit_field: dynamic query {q.name!r} bounds each unit's updates, and its update topic "
+                    f"{q.input_topic!r} has {n} partitions: a unit bound across partitions is not built yet; give the topic one "
+                    f"partition, or drop unit_field (docs/user-guide.md, \"Partitions\")")
+            if n > 2 ** SEQ_PARTITION_BITS:
+                raise TopicLayoutError(f"dynamic update topic {q.input_topic!r} has {n} partitions, more than "
+                                       f"{2 ** SEQ_PARTITION_BITS}")
+            wanted[item_topic(q.name, self.s.app_id, epoch)] = q.shards
+        if not wanted:
+            return
+        create_topics(self.broker, [TopicSpec(t, k, {"cleanup.policy": "delete"}, "dynamic updates to the shard of their item")
+                                    for t, k in wanted.items()])
+        have = partition_counts(self.broker, set(wanted))
+        for topic, k in sorted(wanted.items()):
+            if have[topic] != k:
+                raise TopicLayoutError(f"by-item topic {topic} has {have[topic]} partitions, its query {k} shards: they must be "
+                                       f"equal (partition k is shard k's); delete it (dpstream reset) or give it {k} partitions")
+        counts.update(have)
 
     def check_timestamps(self, topics: set[str]) -> None:
         """Input topics must be stamped by the broker (LogAppendTime) unless --allow-create-time."""
