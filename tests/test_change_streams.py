@@ -448,3 +448,90 @@ def test_a_worker_on_a_debezium_topic_killed_mid_stream_releases_what_replay_doe
         assert w.metric("dpstream_events_dropped_total", query=name) == 0
     finally:
         w.stop()
+
+
+@pytest.mark.parametrize("assignment", ["static", "group"])
+def test_workers_on_a_partitioned_debezium_topic_one_killed_mid_stream_release_what_replay_does(tmp_path, broker, assignment):
+    """Issue 33, item 2, through Kafka: Debezium's topic with 4 partitions, each event keyed by
+    its row's id as the connector keys it (a stock producer's default partitioner spreads the
+    rows; a row's plan changes, so one plan's updates are in every partition), and a query of 2
+    shards. Two workers share the topic's partitions (routers) and the by-item topic's (shards):
+    static halves, or an elastic group. One is SIGKILLed after the first part's releases, the
+    rest is written while it is down, and it comes back on its volume. What they released up to
+    a tick equals replay's of the same events read from one file (the baseline's tick is a set of
+    counts: the order of a tick's updates does not matter), with no dead letter."""
+    import time
+    import uuid
+
+    from confluent_kafka import Producer
+
+    from dpstream.topics.kafka import DEAD_LETTER_TOPIC, INPUT_TOPIC_CONFIG, TopicSpec, create_topics
+    from tests.test_kafka_worker import Scenario, canonical, runs, write_dynamic_config
+
+    tag = uuid.uuid4().hex[:8]
+    sc = Scenario(tmp_path, broker)
+    name, topic, out = f"plans{tag}", f"dbserver1.public.subscriptions-{tag}", f"it-plan-counts-{tag}"
+    tick_ms, lateness_ms = 20, 1000
+    start = (int(time.time() * 1000) // 1000 + 4) * 1000
+    write_dynamic_config(sc, name=name, input_topic=topic, output_topic=out, envelope="debezium", item_field="after.plan",
+                         items="[free, pro, team]", start=start, tick=f"{tick_ms}ms", allowed_lateness=f"{lateness_ms}ms",
+                         epsilon=2.0, shards=2)
+    draws = [(int(r), int(p), 1) for r, p in zip(np.random.default_rng(18).integers(0, 40, 3_000),
+                                                  np.random.default_rng(19).integers(0, 3, 3_000))]
+    values = changes(draws, rows=40)
+    first, rest = values[:len(values) // 2], values[len(values) // 2:]
+    for i, v in enumerate(first):  # 1.5 s of changes from tick 1
+        v["ts_ms"] = start + i // 2
+    create_topics(broker, [TopicSpec(topic, 4, INPUT_TOPIC_CONFIG)])
+
+    def produce(part: list[dict]) -> None:
+        p = Producer({"bootstrap.servers": broker, "linger.ms": 5})  # a stock producer, default partitioner
+        for i, v in enumerate(part):
+            key = json.dumps({"id": (v["after"] or v["before"])["id"]}).encode()
+            p.produce(topic, json.dumps(with_schema(v) if i % 2 else v).encode(), key)
+            if v["op"] == "d":
+                p.produce(topic, None, key)  # tombstones.on.delete
+        assert p.flush(30) == 0
+
+    def worker(who: str, index: int):
+        if assignment == "group":
+            return sc.worker(who, extra=("--assignment", "group", "--instance-id", who))
+        return sc.worker(who, index, 2)
+
+    produce(first)
+    a, b = worker("a", 0).start(), worker("b", 1).start()
+    sc.workers += [a, b]
+    try:
+        a.wait_ready()
+        b.wait_ready()
+        time.sleep(max(0.0, (start + 1_500 + lateness_ms) / 1000 + 2 - time.time()))  # the first part's ticks are due
+        deadline = time.time() + 120
+        while len({r.get("shard") for r in sc.read(out)}) < 2:  # both shards have released (the workers may start late)
+            assert time.time() < deadline, "no release of each shard within 120 s"
+            time.sleep(1)
+        b.proc.kill()
+        b.proc.wait()
+        later = int(time.time() * 1000) + 5_000  # the rest: dated after every tick decided so far
+        for i, v in enumerate(rest):
+            v["ts_ms"] = later + i // 2
+        produce(rest)
+        b.start().wait_ready()
+        horizon = (later + 1_500 - start) // tick_ms + 10
+        time.sleep(max(0.0, (start + horizon * tick_ms + lateness_ms) / 1000 + 3 - time.time()))
+        deadline = time.time() + 60
+        while True:  # a group hands the killed worker's partitions over first (its session timeout)
+            released = [r for r in sc.read(out) if r["tick"] <= horizon]
+            sc.events.write_text("".join(json.dumps(v) + "\n" for v in values))
+            [(_, label)] = runs(released)
+            expected = sc.replay(label, until_ms=start + horizon * tick_ms + lateness_ms)
+            if canonical(released) == canonical(expected) or time.time() > deadline:
+                break
+            time.sleep(3)
+        assert len(expected) >= 5 and {r["shard"] for r in expected} == {0, 1}
+        assert max(r["tick"] for r in expected) > (later - start) // tick_ms
+        assert canonical(released) == canonical(expected)
+        assert [d for d in sc.read(DEAD_LETTER_TOPIC) if d.get("query") == name] == []
+        assert a.metric("dpstream_events_dropped_total", query=name) + b.metric("dpstream_events_dropped_total", query=name) == 0
+    finally:
+        a.stop()
+        b.stop()
