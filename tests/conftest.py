@@ -316,6 +316,8 @@ SLOW = (
     "tests/privacy/test_dynamic_ticks.py::test_property_releases_up_to_t_do_not_depend_on_updates_after_t",
     "tests/privacy/test_budget_schedule.py::test_property_one_users_records_never_change_refusals_spend_or_other_keys",
     "tests/test_change_streams.py::test_a_worker_on_a_debezium_topic_killed_mid_stream_releases_what_replay_does",
+    "tests/test_change_streams.py::test_workers_on_a_partitioned_debezium_topic_one_killed_mid_stream_release_what_replay_does",
+    "tests/test_dynamic_partitions.py::test_releases_under_any_partitioning_and_interleaving_are_one_partitions",
 )
 
 

@@ -369,3 +369,26 @@ def test_static_workers_on_a_partitioned_update_topic_release_what_one_partition
     expected = one_partition(query("interval_tree", 3), canonical(recs, home), until, NodeNoise(TEST_SECRET, label))
     assert all(r.pop("run")["noise_label"] == label and r.pop("app_id") for r in released)
     assert len(expected) > 10 and view(released) == view(expected)
+
+
+def test_a_query_that_ran_on_one_partition_is_refused_when_its_topic_has_more(tmp_path):
+    """A topic's partitions can be added while a query runs on it (kafka-topics --alter). Its
+    counters then live in partition 0's state: shards started afresh would release its positions
+    again with the same noise on other data. A state that held the query is refused, naming the
+    query and the way out (static workers' layout check refuses it earlier; this is the
+    elastic worker whose partition 0 comes back from its changelog)."""
+    from dpstream.processor.adapters.worker import DpstreamWorker, StateLayoutError
+    from dpstream.processor.config import DpstreamConfig
+    from tests.conftest import TEST_RUN_NONCE
+
+    spec = {"name": "plans", "input_topic": "updates", "start": 0, "items": ITEMS, "epsilon": 2.0}
+    cfg = DpstreamConfig(dynamic=[spec])
+    store = MemoryStore()
+    DynamicQueryState(cfg.dynamic[0], NOISE, PSEUDONYMS, store)  # it ran here, on one partition
+    worker = DpstreamWorker(cfg, TEST_SECRET, tmp_path / "w", None, {}, 2, run_nonce=TEST_RUN_NONCE,
+                            dynamic_partitions={"updates": 3})
+    with pytest.raises(StateLayoutError, match="'plans' ran on this update topic when it had one partition; now it has 3"):
+        worker.add_source("updates", 0, store)
+    worker.add_source("updates", 1, MemoryStore())  # a partition it never ran on: a router
+    assert ("updates", 1) in worker.dynamic_routers
+    worker.close()

@@ -45,6 +45,7 @@ from dpstream.topics.kafka import (
     KafkaPublisher,
     changelog_topic,
     client_security,
+    item_topic,
     read_compacted,
     repartition_topic,
     rerouting_topic,
@@ -151,6 +152,7 @@ def plan_start_over(config: DpstreamConfig, app_id: str, state_dir: Optional[str
     epoch = worker_epoch(config, count)
     topics = {repartition_topic(q.name, app_id, epoch) for q in config.queries}
     topics |= {rerouting_topic(q.name, app_id, epoch) for q in config.queries}
+    topics |= {item_topic(q.name, app_id, epoch) for q in config.dynamic}  # (only those of partitioned update topics exist)
     topics |= {t for t in existing if t.startswith(prefix) and t.endswith("-changelog")}
     outputs = output_topics(config)
     claim_keys = _claims_to_release(broker, app_id, outputs, existing, timeout) if delete_outputs else []

@@ -92,7 +92,7 @@ from dpstream.state.store import (
     WriteBatch,
     check_state_directory,
 )
-from dpstream.state.tables import WINDOW_OPEN, InputWatermarks, IntegerMark, TextMark
+from dpstream.state.tables import WINDOW_OPEN, DynamicTables, InputWatermarks, IntegerMark, TextMark
 from dpstream.topics.decoding import decoder_for
 from dpstream.topics.kafka import (
     CHANGELOG_MAX_BYTES,
@@ -712,6 +712,13 @@ class DpstreamWorker:
             self.dynamic[key] = source
             self.dynamic_routers[key] = []
             for q in self._dynamic_queries[topic]:
+                if DynamicTables(store, q.name).pinned_plan() is not None:
+                    # its counters ran on the topic's one partition: shards starting afresh would
+                    # release its positions again, with the same noise, on other data
+                    raise StateLayoutError(
+                        f"{source.name}: dynamic query {q.name!r} ran on this update topic when it had one partition; now it "
+                        f"has {self.dynamic_partitions[topic]}: its state cannot move to shards. Use a new query name or a new "
+                        f"budget.epoch (docs/user-guide.md, \"Partitions\")")
                 router = UpdateRouter(q, partition, self.watermark_delay_ms, index=self.config.dynamic.index(q))
                 router.refused = self.gate is not None and not self.gate.start_dynamic(q)
                 self.dynamic_routers[key].append(router)
