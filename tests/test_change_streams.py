@@ -11,6 +11,7 @@ from what the counter takes in (docs/privacy.md, "Change streams")."""
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -377,6 +378,46 @@ def test_change_events_in_avro_through_a_registry_are_read_as_their_json_twins(t
     assert len(logged["json"]) > len(values) and logged["avro"] == logged["json"]
 
 
+def produce_as_debezium(broker: str, topic: str, part: list[dict]) -> None:
+    """Change events as Debezium's connector writes them: keyed by the row's id, half with the
+    JsonConverter's schema, a tombstone after each delete; by a stock producer (default
+    partitioner)."""
+    from confluent_kafka import Producer
+
+    p = Producer({"bootstrap.servers": broker, "linger.ms": 5})
+    for i, v in enumerate(part):
+        key = json.dumps({"id": (v["after"] or v["before"])["id"]}).encode()
+        p.produce(topic, json.dumps(with_schema(v) if i % 2 else v).encode(), key)
+        if v["op"] == "d":
+            p.produce(topic, None, key)  # tombstones.on.delete
+    assert p.flush(30) == 0
+
+
+def two_parts(seed: int, start: int) -> tuple[list[dict], list[dict], list[dict]]:
+    """3,000 changes of 40 rows over 3 plans, split in two; the first part dated 1.5 s from
+    ``start`` (the rest is dated by the test, when it writes it)."""
+    draws = [(int(r), int(p), 1) for r, p in zip(np.random.default_rng(seed).integers(0, 40, 3_000),
+                                                  np.random.default_rng(seed + 1).integers(0, 3, 3_000))]
+    values = changes(draws, rows=40)
+    first, rest = values[:len(values) // 2], values[len(values) // 2:]
+    for i, v in enumerate(first):
+        v["ts_ms"] = start + i // 2
+    return values, first, rest
+
+
+def kill_write_the_rest_and_restart(w, broker: str, topic: str, rest: list[dict]) -> int:
+    """SIGKILL worker ``w``, write the rest of the changes while it is down (dated from 5 s on:
+    after every tick decided so far), start it again on its volume; returns the rest's start."""
+    w.proc.kill()
+    w.proc.wait()
+    later = int(time.time() * 1000) + 5_000
+    for i, v in enumerate(rest):
+        v["ts_ms"] = later + i // 2
+    produce_as_debezium(broker, topic, rest)
+    w.start().wait_ready()
+    return later
+
+
 def test_a_worker_on_a_debezium_topic_killed_mid_stream_releases_what_replay_does(tmp_path, broker):
     """Through Kafka, records exactly as Debezium's PostgreSQL connector writes them (keyed by the
     row's id, half of them with the JsonConverter's schema, a tombstone after each delete): a
@@ -386,10 +427,7 @@ def test_a_worker_on_a_debezium_topic_killed_mid_stream_releases_what_replay_doe
     both), with no dead letter. Each part is written before the worker reads it, so how long a
     start takes on a loaded machine does not matter: a worker reads the backlog of an overdue
     tick before it decides it (docs/privacy.md, "Time")."""
-    import time
     import uuid
-
-    from confluent_kafka import Producer
 
     from dpstream.topics.kafka import DEAD_LETTER_TOPIC, INPUT_TOPIC_CONFIG, TopicSpec, create_topics
     from tests.test_kafka_worker import Scenario, canonical, runs, write_dynamic_config
@@ -402,25 +440,10 @@ def test_a_worker_on_a_debezium_topic_killed_mid_stream_releases_what_replay_doe
     write_dynamic_config(sc, name=name, input_topic=topic, output_topic=out, envelope="debezium", item_field="after.plan",
                          items="[free, pro, team]", start=start, tick=f"{tick_ms}ms", allowed_lateness=f"{lateness_ms}ms",
                          epsilon=2.0)
-    draws = [(int(r), int(p), 1) for r, p in zip(np.random.default_rng(8).integers(0, 40, 3_000),
-                                                  np.random.default_rng(9).integers(0, 3, 3_000))]
-    values = changes(draws, rows=40)
-    first, rest = values[:len(values) // 2], values[len(values) // 2:]
-    for i, v in enumerate(first):  # 1.5 s of changes from tick 1
-        v["ts_ms"] = start + i // 2
+    values, first, rest = two_parts(8, start)  # 1.5 s of changes from tick 1, and the rest
     # as Debezium's topic would be set up for the worker: one partition, stamped by the broker
     create_topics(broker, [TopicSpec(topic, 1, INPUT_TOPIC_CONFIG)])
-
-    def produce(part: list[dict]) -> None:
-        p = Producer({"bootstrap.servers": broker, "linger.ms": 5})  # a stock producer, default partitioner
-        for i, v in enumerate(part):
-            key = json.dumps({"id": (v["after"] or v["before"])["id"]}).encode()
-            p.produce(topic, json.dumps(with_schema(v) if i % 2 else v).encode(), key)
-            if v["op"] == "d":
-                p.produce(topic, None, key)  # tombstones.on.delete
-        assert p.flush(30) == 0
-
-    produce(first)
+    produce_as_debezium(broker, topic, first)
     w = sc.worker("cdc").start()
     try:
         w.wait_ready()
@@ -429,13 +452,7 @@ def test_a_worker_on_a_debezium_topic_killed_mid_stream_releases_what_replay_doe
         while not sc.read(out):  # and the worker has decided some of them (it may have started late)
             assert time.time() < deadline, "no release of the first part within 120 s"
             time.sleep(1)
-        w.proc.kill()
-        w.proc.wait()
-        later = int(time.time() * 1000) + 5_000  # the rest: dated after every tick decided so far
-        for i, v in enumerate(rest):
-            v["ts_ms"] = later + i // 2
-        produce(rest)
-        w.start().wait_ready()
+        later = kill_write_the_rest_and_restart(w, broker, topic, rest)
         horizon = (later + 1_500 - start) // tick_ms + 10
         time.sleep(max(0.0, (start + horizon * tick_ms + lateness_ms) / 1000 + 3 - time.time()))
         released = [r for r in sc.read(out) if r["tick"] <= horizon]
@@ -460,10 +477,7 @@ def test_workers_on_a_partitioned_debezium_topic_one_killed_mid_stream_release_w
     rest is written while it is down, and it comes back on its volume. What they released up to
     a tick equals replay's of the same events read from one file (the baseline's tick is a set of
     counts: the order of a tick's updates does not matter), with no dead letter."""
-    import time
     import uuid
-
-    from confluent_kafka import Producer
 
     from dpstream.topics.kafka import DEAD_LETTER_TOPIC, INPUT_TOPIC_CONFIG, TopicSpec, create_topics
     from tests.test_kafka_worker import Scenario, canonical, runs, write_dynamic_config
@@ -476,29 +490,15 @@ def test_workers_on_a_partitioned_debezium_topic_one_killed_mid_stream_release_w
     write_dynamic_config(sc, name=name, input_topic=topic, output_topic=out, envelope="debezium", item_field="after.plan",
                          items="[free, pro, team]", start=start, tick=f"{tick_ms}ms", allowed_lateness=f"{lateness_ms}ms",
                          epsilon=2.0, shards=2)
-    draws = [(int(r), int(p), 1) for r, p in zip(np.random.default_rng(18).integers(0, 40, 3_000),
-                                                  np.random.default_rng(19).integers(0, 3, 3_000))]
-    values = changes(draws, rows=40)
-    first, rest = values[:len(values) // 2], values[len(values) // 2:]
-    for i, v in enumerate(first):  # 1.5 s of changes from tick 1
-        v["ts_ms"] = start + i // 2
+    values, first, rest = two_parts(18, start)
     create_topics(broker, [TopicSpec(topic, 4, INPUT_TOPIC_CONFIG)])
-
-    def produce(part: list[dict]) -> None:
-        p = Producer({"bootstrap.servers": broker, "linger.ms": 5})  # a stock producer, default partitioner
-        for i, v in enumerate(part):
-            key = json.dumps({"id": (v["after"] or v["before"])["id"]}).encode()
-            p.produce(topic, json.dumps(with_schema(v) if i % 2 else v).encode(), key)
-            if v["op"] == "d":
-                p.produce(topic, None, key)  # tombstones.on.delete
-        assert p.flush(30) == 0
 
     def worker(who: str, index: int):
         if assignment == "group":
             return sc.worker(who, extra=("--assignment", "group", "--instance-id", who))
         return sc.worker(who, index, 2)
 
-    produce(first)
+    produce_as_debezium(broker, topic, first)
     a, b = worker("a", 0).start(), worker("b", 1).start()
     sc.workers += [a, b]
     try:
@@ -509,13 +509,7 @@ def test_workers_on_a_partitioned_debezium_topic_one_killed_mid_stream_release_w
         while len({r.get("shard") for r in sc.read(out)}) < 2:  # both shards have released (the workers may start late)
             assert time.time() < deadline, "no release of each shard within 120 s"
             time.sleep(1)
-        b.proc.kill()
-        b.proc.wait()
-        later = int(time.time() * 1000) + 5_000  # the rest: dated after every tick decided so far
-        for i, v in enumerate(rest):
-            v["ts_ms"] = later + i // 2
-        produce(rest)
-        b.start().wait_ready()
+        later = kill_write_the_rest_and_restart(b, broker, topic, rest)
         horizon = (later + 1_500 - start) // tick_ms + 10
         time.sleep(max(0.0, (start + horizon * tick_ms + lateness_ms) / 1000 + 3 - time.time()))
         deadline = time.time() + 60
