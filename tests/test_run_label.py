@@ -316,7 +316,7 @@ def delete_epochs_topic(address: str) -> None:
         time.sleep(0.2)
 
 
-def fired(w, sc, triggers: int, failure: str, timeout: float = 90) -> None:
+def fired(w, sc, triggers: int, failure: str, timeout: float = 180) -> None:
     """Until ``w`` has fired ``triggers`` triggers (over its repartition partitions)."""
     deadline = time.time() + timeout
     while True:
@@ -341,9 +341,10 @@ def test_losing_the_state_and_the_epochs_topic_never_reuses_a_runs_noise(tmp_pat
     run's releases of a window still open is refused with a line that says what to do; once the
     window has closed, the fresh start draws a new run: every release of it is replay's under its
     new label, none carries the first run's noise."""
-    # 45 s: the first trigger at 15 s, then the stop, the losses and the refusal with the window
-    # still open: a 30 s window left too little of it on a loaded 2-core machine (6 test processes)
-    sc = Scenario(tmp_path, lone_broker.address, window_s=45, triggers=3)
+    # 90 s: the first trigger at 30 s, then the stop, the losses and the refusal with the window
+    # still open: a 30 s window left too little of it on a loaded 2-core machine (6 test
+    # processes), and a refused start took more than 60 s on a slower one
+    sc = Scenario(tmp_path, lone_broker.address, window_s=90, triggers=3)
     try:
         w = sc.worker("a").start()
         sc.workers.append(w)
@@ -368,7 +369,7 @@ def test_losing_the_state_and_the_epochs_topic_never_reuses_a_runs_noise(tmp_pat
         assert time.time() < closes - 5, "the window must still be open for the refusal"
         w.log.write_text("")
         w.start()
-        assert w.proc.wait(60) == 2
+        assert w.proc.wait(180) == 2
         last = w.log.read_text().strip().splitlines()[-1]
         assert last.startswith(f"dpstream worker: refused: output topic {sc.output} holds releases of application "
                                f"{sc.app_id!r}"), last
