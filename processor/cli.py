@@ -651,8 +651,11 @@ def cmd_bench_dynamic(args: argparse.Namespace) -> int:
 
         if args.updates < 1 or args.restart_live < 1:
             raise ConfigError("--updates and --restart-live: positive counts")
+        if not 1 <= args.partitions <= args.items:
+            raise ConfigError(f"--partitions: from 1 to --items ({args.items}), one shard each, got {args.partitions}")
         run_throughput_bench(broker_address(args.broker), updates=args.updates, items=args.items, live=args.restart_live,
-                             repeats=args.seeds, json_path=args.json, compare_with=args.compare_with, envelope=args.envelope)
+                             repeats=args.seeds, json_path=args.json, compare_with=args.compare_with, envelope=args.envelope,
+                             partitions=args.partitions)
         return 0
     if args.ranges:
         from dpstream.processor.bench.dynamic_ranges import run_ranges_bench
@@ -981,6 +984,8 @@ def build_parser() -> argparse.ArgumentParser:
     dyn.add_argument("--compare-with", metavar="REV", help="--throughput: also time this repository's worker at another commit")
     dyn.add_argument("--envelope", choices=("none", "debezium"), default="none",
                      help="--throughput: the records' shape: update records (default) or a table's Debezium change events")
+    dyn.add_argument("--partitions", type=int, default=1,
+                     help="--throughput: the update topic's partitions, the query in as many shards (default 1)")
     dyn.add_argument("--ranges", action="store_true",
                      help="instead: range counts over ordered items (static_release mwem_ranges vs histogram) under heavy churn, "
                           "all four mechanism and release pairs on the same streams, one row per --range-histories entry "

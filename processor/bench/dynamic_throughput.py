@@ -4,7 +4,9 @@ worker) and through replay, on the same update records in the same run.
 The records are a heavy-churn stream (:func:`dpstream.processor.bench.dynamic.generate_stream`,
 its live items reverting to ``--restart-live``) over ``--items`` labels in the
 ``{"item", "op", "ts"}`` format, dated at the moment they are produced, in the order produced:
-the update topic (one partition, ``LogAppendTime``) holds them before a worker starts. Then,
+the update topic (``LogAppendTime``; one partition, or ``--partitions N`` with the query in N
+shards, each record keyed by its row or its position as a producer keying by anything would)
+holds them before a worker starts. Then,
 ``--seeds`` times each, alternating:
 
 * replay: ``ReplayRunner`` (``dpstream replay``) reads the same records from a file, with the
@@ -42,12 +44,12 @@ TICK = "1s"
 LATENESS_MS = 1000
 
 
-def query_yaml(name: str, topic: str, items: int, start_ms: int, envelope: str = "none") -> str:
+def query_yaml(name: str, topic: str, items: int, start_ms: int, envelope: str = "none", shards: int = 1) -> str:
     labels = ", ".join(f'"item{k}"' for k in range(items))
     shape = "    envelope: debezium\n    item_field: plan\n" if envelope == "debezium" else ""
     return (f"dynamic:\n  - name: {name}\n    input_topic: {topic}\n    output_topic: {topic}-counts\n{shape}"
             f"    items: [{labels}]\n    start: {start_ms}\n    tick: {TICK}\n    allowed_lateness: {LATENESS_MS}ms\n"
-            f"    epsilon: 1.0\n    mechanism: baseline\n")
+            f"    epsilon: 1.0\n    mechanism: baseline\n    shards: {shards}\n")
 
 
 class ChangeEvents:
@@ -83,16 +85,16 @@ class ChangeEvents:
         return [self.event(b"d", self.row(rid, item), b"null", ts, rid)]
 
 
-def produce_updates(broker: str, topic: str, updates: int, items: int, live: int, seed: int, envelope: str = "none"
-                    ) -> tuple[list[bytes], int]:
-    """The stream, dated as produced (``LogAppendTime`` topic of one partition), as update
-    records or (``envelope`` debezium) as :class:`ChangeEvents`; returns the records as written
-    and the last one's time."""
+def produce_updates(broker: str, topic: str, updates: int, items: int, live: int, seed: int, envelope: str = "none",
+                    partitions: int = 1) -> tuple[list[bytes], int]:
+    """The stream, dated as produced (``LogAppendTime`` topic of ``partitions``), as update
+    records or (``envelope`` debezium) as :class:`ChangeEvents`, keyed (several partitions) by
+    the record's row id or position; returns the records as written and the last one's time."""
     from confluent_kafka import Producer
     from confluent_kafka.admin import AdminClient, NewTopic
 
     admin = AdminClient({"bootstrap.servers": broker})
-    admin.create_topics([NewTopic(topic, 1, 1, config={"message.timestamp.type": "LogAppendTime"})])[topic].result(30)
+    admin.create_topics([NewTopic(topic, partitions, 1, config={"message.timestamp.type": "LogAppendTime"})])[topic].result(30)
     which, inserts = generate_stream("heavy_churn", updates, items, seed, target=live)
     producer = Producer({"bootstrap.servers": broker, "linger.ms": 20, "batch.size": 1_000_000, "compression.type": "lz4",
                          "queue.buffering.max.messages": 2_000_000})
@@ -104,9 +106,11 @@ def produce_updates(broker: str, topic: str, updates: int, items: int, live: int
         for x, ins in zip(which[lo:lo + 10_000].tolist(), inserts[lo:lo + 10_000].tolist()):
             for line in table.lines(x, ins, now) if table else [b'{"item": "item%d", "op": %s, "ts": %d}' % (x, ops[ins], now)]:
                 lines.append(line)
+                key = None if partitions == 1 else (line[line.index(b'"id":') + 5:line.index(b",", line.index(b'"id":'))]
+                                                    if table else b"%d" % len(lines))
                 while True:
                     try:
-                        producer.produce(topic, line)
+                        producer.produce(topic, line, key)
                         break
                     except BufferError:
                         producer.poll(0.05)
@@ -169,15 +173,16 @@ def worker_rate(broker: str, config_text: str, key_file: str, expected: int, las
 
 
 def run_throughput_bench(broker: str, updates: int, items: int, live: int, repeats: int, json_path: str | None,
-                         compare_with: str | None = None, envelope: str = "none", out=sys.stderr) -> dict:
+                         compare_with: str | None = None, envelope: str = "none", partitions: int = 1, out=sys.stderr) -> dict:
     p = lambda s="": print(s, file=out, flush=True)  # noqa: E731
     topic = f"bench-updates-{uuid.uuid4().hex[:8]}"
     start_ms = int(time.time() * 1000) // 1000 * 1000 - 60_000
-    config_text = query_yaml("bench_dynamic", topic, items, start_ms, envelope)
+    config_text = query_yaml("bench_dynamic", topic, items, start_ms, envelope, shards=partitions)
     shape = "Debezium change events (c, d, and u events that move no row)" if envelope == "debezium" else "update records"
     p(f"bench dynamic --throughput: {updates:,} updates over {items} items (heavy churn, live items ~{live:,}) as {shape}, "
-      f"tick {TICK}, one partition, {repeats} run(s) each")
-    lines, last = produce_updates(broker, topic, updates, items, live, seed=7, envelope=envelope)
+      f"tick {TICK}, " + ("one partition" if partitions == 1 else f"{partitions} partitions and {partitions} shards") +
+      f", {repeats} run(s) each")
+    lines, last = produce_updates(broker, topic, updates, items, live, seed=7, envelope=envelope, partitions=partitions)
     if len(lines) != updates:
         p(f"  {len(lines):,} records carry the {updates:,} updates")
     until = last + LATENESS_MS + 1000
@@ -202,7 +207,8 @@ def run_throughput_bench(broker: str, updates: int, items: int, live: int, repea
                 runs[kind].append(rate)
                 p(f"  run {r + 1}: {'worker' if code is None else 'worker at ' + compare_with} {rate:,.0f} updates/s "
                   f"({m['elapsed_s']:.1f} s from ready)")
-    report = {"machine": machine(), "updates": updates, "records": len(lines), "envelope": envelope, "items": items,
+    report = {"machine": machine(), "updates": updates, "records": len(lines), "envelope": envelope, "partitions": partitions,
+              "items": items,
               "live": live, "tick": TICK, "runs": runs,
               "replay_releases": releases, **{f"{k}_updates_per_s": statistics.median(v) for k, v in runs.items()}}
     report["worker_over_replay"] = report["worker_updates_per_s"] / report["replay_updates_per_s"]
