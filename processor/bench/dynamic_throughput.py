@@ -149,19 +149,22 @@ def _decided_tick(port: int) -> int:
 
 
 def worker_rate(broker: str, config_text: str, key_file: str, expected: int, last_tick: int, code: str | None = None,
-                updates: int | None = None) -> tuple[float, dict]:
-    """One worker's updates/s (``code``: another commit's worker, :func:`older_code`): until every
-    update is read and logged and every tick up to ``last_tick`` decided, so the counter's work is
+                updates: int | None = None, workers: int = 1) -> tuple[float, dict]:
+    """The updates/s of one worker, or of ``workers`` static ones sharing the partitions
+    (``code``: another commit's worker, :func:`older_code`): until every update is read and
+    logged and every tick up to ``last_tick`` decided on every worker, so the counter's work is
     in the time. (A worker that does not report its decided tick is timed to the updates logged.)"""
     with tempfile.TemporaryDirectory(prefix="dpstream-bench-") as state:
         config_path = Path(state) / "q.yaml"
         config_path.write_text(config_text)
-        procs, ports = _start_workers(broker, str(config_path), key_file, 1, Path(state), 1, code=code)
+        procs, ports = _start_workers(broker, str(config_path), key_file, 1, Path(state), workers, code=code)
         try:
             started = time.perf_counter()
             while True:
-                m = _metrics(ports[0])
-                if m.get("dpstream_events_in_total", 0) >= expected and (code is not None or _decided_tick(ports[0]) >= last_tick):
+                ms = [_metrics(port) for port in ports]
+                m = {k: sum(x.get(k, 0) for x in ms) for k in ms[0]}
+                if m.get("dpstream_events_in_total", 0) >= expected and \
+                        (code is not None or min(_decided_tick(port) for port in ports) >= last_tick):
                     elapsed = time.perf_counter() - started
                     m["elapsed_s"] = elapsed
                     return (updates or expected) / elapsed, m
@@ -173,7 +176,8 @@ def worker_rate(broker: str, config_text: str, key_file: str, expected: int, las
 
 
 def run_throughput_bench(broker: str, updates: int, items: int, live: int, repeats: int, json_path: str | None,
-                         compare_with: str | None = None, envelope: str = "none", partitions: int = 1, out=sys.stderr) -> dict:
+                         compare_with: str | None = None, envelope: str = "none", partitions: int = 1, workers: int = 1,
+                         out=sys.stderr) -> dict:
     p = lambda s="": print(s, file=out, flush=True)  # noqa: E731
     topic = f"bench-updates-{uuid.uuid4().hex[:8]}"
     start_ms = int(time.time() * 1000) // 1000 * 1000 - 60_000
@@ -181,7 +185,7 @@ def run_throughput_bench(broker: str, updates: int, items: int, live: int, repea
     shape = "Debezium change events (c, d, and u events that move no row)" if envelope == "debezium" else "update records"
     p(f"bench dynamic --throughput: {updates:,} updates over {items} items (heavy churn, live items ~{live:,}) as {shape}, "
       f"tick {TICK}, " + ("one partition" if partitions == 1 else f"{partitions} partitions and {partitions} shards") +
-      f", {repeats} run(s) each")
+      ("" if workers == 1 else f", {workers} workers") + f", {repeats} run(s) each")
     lines, last = produce_updates(broker, topic, updates, items, live, seed=7, envelope=envelope, partitions=partitions)
     if len(lines) != updates:
         p(f"  {len(lines):,} records carry the {updates:,} updates")
@@ -201,13 +205,14 @@ def run_throughput_bench(broker: str, updates: int, items: int, live: int, repea
             releases.append(n)
             p(f"  run {r + 1}: replay {rate:,.0f} updates/s ({n} releases)")
             for kind, code in [("worker", None), *([("older", older)] if older else [])]:
-                rate, m = worker_rate(broker, config_text, str(key_file), len(lines), last_tick, code, updates)
+                rate, m = worker_rate(broker, config_text, str(key_file), len(lines), last_tick, code, updates, workers)
                 if m.get("dpstream_events_dropped_total", 0):
                     raise RuntimeError(f"the {kind} worker dropped {m['dpstream_events_dropped_total']:.0f} updates")
                 runs[kind].append(rate)
                 p(f"  run {r + 1}: {'worker' if code is None else 'worker at ' + compare_with} {rate:,.0f} updates/s "
                   f"({m['elapsed_s']:.1f} s from ready)")
     report = {"machine": machine(), "updates": updates, "records": len(lines), "envelope": envelope, "partitions": partitions,
+              "workers": workers,
               "items": items,
               "live": live, "tick": TICK, "runs": runs,
               "replay_releases": releases, **{f"{k}_updates_per_s": statistics.median(v) for k, v in runs.items()}}
