@@ -25,6 +25,12 @@ logged their updates; ``published`` (in the same store) names the last release t
 output (its :attr:`DynamicRelease.sequence`: the segment with one shard), and the releases the
 recovery recomputes past it are sent again - the same values, since the same updates meet the
 same noise.
+
+An update topic of several partitions (docs/privacy.md, "Partitions"): an :class:`UpdateRouter`
+on each partition judges each record on itself and sends its updates, as :class:`RoutedUpdates`
+with a sequence number of where they were read (:func:`routed_seq`), to their shard's state: a
+:class:`DynamicQueryState` with a ``shard``, which logs them with :meth:`DynamicQueryState.take_routed`
+and feeds each tick in sequence order, so in the topic's order, whatever order they arrived in.
 """
 from __future__ import annotations
 
