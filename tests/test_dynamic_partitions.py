@@ -392,3 +392,31 @@ def test_a_query_that_ran_on_one_partition_is_refused_when_its_topic_has_more(tm
     worker.add_source("updates", 1, MemoryStore())  # a partition it never ran on: a router
     assert ("updates", 1) in worker.dynamic_routers
     worker.close()
+
+
+def test_a_backlog_routes_in_messages_the_broker_takes(tmp_path):
+    """A batch of a backlog holds many updates per shard: 60,000 update records (1.26 MB of routed
+    updates for one shard) go out in parts under the repartition message limit, half of Kafka's
+    default record size (one message of them stopped a worker with MSG_SIZE_TOO_LARGE in the
+    throughput bench), and the shard takes in every update once."""
+    import json
+
+    from dpstream.processor.adapters.worker import REPARTITION_MESSAGE_BYTES, DpstreamWorker, Ownership
+    from dpstream.processor.config import DpstreamConfig
+    from tests.conftest import TEST_RUN_NONCE, Record
+
+    spec = {"name": "plans", "input_topic": "updates", "start": 0, "items": ITEMS, "epsilon": 2.0, "shards": 1}
+    worker = DpstreamWorker(DpstreamConfig(dynamic=[spec]), TEST_SECRET, tmp_path / "w", Ownership(), {}, 2,
+                            run_nonce=TEST_RUN_NONCE, dynamic_partitions={"updates": 2})
+    n = 60_000
+    records = [Record(i, None, json.dumps({"item": ITEMS[i % 7], "op": "insert", "ts": 1_000 + i // 100}).encode(), 2_000, 1)
+               for i in range(n)]
+    result = worker.process_dynamic("updates", 0, records)
+    parts = [m for m in result.messages if m.topic.endswith("-by-item")]
+    assert len(parts) > 1 and all(len(m.value) <= REPARTITION_MESSAGE_BYTES for m in parts)
+    result.commit()
+    shard = [Record(j, m.key, m.value, 2_000, 1) for j, m in enumerate(parts)]
+    worker.process_dynamic(parts[0].topic, 0, shard).commit()
+    state = worker.dynamic_states[(parts[0].topic, 0)][0]
+    assert len(state.waiting) == n
+    worker.close()

@@ -75,6 +75,7 @@ from dpstream.processor.engine.budget import (
 from dpstream.processor.engine.dynamic_stream import DynamicQueryState, RoutedUpdates, UpdateRouter
 from dpstream.processor.engine.pipeline import (
     BoundedRecords,
+    PackedColumns,
     PipelineStats,
     QueryPipeline,
     RoutedEvents,
@@ -162,11 +163,11 @@ def dead_letter_category(reason: str) -> str:
 REPARTITION_MESSAGE_BYTES = 512 * 1024
 
 
-def encoded_parts(records: BoundedRecords, limit: Optional[int] = None) -> list[bytes]:
+def encoded_parts(records: PackedColumns, limit: Optional[int] = None) -> list[bytes]:
     """``records`` in wire form, split in halves until every part is at most ``limit`` bytes
     (default :data:`REPARTITION_MESSAGE_BYTES`; one record is never split: its size is bounded by
-    the key's length limit). Stage 2 applies parts independently, so the split changes nothing
-    but the message count."""
+    the key's length limit). Stage 2 and a dynamic query's shards apply parts independently, so
+    the split changes nothing but the message count."""
     limit = REPARTITION_MESSAGE_BYTES if limit is None else limit
     value = records.encode()
     if len(value) <= limit or len(records) == 1:
@@ -1217,7 +1218,8 @@ class DpstreamWorker:
         for router in self.dynamic_routers[key]:
             routed, reasons = router.route(objs, stamps, offsets)
             out = self.item_topic(router.query.name)
-            messages += [Message(out, updates.encode(), None, k) for k, updates in sorted(routed.items())]
+            # parts under the broker's message size: a backlog's batch holds many updates per shard
+            messages += [Message(out, part, None, k) for k, updates in sorted(routed.items()) for part in encoded_parts(updates)]
             for r, reason in zip(records, reasons):
                 if reason is not None:
                     messages.append(self._letter(router.query.name, reason, r.value or b"", f"{topic}/{partition}@{r.offset}"))

@@ -161,7 +161,14 @@ def worker_rate(broker: str, config_text: str, key_file: str, expected: int, las
         try:
             started = time.perf_counter()
             while True:
-                ms = [_metrics(port) for port in ports]
+                try:
+                    ms = [_metrics(port) for port in ports]
+                except OSError:  # a worker stopped answering: say why, from its log
+                    time.sleep(10)
+                    tails = "\n".join(f"worker {i} ({'exited ' + str(proc.returncode) if proc.poll() is not None else 'running'}):\n"
+                                      + (Path(state) / f"worker{i}.log").read_text(errors="replace")[-3000:]
+                                      for i, proc in enumerate(procs))
+                    raise RuntimeError(f"a worker stopped answering during the run; the logs end:\n{tails}") from None
                 m = {k: sum(x.get(k, 0) for x in ms) for k in ms[0]}
                 if m.get("dpstream_events_in_total", 0) >= expected and \
                         (code is not None or min(_decided_tick(port) for port in ports) >= last_tick):
