@@ -164,9 +164,10 @@ def worker_rate(broker: str, config_text: str, key_file: str, expected: int, las
                 try:
                     ms = [_metrics(port) for port in ports]
                 except OSError:  # busy (a large batch holds its event loop longer than the scrape waits), or stopped
-                    time.sleep(10)
                     if all(proc.poll() is None for proc in procs) and time.perf_counter() - started < 600:
+                        time.sleep(0.2)
                         continue
+                    time.sleep(2)  # its last lines written
                     tails = "\n".join(f"worker {i} ({'exited ' + str(proc.returncode) if proc.poll() is not None else 'running'}):\n"
                                       + (Path(state) / f"worker{i}.log").read_text(errors="replace")[-3000:]
                                       for i, proc in enumerate(procs))
