@@ -46,6 +46,7 @@ META = b"m"
 DYNAMIC_LOG = b"d"  # before snapshots: read, and emptied as its updates are taken in
 DYNAMIC_TICK_LOG = b"e"
 DYNAMIC_UNITS = b"n"
+DYNAMIC_UNIT_LOG = b"w"  # a unit step's updates waiting for their tick to be bounded
 
 WINDOW_TABLES = (USERS, USER_LOG, PENDING, AMENDS, KEY_NAMES, KEYS, KEY_LOG, HIERARCHY_VIEW)
 

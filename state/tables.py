@@ -1159,3 +1159,42 @@ class DynamicTables:
 
     def put_published(self, batch: WriteBatch, segment: int) -> None:
         batch.put(self.published, int(segment).to_bytes(4, "little"))
+
+
+class UnitStepTables(DynamicTables):
+    """The tables of a dynamic query's unit step (one partition of its by-unit topic:
+    processor/engine/dynamic_stream.py, UnitBounder): the settings pinned and the updates counted
+    per privacy unit as a :class:`DynamicTables` has them, ``w`` the updates waiting for their
+    tick to be bounded (tick u64, sequence u64 -> item u32, op u8, unit u64), and the last tick
+    bounded. Entries of bounded ticks are deleted as one range once that mark is written."""
+
+    def __init__(self, store: Store, query_name: str):
+        super().__init__(store, query_name)
+        self.bounded = sk.META + b"dyn-bounded" + self.qid
+
+    def waiting(self) -> Iterator[tuple[int, int, int, int, int]]:
+        """(tick, sequence, item index, op code, unit) of every update logged, by tick and sequence."""
+        for key, value in self.store.scan_prefix(sk.DYNAMIC_UNIT_LOG + self.qid):
+            yield (int.from_bytes(key[-16:-8], "big"), int.from_bytes(key[-8:], "big"), int.from_bytes(value[:4], "little"),
+                   value[4], int.from_bytes(value[5:13], "little"))
+
+    def append_waiting(self, batch: WriteBatch, ticks, seqs, items, ops, units) -> None:
+        keys = np.empty(len(seqs), dtype=[("tick", ">u8"), ("seq", ">u8")])
+        keys["tick"], keys["seq"] = ticks, seqs
+        values = np.empty(len(seqs), dtype=[("item", "<u4"), ("op", "u1"), ("unit", "<u8")])
+        values["item"], values["op"], values["unit"] = items, ops, units
+        prefix, raw_keys, raw_values = sk.DYNAMIC_UNIT_LOG + self.qid, keys.tobytes(), values.tobytes()
+        for k in range(len(seqs)):
+            batch.put(prefix + raw_keys[16 * k:16 * k + 16], raw_values[13 * k:13 * k + 13])
+
+    def last_bounded(self) -> int:
+        raw = self.store.get(self.bounded)
+        return int.from_bytes(raw, "little") if raw else 0
+
+    def put_bounded(self, batch: WriteBatch, tick: int, written_before: int) -> None:
+        """Every tick <= ``tick`` is bounded (in ``batch``); the entries of ticks up to
+        ``written_before`` (the mark already written) go at once, as one range."""
+        batch.put(self.bounded, int(tick).to_bytes(8, "little"))
+        if written_before > 0:
+            prefix = sk.DYNAMIC_UNIT_LOG + self.qid
+            self.store.delete_range(prefix, prefix + (int(written_before) + 1).to_bytes(8, "big"))

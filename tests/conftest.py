@@ -318,6 +318,8 @@ SLOW = (
     "tests/test_change_streams.py::test_a_worker_on_a_debezium_topic_killed_mid_stream_releases_what_replay_does",
     "tests/test_change_streams.py::test_workers_on_a_partitioned_debezium_topic_one_killed_mid_stream_release_what_replay_does",
     "tests/test_dynamic_partitions.py::test_releases_under_any_partitioning_and_interleaving_are_one_partitions",
+    "tests/test_dynamic_unit_partitions.py::test_releases_with_a_unit_bound_are_one_partitions_in_tick_partition_offset_order",
+    "tests/test_dynamic_unit_partitions.py::test_removing_a_unit_changes_the_shards_inputs_by_at_most_c_of_its_own_updates",
 )
 
 

@@ -378,16 +378,21 @@ def test_change_events_in_avro_through_a_registry_are_read_as_their_json_twins(t
     assert len(logged["json"]) > len(values) and logged["avro"] == logged["json"]
 
 
-def produce_as_debezium(broker: str, topic: str, part: list[dict]) -> None:
+def produce_as_debezium(broker: str, topic: str, part: list[dict], placed: dict | None = None) -> None:
     """Change events as Debezium's connector writes them: keyed by the row's id, half with the
     JsonConverter's schema, a tombstone after each delete; by a stock producer (default
-    partitioner)."""
+    partitioner). ``placed``: where each event landed, (partition, offset) by id(event)."""
     from confluent_kafka import Producer
 
     p = Producer({"bootstrap.servers": broker, "linger.ms": 5})
     for i, v in enumerate(part):
         key = json.dumps({"id": (v["after"] or v["before"])["id"]}).encode()
-        p.produce(topic, json.dumps(with_schema(v) if i % 2 else v).encode(), key)
+
+        def landed(err, msg, v=v):
+            if placed is not None and err is None:
+                placed[id(v)] = (msg.partition(), msg.offset())
+
+        p.produce(topic, json.dumps(with_schema(v) if i % 2 else v).encode(), key, on_delivery=landed)
         if v["op"] == "d":
             p.produce(topic, None, key)  # tombstones.on.delete
     assert p.flush(30) == 0
@@ -405,7 +410,7 @@ def two_parts(seed: int, start: int) -> tuple[list[dict], list[dict], list[dict]
     return values, first, rest
 
 
-def kill_write_the_rest_and_restart(w, broker: str, topic: str, rest: list[dict]) -> int:
+def kill_write_the_rest_and_restart(w, broker: str, topic: str, rest: list[dict], placed: dict | None = None) -> int:
     """SIGKILL worker ``w``, write the rest of the changes while it is down (dated from 5 s on:
     after every tick decided so far), start it again on its volume; returns the rest's start."""
     w.proc.kill()
@@ -413,7 +418,7 @@ def kill_write_the_rest_and_restart(w, broker: str, topic: str, rest: list[dict]
     later = int(time.time() * 1000) + 5_000
     for i, v in enumerate(rest):
         v["ts_ms"] = later + i // 2
-    produce_as_debezium(broker, topic, rest)
+    produce_as_debezium(broker, topic, rest, placed)
     w.start().wait_ready()
     return later
 
@@ -467,8 +472,10 @@ def test_a_worker_on_a_debezium_topic_killed_mid_stream_releases_what_replay_doe
         w.stop()
 
 
+@pytest.mark.parametrize("unit", [False, True], ids=["no-unit", "unit-bound"])
 @pytest.mark.parametrize("assignment", ["static", "group"])
-def test_workers_on_a_partitioned_debezium_topic_one_killed_mid_stream_release_what_replay_does(tmp_path, broker, assignment):
+def test_workers_on_a_partitioned_debezium_topic_one_killed_mid_stream_release_what_replay_does(tmp_path, broker, assignment,
+                                                                                                 unit):
     """Issue 33, item 2, through Kafka: Debezium's topic with 4 partitions, each event keyed by
     its row's id as the connector keys it (a stock producer's default partitioner spreads the
     rows; a row's plan changes, so one plan's updates are in every partition), and a query of 2
@@ -476,7 +483,13 @@ def test_workers_on_a_partitioned_debezium_topic_one_killed_mid_stream_release_w
     static halves, or an elastic group. One is SIGKILLed after the first part's releases, the
     rest is written while it is down, and it comes back on its volume. What they released up to
     a tick equals replay's of the same events read from one file (the baseline's tick is a set of
-    counts: the order of a tick's updates does not matter), with no dead letter."""
+    counts: the order of a tick's updates does not matter), with no dead letter.
+
+    With a unit bound (``unit_field: customer_id``, 8 customers whose rows, keyed by row id, are
+    in every partition, 450 updates each at most: a fifth of the events are over it), the unit
+    steps on the by-unit topic bound each customer across partitions: the releases equal
+    replay's of the events in (tick, partition, offset) order, the order the bound takes a
+    unit's events in, and the dropped ones are counted as over the bound, not dead-lettered."""
     import uuid
 
     from dpstream.topics.kafka import DEAD_LETTER_TOPIC, INPUT_TOPIC_CONFIG, TopicSpec, create_topics
@@ -487,10 +500,17 @@ def test_workers_on_a_partitioned_debezium_topic_one_killed_mid_stream_release_w
     name, topic, out = f"plans{tag}", f"dbserver1.public.subscriptions-{tag}", f"it-plan-counts-{tag}"
     tick_ms, lateness_ms = 20, 1000
     start = (int(time.time() * 1000) // 1000 + 4) * 1000
+    bound = {"unit_field": "customer_id", "contribution_bound": 450, "epsilon": 900.0} if unit else {"epsilon": 2.0}
     write_dynamic_config(sc, name=name, input_topic=topic, output_topic=out, envelope="debezium", item_field="after.plan",
                          items="[free, pro, team]", start=start, tick=f"{tick_ms}ms", allowed_lateness=f"{lateness_ms}ms",
-                         epsilon=2.0, shards=2)
+                         shards=2, **bound)
     values, first, rest = two_parts(18, start)
+    placed: dict = {}
+    if unit:  # 8 customers, each with rows (so records) in every partition
+        for v in values:
+            for side in ("before", "after"):
+                if v[side] is not None:
+                    v[side]["customer_id"] = f"c-{v[side]['id'] % 8}"
     create_topics(broker, [TopicSpec(topic, 4, INPUT_TOPIC_CONFIG)])
 
     def worker(who: str, index: int):
@@ -498,7 +518,7 @@ def test_workers_on_a_partitioned_debezium_topic_one_killed_mid_stream_release_w
             return sc.worker(who, extra=("--assignment", "group", "--instance-id", who))
         return sc.worker(who, index, 2)
 
-    produce_as_debezium(broker, topic, first)
+    produce_as_debezium(broker, topic, first, placed)
     a, b = worker("a", 0).start(), worker("b", 1).start()
     sc.workers += [a, b]
     try:
@@ -509,7 +529,9 @@ def test_workers_on_a_partitioned_debezium_topic_one_killed_mid_stream_release_w
         while len({r.get("shard") for r in sc.read(out)}) < 2:  # both shards have released (the workers may start late)
             assert time.time() < deadline, "no release of each shard within 120 s"
             time.sleep(1)
-        later = kill_write_the_rest_and_restart(b, broker, topic, rest)
+        later = kill_write_the_rest_and_restart(b, broker, topic, rest, placed)
+        if unit:  # the order a unit step bounds in: (tick, partition, offset)
+            values = sorted(values, key=lambda v: ((v["ts_ms"] - start) // tick_ms, *placed[id(v)]))
         horizon = (later + 1_500 - start) // tick_ms + 10
         time.sleep(max(0.0, (start + horizon * tick_ms + lateness_ms) / 1000 + 3 - time.time()))
         deadline = time.time() + 60
@@ -525,7 +547,9 @@ def test_workers_on_a_partitioned_debezium_topic_one_killed_mid_stream_release_w
         assert max(r["tick"] for r in expected) > (later - start) // tick_ms
         assert canonical(released) == canonical(expected)
         assert [d for d in sc.read(DEAD_LETTER_TOPIC) if d.get("query") == name] == []
-        assert a.metric("dpstream_events_dropped_total", query=name) + b.metric("dpstream_events_dropped_total", query=name) == 0
+        dropped = [w.metric("dpstream_events_dropped_total", query=name, reason="contribution_bound") for w in (a, b)]
+        assert (sum(dropped) > 200) == unit
+        assert sum(w.metric("dpstream_events_dropped_total", query=name) for w in (a, b)) == sum(dropped)
     finally:
         a.stop()
         b.stop()

@@ -256,12 +256,18 @@ def test_a_router_judges_each_record_by_its_own_stamp():
     assert routed_seq(2, 10, 0) < routed_seq(2, 10, 1) < routed_seq(2, 11, 0) < routed_seq(3, 0, 0)
 
 
-def test_a_unit_bound_across_partitions_is_refused_by_name():
-    """Bounding a unit's updates needs all of them in one place; across input partitions that is
-    not built yet, so a router refuses a query with a unit_field (the worker refuses it at start)."""
-    q = query().model_copy(update={"unit_field": "user"})
+def test_a_router_with_a_unit_bound_needs_the_pseudonymizer():
+    """With a unit_field, a router sends each update with its unit's pseudonym to the unit's unit
+    step (docs/privacy.md, "A unit across partitions"): it cannot be built without the keyed
+    pseudonymizer, and never sends the unit id itself."""
+    q = query().model_copy(update={"unit_field": "user", "contribution_bound": 2})
     with pytest.raises(ValueError, match="unit_field"):
         UpdateRouter(q, 0, DELAY_MS)
+    router = UpdateRouter(q, 0, DELAY_MS, pseudonyms=PSEUDONYMS)
+    routed, _ = router.route([{"item": ITEMS[0], "op": "insert", "ts": 1, "user": "alice-7"}], [2], [0])
+    (j, updates), = routed.items()
+    assert updates.units.tolist() == PSEUDONYMS.users(["alice-7"]).tolist() and j == updates.units[0] % q.shards
+    assert b"alice-7" not in updates.encode()
 
 
 def test_a_shard_takes_a_late_arrival_as_late_and_a_copy_once():
@@ -297,24 +303,39 @@ class Log:
         records.append(Record(len(records), key, value, stamp, 1))
 
 
-def test_static_workers_on_a_partitioned_update_topic_release_what_one_partition_does(tmp_path):
+def tick_order(recs: list, home: list[int]) -> list:
+    """The records in the order a unit step bounds them: by (tick, input partition, offset)."""
+    offsets, order = Counter(), []
+    for i, h in enumerate(home):
+        order.append(((recs[i][0]["ts"] - 0) // TICK_MS + 1, h, offsets[h], i))
+        offsets[h] += 1
+    return [recs[i] for *_, i in sorted(order)]
+
+
+@pytest.mark.parametrize("unit", [False, True], ids=["no-unit", "unit-bound"])
+def test_static_workers_on_a_partitioned_update_topic_release_what_one_partition_does(tmp_path, unit):
     """The worker core (processor/adapters/worker.py) on an update topic of 4 partitions, keyed by
     a row id as Debezium keys them: two static workers share its partitions (routers) and the
     by-item topic's 3 (shards), each reading in chunks, sending the routed updates and watermarks
     it returns to the topics and deciding ticks on its clock; one is restarted from its state
     directory midway. Their releases are the query's read from one partition in (partition,
-    offset) order, each published once."""
+    offset) order, each published once. With a unit bound (40 users, 6 updates each at most: the
+    bound drops most of them), the unit steps on the by-unit topic's 3 partitions sit between:
+    the releases are one partition's in (tick, partition, offset) order, the order the bound
+    takes a unit's records in."""
     import json
 
     from dpstream.processor.adapters.worker import DpstreamWorker, Ownership
     from dpstream.processor.config import DpstreamConfig
-    from dpstream.topics.kafka import item_topic
+    from dpstream.topics.kafka import item_topic, unit_topic
     from dpstream.topics.partitioner import partition_for
     from tests.conftest import TEST_RUN_NONCE
 
     topic, partitions = "db.public.subscriptions", 4
     spec = {"name": "plans", "input_topic": topic, "output_topic": "plan-counts", "start": 0, "items": ITEMS, "epsilon": 2.0,
             "tick": f"{TICK_MS}ms", "allowed_lateness": f"{LATENESS_MS}ms", "shards": 3, "mechanism": "interval_tree"}
+    if unit:
+        spec.update(unit_field="user", contribution_bound=6, epsilon=12.0)
     cfg = DpstreamConfig(dynamic=[spec])
 
     def open_worker(i: int) -> DpstreamWorker:
@@ -325,8 +346,12 @@ def test_static_workers_on_a_partitioned_update_topic_release_what_one_partition
     assert sorted(k for w in workers for k in w.dynamic) == [(topic, p) for p in range(partitions)]
     by_item = item_topic("plans")
     assert sorted(k for w in workers for k in w.dynamic_shards) == [(by_item, k) for k in range(3)]
+    if unit:
+        assert sorted(k for w in workers for k in w.dynamic_units) == [(unit_topic("plans"), j) for j in range(3)]
     recs = records(600, 5)
     log, rng = Log(), np.random.default_rng(3)
+    if unit:
+        recs = [({**rec, "user": f"user-{int(rng.integers(40))}"}, stamp) for rec, stamp in recs]
     rows = rng.integers(0, 50, len(recs))
     home = partition_for([f"row-{r}".encode() for r in rows.tolist()], partitions, "murmur2").tolist()
     for (rec, stamp), p in zip(recs, home):
@@ -335,7 +360,7 @@ def test_static_workers_on_a_partitioned_update_topic_release_what_one_partition
     released, now = [], 0
 
     def step(w: DpstreamWorker, now: int, ends=None) -> None:
-        for key, source in [*w.dynamic.items(), *w.dynamic_shards.items()]:
+        for key, source in [*w.dynamic.items(), *w.dynamic_units.items(), *w.dynamic_shards.items()]:
             todo = [r for r in log.partitions.get(key, []) if r.offset > source.last_offset][:int(rng.integers(1, 40))]
             if not todo:
                 continue
@@ -364,11 +389,16 @@ def test_static_workers_on_a_partitioned_update_topic_release_what_one_partition
         for w in workers:
             step(w, until + DELAY_MS, ends)
     label = workers[0].noise.label
+    bounded = sum(b.dropped["contribution_bound"] for w in workers for b in w.unit_bounders.values())
+    assert (bounded > 100) == unit  # the bound bit (counted since the restart on worker 1)
     for w in workers:
         w.close()
-    expected = one_partition(query("interval_tree", 3), canonical(recs, home), until, NodeNoise(TEST_SECRET, label))
+    q = query("interval_tree", 3, epsilon=spec["epsilon"])
+    if unit:
+        q = q.model_copy(update={"unit_field": "user", "contribution_bound": 6})
+    expected = one_partition(q, tick_order(recs, home) if unit else canonical(recs, home), until, NodeNoise(TEST_SECRET, label))
     assert all(r.pop("run")["noise_label"] == label and r.pop("app_id") for r in released)
-    assert len(expected) > 10 and view(released) == view(expected)
+    assert len(expected) > (5 if unit else 10) and view(released) == view(expected)
 
 
 def test_a_query_that_ran_on_one_partition_is_refused_when_its_topic_has_more(tmp_path):

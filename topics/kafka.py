@@ -109,6 +109,14 @@ def item_topic(query_name: str, app_id: str = "dpstream", epoch: str = "1") -> s
     return repartition_topic(query_name, app_id, epoch)[:-len("-by-key")] + "-by-item"
 
 
+def unit_topic(query_name: str, app_id: str = "dpstream", epoch: str = "1") -> str:
+    """A dynamic query's updates with a unit bound on their way from the partitions of an update
+    topic of several to the unit step of their unit (keyed pseudonyms, never ids): one partition
+    per shard, partition j read into unit step j's state (docs/user-guide.md, "Partitions").
+    Named per application and epoch like :func:`repartition_topic`: ``<app id>-<query>-by-unit``."""
+    return repartition_topic(query_name, app_id, epoch)[:-len("-by-key")] + "-by-unit"
+
+
 def dead_letter_retention_ms(environ: Optional[Mapping[str, str]] = None) -> int:
     """How long the dead-letter topic keeps a record, from ``$DPSTREAM_DEAD_LETTER_RETENTION``
     (default 7 days); a bad value is an error naming the variable."""

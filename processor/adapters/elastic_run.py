@@ -195,7 +195,7 @@ class ElasticRun(WorkerRun):
         before it asked."""
         gc, worker = self.consumer, self.worker
         # the by-key partitions' ends too: their lag on the status page (partition_status)
-        keys = [*worker.stage1, *worker.dynamic, *worker.stage2, *worker.dynamic_shards]
+        keys = [*worker.stage1, *worker.dynamic, *worker.stage2, *worker.dynamic_shards, *worker.dynamic_units]
         if gc is None:
             return {}
         try:
@@ -209,7 +209,7 @@ class ElasticRun(WorkerRun):
         ends = {}
         for key, (high, asked) in highs.items():
             src = worker.source_of(key)
-            if src is None or key in worker.stage2 or key in worker.dynamic_shards:
+            if src is None or key in worker.stage2 or key in worker.dynamic_shards or key in worker.dynamic_units:
                 continue
             committed = src.last_offset + 1
             position = self.reader.position(key)

@@ -50,6 +50,7 @@ from dpstream.topics.kafka import (
     repartition_topic,
     rerouting_topic,
     restarts_key,
+    unit_topic,
 )
 
 #: what a dpstream state directory holds at its top level: stores (state/store.py), the worker's
@@ -152,7 +153,8 @@ def plan_start_over(config: DpstreamConfig, app_id: str, state_dir: Optional[str
     epoch = worker_epoch(config, count)
     topics = {repartition_topic(q.name, app_id, epoch) for q in config.queries}
     topics |= {rerouting_topic(q.name, app_id, epoch) for q in config.queries}
-    topics |= {item_topic(q.name, app_id, epoch) for q in config.dynamic}  # (only those of partitioned update topics exist)
+    # (only those of partitioned update topics exist; by-unit ones only with a unit_field)
+    topics |= {t(q.name, app_id, epoch) for q in config.dynamic for t in (item_topic, unit_topic)}
     topics |= {t for t in existing if t.startswith(prefix) and t.endswith("-changelog")}
     outputs = output_topics(config)
     claim_keys = _claims_to_release(broker, app_id, outputs, existing, timeout) if delete_outputs else []

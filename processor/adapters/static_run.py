@@ -98,7 +98,7 @@ class StaticRun(WorkerRun):
         self.consumer = consumer
         stage_of = {}
         for key, src in [*worker.stage1.items(), *worker.stage2.items(), *worker.dynamic.items(), *worker.dynamic_shards.items(),
-                         *worker.lanes.items()]:
+                         *worker.dynamic_units.items(), *worker.lanes.items()]:
             stage_of[_tp(*key)] = (self.stage_of(key), src)
         lane_starts = await loop.run_in_executor(None, lambda: lane_positions(self.broker, worker.lanes))
         consumer.assign(list(stage_of))
@@ -223,7 +223,8 @@ class StaticRun(WorkerRun):
         transaction markers, which no record's offset stands for)."""
         worker = self.worker
         out = {}
-        for key, src in [*worker.stage1.items(), *worker.stage2.items(), *worker.dynamic.items(), *worker.dynamic_shards.items()]:
+        for key, src in [*worker.stage1.items(), *worker.stage2.items(), *worker.dynamic.items(), *worker.dynamic_shards.items(),
+                         *worker.dynamic_units.items()]:
             offset = src.last_offset + 1
             position = self.positions.get(key)
             if position is not None and position > offset >= self.batches.fetched.get(key, 0):

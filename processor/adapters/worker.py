@@ -65,14 +65,21 @@ import numpy as np
 from dpstream.accountant.ledger import recorded_entries, recorded_epoch
 from dpstream.processor.adapters.metrics import PipelineMetrics
 from dpstream.processor.adapters.trigger_log import TriggerLog, iso_utc
-from dpstream.processor.config import DpstreamConfig, plan_for
+from dpstream.processor.config import DpstreamConfig, DynamicQueryConfig, plan_for
 from dpstream.processor.engine.budget import (
     LEDGER_STORE,
     BudgetGate,
     ChargeSchedule,
     open_ledger,
 )
-from dpstream.processor.engine.dynamic_stream import DynamicQueryState, RoutedUpdates, UpdateRouter
+from dpstream.processor.engine.dynamic_stream import (
+    DynamicQueryState,
+    RoutedUpdates,
+    UnitBounder,
+    UnitRoutedUpdates,
+    UpdateRouter,
+    unit_step_partitions,
+)
 from dpstream.processor.engine.pipeline import (
     BoundedRecords,
     PackedColumns,
@@ -103,6 +110,7 @@ from dpstream.topics.kafka import (
     item_topic,
     repartition_topic,
     rerouting_topic,
+    unit_topic,
 )
 from dpstream.topics.partitioner import partition_for
 from dpstream.topics.records import (
@@ -567,7 +575,9 @@ class DpstreamWorker:
                  dynamic_partitions: Optional[dict[str, int]] = None):
         """``dynamic_partitions``: each dynamic query's update topic's partition count (default
         1): a topic of several runs in two steps, an :class:`UpdateRouter` on each of its
-        partitions and each query's shards on its by-item topic (docs/user-guide.md, "Partitions")."""
+        partitions and each query's shards on its by-item topic (docs/user-guide.md, "Partitions");
+        with a ``unit_field`` in three, the unit step (:class:`UnitBounder`) on its by-unit topic
+        between them."""
         self.config = config
         self.dynamic_partitions = {q.input_topic: int((dynamic_partitions or {}).get(q.input_topic, 1)) for q in config.dynamic}
         #: how many times ``dpstream reset`` started this application over (public; epoch topic)
@@ -631,6 +641,9 @@ class DpstreamWorker:
             self._dynamic_queries[q.input_topic].append(q)
         #: a partitioned update topic's queries: each one's by-item topic (a partition per shard)
         self._by_item = {self.item_topic(q.name): q for q in config.dynamic if self.partitioned(q.input_topic)}
+        #: ... and, with a unit_field, its by-unit topic (a partition per unit step)
+        self._by_unit = {self.unit_topic(q.name): q for q in config.dynamic
+                         if self.partitioned(q.input_topic) and q.unit_field is not None}
         self._dynamic_plans: dict = {}
         # the budget ledger: each window is charged as the wall clock reaches it, from the
         # schedule's public start (budget.start, else this worker's first start, kept in state).
@@ -659,6 +672,8 @@ class DpstreamWorker:
         # partition 0; one of several has its partitions (routers) and its by-item topics' (shards)
         self.dynamic: dict[tuple[str, int], SourcePartition] = {}  # update topic partitions
         self.dynamic_shards: dict[tuple[str, int], SourcePartition] = {}  # by-item topic partitions
+        self.dynamic_units: dict[tuple[str, int], SourcePartition] = {}  # by-unit topic partitions
+        self.unit_bounders: dict[tuple[str, int], UnitBounder] = {}
         self.dynamic_routers: dict[tuple[str, int], list[UpdateRouter]] = {}
         self.dynamic_states: dict[tuple[str, int], list[DynamicQueryState]] = defaultdict(list)
         if ownership is not None:  # static: every owned partition now (group: as the group assigns them)
@@ -674,11 +689,14 @@ class DpstreamWorker:
             for topic, q in self._by_item.items():
                 for k in ownership.partitions(q.shards):
                     self.add_source(topic, k, self._open(f"{topic}-{k}"))
+            for topic, q in self._by_unit.items():
+                for j in ownership.partitions(unit_step_partitions(q)):
+                    self.add_source(topic, j, self._open(f"{topic}-{j}"))
 
     # ------------------------------------------------------------------ sources
     def source_topics(self) -> list[str]:
         """Every topic whose partitions this application's workers read (and own by partition)."""
-        return [*self._by_input, *self._by_repartition, *self._dynamic_queries, *self._by_item]
+        return [*self._by_input, *self._by_repartition, *self._dynamic_queries, *self._by_item, *self._by_unit]
 
     def partitioned(self, topic: str) -> bool:
         """Whether a dynamic update topic has several partitions (routed to shards)."""
@@ -687,6 +705,15 @@ class DpstreamWorker:
     def item_topic(self, query_name: str) -> str:
         """This application's and epoch's by-item topic of a dynamic query (:func:`item_topic`)."""
         return item_topic(query_name, self.app_id, worker_epoch(self.config, self.restarts))
+
+    def unit_topic(self, query_name: str) -> str:
+        """This application's and epoch's by-unit topic of a dynamic query (:func:`unit_topic`)."""
+        return unit_topic(query_name, self.app_id, worker_epoch(self.config, self.restarts))
+
+    def routed_topic(self, query: DynamicQueryConfig) -> str:
+        """Where a partitioned update topic's routers send a query's updates: its unit step with
+        a unit bound, else its shards."""
+        return self.item_topic(query.name) if query.unit_field is None else self.unit_topic(query.name)
 
     def add_source(self, topic: str, partition: int, store: Store) -> SourcePartition:
         """Own ``topic``'s ``partition``, its state in ``store`` (restored first when it moved)."""
@@ -720,9 +747,18 @@ class DpstreamWorker:
                         f"{source.name}: dynamic query {q.name!r} ran on this update topic when it had one partition; now it "
                         f"has {self.dynamic_partitions[topic]}: its state cannot move to shards. Use a new query name or a new "
                         f"budget.epoch (docs/user-guide.md, \"Partitions\")")
-                router = UpdateRouter(q, partition, self.watermark_delay_ms, index=self.config.dynamic.index(q))
+                router = UpdateRouter(q, partition, self.watermark_delay_ms, index=self.config.dynamic.index(q),
+                                      pseudonyms=self.pseudonyms)
                 router.refused = self.gate is not None and not self.gate.start_dynamic(q)
                 self.dynamic_routers[key].append(router)
+        elif topic in self._by_unit:
+            q = self._by_unit[topic]
+            source = SourcePartition(topic, partition, store, [])
+            self.dynamic_units[key] = source
+            bounder = self.unit_bounders[key] = UnitBounder(q, partition, store, index=self.config.dynamic.index(q))
+            bounder.refused = self.gate is not None and not self.gate.start_dynamic(q)
+            # what it bounded through is what it announces to the shards (the committed input watermarks)
+            source.read_ms = source.input_watermark(q.input_topic, self.dynamic_partitions[q.input_topic])
         elif topic in self._dynamic_queries or topic in self._by_item:
             source = SourcePartition(topic, partition, store, [])
             queries = [self._by_item[topic]] if topic in self._by_item else self._dynamic_queries[topic]
@@ -745,7 +781,8 @@ class DpstreamWorker:
         if source is not None:
             for lane in source.lanes:
                 self.lanes.pop((lane, partition), None)
-        for table in (self.stage1, self.stage2, self.dynamic, self.dynamic_shards, self.dynamic_routers):
+        for table in (self.stage1, self.stage2, self.dynamic, self.dynamic_shards, self.dynamic_routers, self.dynamic_units,
+                      self.unit_bounders):
             table.pop(key, None)
         self.dynamic_states.pop(key, None)
         self.stores.release(f"{topic}-{partition}")
@@ -874,22 +911,23 @@ class DpstreamWorker:
 
     def owned_counts(self) -> dict[str, int]:
         """How many partitions of each source topic this worker owns."""
-        counts = Counter(topic for topic, _ in [*self.stage1, *self.stage2, *self.dynamic, *self.dynamic_shards])
+        counts = Counter(topic for topic, _ in [*self.stage1, *self.stage2, *self.dynamic, *self.dynamic_shards, *self.dynamic_units])
         return {topic: counts.get(topic, 0) for topic in self.source_topics()}
 
     def source_of(self, key: tuple[str, int]) -> Optional[SourcePartition]:
         """The owned source partition ``(topic, partition)`` (for a by-user topic's partition: the
         stage-1 source it is read into), None if not owned (now)."""
         return self.stage1.get(key) or self.stage2.get(key) or self.dynamic.get(key) or self.dynamic_shards.get(key) or \
-            self.lanes.get(key)
+            self.dynamic_units.get(key) or self.lanes.get(key)
 
     @property
     def sources(self) -> list[SourcePartition]:
-        return [*self.stage1.values(), *self.stage2.values(), *self.dynamic.values(), *self.dynamic_shards.values()]
+        return [*self.stage1.values(), *self.stage2.values(), *self.dynamic.values(), *self.dynamic_shards.values(),
+                *self.dynamic_units.values()]
 
     def _dynamic_source(self, key: tuple[str, int]) -> SourcePartition:
-        """The source a dynamic query state reads: an update topic's partition or a by-item one."""
-        return self.dynamic.get(key) or self.dynamic_shards[key]
+        """The source a dynamic query's step reads: an update topic's partition, a by-item or a by-unit one."""
+        return self.dynamic.get(key) or self.dynamic_shards.get(key) or self.dynamic_units[key]
 
     def pipelines(self) -> Iterable[QueryPipeline]:
         for src in self.sources:
@@ -1167,7 +1205,17 @@ class DpstreamWorker:
             source.announced_ms = own
             value = encode_watermark(key[0], key[1], own)
             for r in routers:
-                out.extend(Message(self.item_topic(r.query.name), value, WATERMARK_KEY, k) for k in range(r.query.shards))
+                steps = r.query.shards if r.query.unit_field is None else unit_step_partitions(r.query)
+                out.extend(Message(self.routed_topic(r.query), value, WATERMARK_KEY, k) for k in range(steps))
+        # a unit step's: the input watermark it bounded through (committed), after the updates it admitted
+        for key, bounder in self.unit_bounders.items():
+            source, q = self.dynamic_units[key], bounder.query
+            own, before = source.read_ms, source.announced_ms
+            if own is None or (before is not None and q.decided_through(own) <= q.decided_through(before)):
+                continue
+            source.announced_ms = own
+            value = encode_watermark(key[0], key[1], own)
+            out.extend(Message(self.item_topic(q.name), value, WATERMARK_KEY, k) for k in range(q.shards))
         return out
 
     @staticmethod
@@ -1199,7 +1247,7 @@ class DpstreamWorker:
         sent (:meth:`_take_routed`)."""
         key = (topic, partition)
         step = self._take_routed if key in self.dynamic_shards else self._route_updates if key in self.dynamic_routers \
-            else self._log_updates
+            else self._bound_units if key in self.unit_bounders else self._log_updates
         source = self._dynamic_source(key)
         records = _undelivered(source, records, lambda done: step(key, done))
         return step(key, records) if records else None
@@ -1217,7 +1265,7 @@ class DpstreamWorker:
         offsets = [r.offset for r in records]
         for router in self.dynamic_routers[key]:
             routed, reasons = router.route(objs, stamps, offsets)
-            out = self.item_topic(router.query.name)
+            out = self.routed_topic(router.query)
             # parts under the broker's message size: a backlog's batch holds many updates per shard
             messages += [Message(out, part, None, k) for k, updates in sorted(routed.items()) for part in encoded_parts(updates)]
             for r, reason in zip(records, reasons):
@@ -1238,6 +1286,26 @@ class DpstreamWorker:
                             "worker's clocks differ by more than the watermark delay); counted as late", st.query.name, late,
                             source.name)
         return result
+
+    def _bound_units(self, key: tuple[str, int], records: Sequence[RecordLike]) -> StageOneResult:
+        """A by-unit partition: its unit step logs the updates it was sent (each once) and takes
+        in the update topic's partitions' watermarks; once their least has passed a tick, it
+        bounds the tick's updates and sends the admitted ones to their shards, in one
+        transaction with its offset (at least once: before its state is written). Its own
+        watermark follows them to every shard once they are acknowledged (:meth:`watermark_messages`)."""
+        source, bounder = self.dynamic_units[key], self.unit_bounders[key]
+        q = bounder.query
+        batch = WriteBatch()
+        source.advance_watermarks(batch, (decode_watermark(r.value) for r in records if r.key == WATERMARK_KEY))
+        late = sum(bounder.take(UnitRoutedUpdates.decode(r.value), batch) for r in records if r.key != WATERMARK_KEY)
+        if late:
+            log.warning("dynamic query %s: %d updates reached %s after their tick was bounded (the broker's and this "
+                        "worker's clocks differ by more than the watermark delay); counted as late", q.name, late, source.name)
+        clock = source.input_watermark(q.input_topic, self.dynamic_partitions[q.input_topic])
+        admitted = None if clock is None else bounder.bound(clock, batch)
+        messages = [] if not admitted else [Message(self.item_topic(q.name), part, None, k)
+                                             for k, updates in sorted(admitted.items()) for part in encoded_parts(updates)]
+        return StageOneResult(source, batch, records[-1].offset, messages, read_ms=None if admitted is None else clock)
 
     def _log_updates(self, key: tuple[str, int], records: Sequence[RecordLike]) -> StageOneResult:
         topic, partition = key
@@ -1266,9 +1334,8 @@ class DpstreamWorker:
         ends = read_to_end or {}
         for key, states in self.dynamic_states.items():
             source = self._dynamic_source(key)
-            if key in self.dynamic_shards:  # a shard: every update topic partition's watermark
-                topic = states[0].query.input_topic
-                mark = source.input_watermark(topic, self.dynamic_partitions[topic])
+            if key in self.dynamic_shards:  # a shard: every update topic partition's watermark (or unit step's)
+                mark = self._shard_watermark(key)
                 clock = None if mark is None else min(mark, now_ms)
             else:
                 clock = source.read_watermark(now_ms, ends.get(key), self.watermark_delay_ms)
@@ -1282,6 +1349,14 @@ class DpstreamWorker:
             if any(st.pending for st in states):
                 due.append(key)
         return due
+
+    def _shard_watermark(self, key: tuple[str, int]) -> Optional[int]:
+        """A shard's input watermark: the least of its query's update topic partitions' (with a
+        unit bound: of its unit steps'; None until each announced one)."""
+        q = self.dynamic_states[key][0].query
+        if q.unit_field is not None:
+            return self.dynamic_shards[key].input_watermark(self.unit_topic(q.name), unit_step_partitions(q))
+        return self.dynamic_shards[key].input_watermark(q.input_topic, self.dynamic_partitions[q.input_topic])
 
     def dynamic_releases(self, key: tuple[str, int]) -> list[Message]:
         return [Message(st.query.output_topic, encode_json({**rec, **self.run_fields}), st.query.name.encode())
@@ -1379,7 +1454,7 @@ class DpstreamWorker:
             done = progress.get(f"{f.source.name}/published")
             if done and (f.window, f.trigger) <= (int(done["window"]), int(done["trigger"])):
                 self.mark_published(f)
-        for source in [*self.dynamic.values(), *self.dynamic_shards.values()]:
+        for source in [*self.dynamic.values(), *self.dynamic_shards.values(), *self.dynamic_units.values()]:
             source.delivered_offset = int(progress[source.name]["offset"]) if source.name in progress else -1
         for key, states in self.dynamic_states.items():
             source = self._dynamic_source(key)
@@ -1451,6 +1526,7 @@ class DpstreamWorker:
         counts = [(pipe.query, pipe.stats.dropped) for pipe in self.pipelines()]
         counts += [(st.query, st.dropped) for states in self.dynamic_states.values() for st in states]
         counts += [(r.query, r.dropped) for routers in self.dynamic_routers.values() for r in routers]
+        counts += [(b.query, b.dropped) for b in self.unit_bounders.values()]
         return counts
 
     def refresh_metrics(self) -> None:
@@ -1483,6 +1559,8 @@ class DpstreamWorker:
             total = dynamic.setdefault(r.query.name, PipelineStats())
             total.events_in += r.updates_in
             total.dropped.update(r.dropped)
+        for b in self.unit_bounders.values():
+            dynamic.setdefault(b.query.name, PipelineStats()).dropped.update(b.dropped)
         for q in self.config.dynamic:
             if q.name in dynamic:
                 plan = self._dynamic_plans.get(q.name) or self._dynamic_plans.setdefault(q.name, q.plan())
@@ -1530,8 +1608,9 @@ class DpstreamWorker:
         if key in self.dynamic_routers:
             return self.dynamic[key].announced_ms
         if key in self.dynamic_shards:
-            topic = self.dynamic_states[key][0].query.input_topic
-            return self.dynamic_shards[key].input_watermark(topic, self.dynamic_partitions[topic])
+            return self._shard_watermark(key)
+        if key in self.dynamic_units:
+            return self.dynamic_units[key].announced_ms
         return None
 
     def status(self, now_ms: int) -> dict:
@@ -1595,7 +1674,7 @@ class DpstreamWorker:
                  "period_ends": _iso(e.last_reset_ms + e.refresh_ms) if e.refresh_ms else None}
                 for e in recorded_entries(self.ledger.store)]}
         owned: dict[str, list[int]] = defaultdict(list)
-        for topic, p in sorted([*self.stage1, *self.stage2, *self.dynamic, *self.dynamic_shards]):
+        for topic, p in sorted([*self.stage1, *self.stage2, *self.dynamic, *self.dynamic_shards, *self.dynamic_units]):
             owned[topic].append(p)
         # the run's noise label: what `dpstream replay --noise-label` takes to reproduce this
         # worker's releases (public, as in every release)

@@ -203,7 +203,8 @@ class WorkerRun:
         the broker last reported (None before it did)."""
         worker = self.worker
         kinds = {**dict.fromkeys(worker.stage1, "input"), **dict.fromkeys(worker.stage2, "by key"),
-                 **dict.fromkeys(worker.dynamic, "updates"), **dict.fromkeys(worker.dynamic_shards, "by item")}
+                 **dict.fromkeys(worker.dynamic, "updates"), **dict.fromkeys(worker.dynamic_shards, "by item"),
+                 **dict.fromkeys(worker.dynamic_units, "by unit")}
         rows = []
         for key, kind in sorted(kinds.items()):
             src = worker.source_of(key)

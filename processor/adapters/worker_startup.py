@@ -23,7 +23,7 @@ from dpstream.processor.adapters.worker import (
     lost_state_message,
     worker_epoch,
 )
-from dpstream.processor.engine.dynamic_stream import SEQ_PARTITION_BITS
+from dpstream.processor.engine.dynamic_stream import SEQ_PARTITION_BITS, unit_step_partitions
 from dpstream.topics.kafka import (
     CHANGELOG_TOPIC_CONFIG,
     EPOCH_TOPIC,
@@ -38,6 +38,7 @@ from dpstream.topics.kafka import (
     restarts_key,
     timestamp_types,
     topics_for,
+    unit_topic,
     write_epoch_mark,
 )
 
@@ -131,32 +132,33 @@ class WorkerStartup:
 
     def open_item_topics(self, epoch: str, counts: dict) -> None:
         """A dynamic query on an update topic of several partitions: its by-item topic, one
-        partition per shard (processor/adapters/worker.py, "dynamic queries"), whose counts join
-        ``counts``. Refused: a unit bound (not built across partitions), more partitions than a
-        routed update's sequence number holds, a by-item topic of another partition count."""
-        wanted = {}
-        for i, q in enumerate(self.s.config.dynamic):
+        partition per shard (processor/adapters/worker.py, "dynamic queries"), and with a
+        ``unit_field`` its by-unit topic, one partition per unit step (as many); their counts join
+        ``counts``. Refused: more partitions than a routed update's sequence number holds, a
+        by-item or by-unit topic of another partition count."""
+        wanted, purpose = {}, {}
+        for q in self.s.config.dynamic:
             n = counts[q.input_topic]
             if n == 1:
                 continue
-            if q.unit_field is not None:
-                raise TopicLayoutError(
-                    f"dynamic[{i}].unit_field: dynamic query {q.name!r} bounds each unit's updates, and its update topic "
-                    f"{q.input_topic!r} has {n} partitions: a unit bound across partitions is not built yet; give the topic one "
-                    f"partition, or drop unit_field (docs/user-guide.md, \"Partitions\")")
             if n > 2 ** SEQ_PARTITION_BITS:
                 raise TopicLayoutError(f"dynamic update topic {q.input_topic!r} has {n} partitions, more than "
                                        f"{2 ** SEQ_PARTITION_BITS}")
-            wanted[item_topic(q.name, self.s.app_id, epoch)] = q.shards
+            topic = item_topic(q.name, self.s.app_id, epoch)
+            wanted[topic], purpose[topic] = q.shards, ("by-item", "shard k's", "dynamic updates to the shard of their item")
+            if q.unit_field is not None:
+                topic = unit_topic(q.name, self.s.app_id, epoch)
+                wanted[topic] = unit_step_partitions(q)
+                purpose[topic] = ("by-unit", "unit step k's", "dynamic updates to the bound of their unit (pseudonyms)")
         if not wanted:
             return
-        create_topics(self.broker, [TopicSpec(t, k, {"cleanup.policy": "delete"}, "dynamic updates to the shard of their item")
-                                    for t, k in wanted.items()])
+        create_topics(self.broker, [TopicSpec(t, k, {"cleanup.policy": "delete"}, purpose[t][2]) for t, k in wanted.items()])
         have = partition_counts(self.broker, set(wanted))
         for topic, k in sorted(wanted.items()):
             if have[topic] != k:
-                raise TopicLayoutError(f"by-item topic {topic} has {have[topic]} partitions, its query {k} shards: they must be "
-                                       f"equal (partition k is shard k's); delete it (dpstream reset) or give it {k} partitions")
+                kind, owner, _ = purpose[topic]
+                raise TopicLayoutError(f"{kind} topic {topic} has {have[topic]} partitions, its query {k} shards: they must be "
+                                       f"equal (partition k is {owner}); delete it (dpstream reset) or give it {k} partitions")
         counts.update(have)
 
     def check_timestamps(self, topics: set[str]) -> None:

@@ -31,6 +31,10 @@ on each partition judges each record on itself and sends its updates, as :class:
 with a sequence number of where they were read (:func:`routed_seq`), to their shard's state: a
 :class:`DynamicQueryState` with a ``shard``, which logs them with :meth:`DynamicQueryState.take_routed`
 and feeds each tick in sequence order, so in the topic's order, whatever order they arrived in.
+With a ``unit_field`` a unit step sits between them (docs/privacy.md, "Partitions", "A unit
+across partitions"): the router sends each update with its unit's pseudonym to the
+:class:`UnitBounder` of that unit, which applies the bound once every input partition has passed
+a tick, to that tick's updates in sequence order, and sends the admitted ones on to the shards.
 """
 from __future__ import annotations
 
@@ -47,7 +51,7 @@ from dpstream.processor.engine.pipeline import PackedColumns, PlanChangedError
 from dpstream.processor.mechanisms.dynamic import DynamicRelease, ShardedCounter
 from dpstream.processor.mechanisms.noise import NodeNoise, Pseudonymizer
 from dpstream.state.store import Store, WriteBatch
-from dpstream.state.tables import DynamicTables
+from dpstream.state.tables import DynamicTables, UnitStepTables
 from dpstream.topics.records import ChangeEventParser, InvalidRecord, Update, UpdateParser, iso_utc
 
 OPS = {"insert": 1, "delete": 2}
@@ -89,6 +93,47 @@ class RoutedUpdates(PackedColumns):
         return cls(*(cols[name].astype(np.int64) for name, _ in cls._COLUMNS))
 
 
+@dataclass
+class UnitRoutedUpdates(RoutedUpdates):
+    """Updates on their way from an input partition to the unit step of their privacy unit
+    (:class:`UnitBounder`): :class:`RoutedUpdates` with the unit's keyed pseudonym (never its id)."""
+
+    units: np.ndarray  # uint64 keyed pseudonym of the update's unit (Pseudonymizer.users)
+
+    _COLUMNS = RoutedUpdates._COLUMNS + (("units", "<u8"),)
+
+    @classmethod
+    def decode(cls, blob: bytes) -> "UnitRoutedUpdates":
+        cols, _ = cls.decode_columns(blob)
+        return cls(*(cols[name].astype(np.int64) for name, _ in RoutedUpdates._COLUMNS), cols["units"].astype(np.uint64))
+
+
+def unit_step_partitions(query: DynamicQueryConfig) -> int:
+    """How many partitions a dynamic query's unit step runs on (its by-unit topic's): one per
+    shard. A unit's updates go to partition ``pseudonym % unit_step_partitions``."""
+    return query.shards
+
+
+def pin_dynamic_plan(query: DynamicQueryConfig, tables: DynamicTables, index: Optional[int]) -> None:
+    """The state holds counters (or a unit step's counts) built under one set of settings
+    (budget, items, ticks, the privacy unit, the fields read: DynamicQueryConfig.pins);
+    resuming them under others would recompute released nodes under another noise scale from the
+    same uniforms, or count other data in them (docs/privacy.md, "Windows and budget"): refused,
+    naming each setting. State written before the settings were recorded holds the plan
+    fingerprint only: checked against it, then recorded under this run's settings."""
+    mine = query.pins()
+    stored = tables.pinned_plan()
+    if stored is not None:
+        changed = pins.changes(pins.decode(stored), mine)
+        if changed:
+            where = None if index is None else f"dynamic[{index}]"
+            raise PlanChangedError(f"{pins.field_names(changed, where)}: dynamic query {query.name!r} was started with "
+                                   f"{pins.describe(changed)}: it must finish on the settings it was started with; use a "
+                                   f"new name or a new state directory (a new epoch) for the new settings", changed)
+    if stored is None or stored[:1] != b"{":
+        tables.pin_plan(pins.encode(mine))
+
+
 class UpdateRouter:
     """The first step of a dynamic query on an update topic of several partitions, on each input
     partition (docs/user-guide.md, "Partitions"; docs/privacy.md, "Partitions"): parse each
@@ -98,9 +143,13 @@ class UpdateRouter:
     its time is more than ``max_skew`` after that timestamp. So which updates go on never depends
     on when the worker read them, nor on other partitions."""
 
-    def __init__(self, query: DynamicQueryConfig, partition: int, watermark_delay_ms: int, index: Optional[int] = None):
-        if query.unit_field is not None:
-            raise ValueError("a unit bound across partitions is not built: unit_field needs an update topic of one partition")
+    def __init__(self, query: DynamicQueryConfig, partition: int, watermark_delay_ms: int, index: Optional[int] = None,
+                 pseudonyms: Optional[Pseudonymizer] = None):
+        """``pseudonyms``: with a ``unit_field``, each update goes with its unit's pseudonym to
+        the unit step of that unit (:class:`UnitBounder`) instead of to its shard."""
+        if query.unit_field is not None and pseudonyms is None:
+            raise ValueError(f"dynamic query {query.name!r} has a unit_field: its router needs the pseudonymizer")
+        self.pseudonyms = pseudonyms if query.unit_field is not None else None
         self.query = query
         self.partition = int(partition)
         self.delay_ms = int(watermark_delay_ms)
@@ -114,7 +163,8 @@ class UpdateRouter:
     def route(self, objs: Sequence[Union[dict, InvalidRecord]], stamps: Sequence[int], offsets: Sequence[int]
               ) -> tuple[dict[int, RoutedUpdates], list[Optional[str]]]:
         """The updates of decoded records (``stamps``: their Kafka timestamps, ``offsets``: their
-        offsets), by shard; and each record's refusal (None: routed, or dropped without a dead
+        offsets), by shard (with a ``unit_field``: as :class:`UnitRoutedUpdates`, by partition of
+        the unit step); and each record's refusal (None: routed, or dropped without a dead
         letter)."""
         q = self.query
         self.updates_in += len(objs)
@@ -122,7 +172,7 @@ class UpdateRouter:
         if self.refused:
             self.dropped["budget"] += len(objs)
             return {}, reasons
-        ticks, items, ops, seqs = [], [], [], []
+        ticks, items, ops, seqs, units = [], [], [], [], []
         skew = q.max_skew_ms
         for i, obj in enumerate(objs):
             parsed = self.parser.from_mapping(obj)
@@ -147,11 +197,117 @@ class UpdateRouter:
                 items.append(self.item_index[u.item])
                 ops.append(OPS[u.op])
                 seqs.append(routed_seq(self.partition, offsets[i], sub))
+                units.append(head.unit)  # a record's updates are its one unit's
         if not ticks:
             return {}, reasons
-        routed = RoutedUpdates(*(np.array(c, dtype=np.int64) for c in (ticks, items, ops, seqs)))
-        shard = routed.items % q.shards
-        return {k: routed.take(np.flatnonzero(shard == k)) for k in np.unique(shard).tolist()}, reasons
+        columns = [np.array(c, dtype=np.int64) for c in (ticks, items, ops, seqs)]
+        if self.pseudonyms is None:
+            routed = RoutedUpdates(*columns)
+            to = routed.items % q.shards
+        else:
+            routed = UnitRoutedUpdates(*columns, self.pseudonyms.users(units))
+            to = (routed.units % np.uint64(unit_step_partitions(q))).astype(np.int64)
+        return {k: routed.take(np.flatnonzero(to == k)) for k in np.unique(to).tolist()}, reasons
+
+
+class UnitBounder:
+    """The unit step of a dynamic query with a ``unit_field`` on an update topic of several
+    partitions: one partition of its by-unit topic, which every update of the units it holds
+    reaches (docs/privacy.md, "Partitions", "A unit across partitions").
+
+    It logs what the routers send (:meth:`take`: each update once, by its sequence number) and
+    bounds a tick once every input partition's watermark has passed the tick's decision time
+    (:meth:`bound`): that tick's records, in sequence order - the topic's, whatever order they
+    arrived in - each count against its unit's ``contribution_bound`` as in one partition (a
+    record counts whole or not at all). So which of a unit's updates count depends on that unit's
+    own records only, and never on timing. The admitted updates go on to the shards of their
+    items; the unit step's own watermark follows them."""
+
+    def __init__(self, query: DynamicQueryConfig, partition: int, store: Store, index: Optional[int] = None):
+        self.query, self.partition, self.index = query, int(partition), index
+        self.tables = UnitStepTables(store, query.name)
+        pin_dynamic_plan(query, self.tables, index)
+        self.store = store
+        self._used: dict[int, int] = dict(self.tables.units())
+        self.bounded = self.tables.last_bounded()  # every tick <= this is bounded
+        #: updates of ticks not bounded yet, as columns: tick, sequence, item, op, unit
+        self._waiting: tuple[list[int], ...] = ([], [], [], [], [])
+        self._waiting_seqs: set[int] = set()
+        for row in self.tables.waiting():
+            if row[0] > self.bounded:
+                self._wait(*row)
+        self.dropped: Counter = Counter()
+        self.refused = False  # the budget ledger refused this query: it does not run
+
+    def _wait(self, tick: int, seq: int, item: int, op: int, unit: int) -> None:
+        for column, value in zip(self._waiting, (tick, seq, item, op, unit)):
+            column.append(value)
+        self._waiting_seqs.add(seq)
+
+    def take(self, routed: UnitRoutedUpdates, batch: WriteBatch) -> int:
+        """Log updates a router sent (judged there already), each once; one whose tick is bounded
+        already is dropped and counted late (clocks that differ by more than the watermark
+        delay, as at a shard). Returns how many were dropped as late."""
+        if self.refused:
+            self.dropped["budget"] += len(routed)
+            return 0
+        late, fresh = 0, []
+        for j, (tick, seq) in enumerate(zip(routed.ticks.tolist(), routed.seqs.tolist())):
+            if tick <= self.bounded:
+                late += 1
+            elif seq not in self._waiting_seqs:
+                fresh.append(j)
+                self._wait(tick, seq, int(routed.items[j]), int(routed.ops[j]), int(routed.units[j]))
+        self.dropped["late"] += late
+        if fresh:
+            take = np.array(fresh, dtype=np.int64)
+            self.tables.append_waiting(batch, routed.ticks[take], routed.seqs[take], routed.items[take], routed.ops[take],
+                                       routed.units[take])
+        return late
+
+    def bound(self, clock_ms: int, batch: WriteBatch) -> Optional[dict[int, RoutedUpdates]]:
+        """Bound every tick the clock (the least input watermark) has passed: the admitted updates
+        by shard (a shard with none is left out), or None when no tick is newly bounded. The unit
+        counts and the mark go into ``batch``."""
+        last = self.query.decided_through(clock_ms)
+        if self.refused or last <= self.bounded:
+            return None
+        tick, seq, item, op = (np.array(c, dtype=np.int64) for c in self._waiting[:4])
+        unit = np.array(self._waiting[4], dtype=np.uint64)
+        due = np.flatnonzero(tick <= last)
+        due = due[np.lexsort((seq[due], tick[due]))]
+        admitted = self._admit(seq[due], unit[due], batch)
+        keep = np.flatnonzero(tick > last)
+        self._waiting = tuple(column[keep].tolist() for column in (tick, seq, item, op, unit))
+        self._waiting_seqs.difference_update(seq[due].tolist())
+        # the entries of the ticks up to the mark the store holds (written, not this batch's) go
+        self.tables.put_bounded(batch, last, self.tables.last_bounded())
+        self.bounded = last
+        out = due[admitted]
+        routed = RoutedUpdates(tick[out], item[out], op[out], seq[out])
+        shard = routed.items % self.query.shards
+        return {k: routed.take(np.flatnonzero(shard == k)) for k in np.unique(shard).tolist()}
+
+    def _admit(self, seqs: np.ndarray, units: np.ndarray, batch: WriteBatch) -> np.ndarray:
+        """Which of these updates (in bounding order) count: each record's (its updates share
+        input partition and offset, so ``seq >> SEQ_SUB_BITS``) while its unit stays within the
+        bound, the record whole or not at all."""
+        bound = self.query.contribution_bound
+        admitted = np.zeros(len(seqs), dtype=bool)
+        records = seqs >> SEQ_SUB_BITS
+        starts = np.flatnonzero(np.r_[True, records[1:] != records[:-1]]) if len(seqs) else np.zeros(0, dtype=np.int64)
+        ends = np.r_[starts[1:], len(seqs)]
+        changed = {}
+        for start, end, uid in zip(starts.tolist(), ends.tolist(), units[starts].tolist()):
+            used = self._used.get(uid, 0)
+            if used + (end - start) > bound:
+                self.dropped["contribution_bound"] += 1
+                continue
+            self._used[uid] = changed[uid] = used + (end - start)
+            admitted[start:end] = True
+        for uid, used in changed.items():
+            self.tables.put_unit(batch, uid, used)
+        return admitted
 
 
 @dataclass(frozen=True)
@@ -250,23 +406,7 @@ class DynamicQueryState:
             self.pending += [r for r in self._decide(decided) if r.sequence > self.published]
 
     def _pin_plan(self) -> None:
-        """The state holds counters built under one set of settings (budget, items, ticks, the
-        privacy unit, the fields read: DynamicQueryConfig.pins); resuming them under others would
-        recompute released nodes under another noise scale from the same uniforms, or count other
-        data in them (docs/privacy.md, "Windows and budget"): refused, naming each setting. State
-        written before the settings were recorded holds the plan fingerprint only: checked
-        against it, then recorded under this run's settings."""
-        mine = self.query.pins()
-        stored = self.tables.pinned_plan()
-        if stored is not None:
-            changed = pins.changes(pins.decode(stored), mine)
-            if changed:
-                where = None if self.index is None else f"dynamic[{self.index}]"
-                raise PlanChangedError(f"{pins.field_names(changed, where)}: dynamic query {self.query.name!r} was started with "
-                                       f"{pins.describe(changed)}: it must finish on the settings it was started with; use a "
-                                       f"new name or a new state directory (a new epoch) for the new settings", changed)
-        if stored is None or stored[:1] != b"{":
-            self.tables.pin_plan(pins.encode(mine))
+        pin_dynamic_plan(self.query, self.tables, self.index)
 
     @property
     def decided(self) -> int:
