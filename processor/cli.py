@@ -653,11 +653,13 @@ def cmd_bench_dynamic(args: argparse.Namespace) -> int:
             raise ConfigError("--updates and --restart-live: positive counts")
         if not 1 <= args.workers <= args.partitions:
             raise ConfigError(f"--workers: from 1 to --partitions ({args.partitions}), got {args.workers}")
+        if args.units < 0:
+            raise ConfigError(f"--units: a count of units, 0 for no unit bound, got {args.units}")
         if not 1 <= args.partitions <= args.items:
             raise ConfigError(f"--partitions: from 1 to --items ({args.items}), one shard each, got {args.partitions}")
         run_throughput_bench(broker_address(args.broker), updates=args.updates, items=args.items, live=args.restart_live,
                              repeats=args.seeds, json_path=args.json, compare_with=args.compare_with, envelope=args.envelope,
-                             partitions=args.partitions, workers=args.workers)
+                             partitions=args.partitions, workers=args.workers, units=args.units)
         return 0
     if args.ranges:
         from dpstream.processor.bench.dynamic_ranges import run_ranges_bench
@@ -990,6 +992,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="--throughput: the update topic's partitions, the query in as many shards (default 1)")
     dyn.add_argument("--workers", type=int, default=1,
                      help="--throughput: static workers sharing the partitions (default 1; more need --partitions)")
+    dyn.add_argument("--units", type=int, default=0,
+                     help="--throughput: with a unit bound (unit_field) over this many units, high enough to drop nothing "
+                          "(Debezium events: their rows' customer_id); default 0, none")
     dyn.add_argument("--ranges", action="store_true",
                      help="instead: range counts over ordered items (static_release mwem_ranges vs histogram) under heavy churn, "
                           "all four mechanism and release pairs on the same streams, one row per --range-histories entry "

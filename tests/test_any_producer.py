@@ -107,3 +107,91 @@ def test_compressed_input_of_every_codec_is_counted_as_replay_counts_it(tmp_path
         sc.assert_published_equal(expected)
         assert w.metric("dpstream_events_in_total", query=sc.query) == len(lines)
         assert not [d for d in sc.read(DEAD_LETTER_TOPIC) if d.get("query") == sc.query], "nothing is dead-lettered"
+
+
+def _placement(broker: str, topic: str, partitions: int, n: int) -> dict[bytes, tuple[int, int]]:
+    """Where each of the ``n`` records of ``topic`` landed: value -> (partition, offset)."""
+    import time
+
+    from confluent_kafka import Consumer, TopicPartition
+
+    c = Consumer({"bootstrap.servers": broker, "group.id": f"placement-{topic}", "enable.auto.commit": False})
+    c.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
+    placed, deadline = {}, time.time() + 60
+    try:
+        while len(placed) < n and time.time() < deadline:
+            m = c.poll(1.0)
+            if m is not None and m.error() is None:
+                placed[m.value()] = (m.partition(), m.offset())
+    finally:
+        c.close()
+    assert len(placed) == n
+    return placed
+
+
+def test_keyless_update_records_from_kafkas_console_producer_on_three_partitions_with_a_unit_bound(tmp_path, broker):
+    """A dynamic query with a unit bound (``unit_field: user``, 6 users, 300 updates each at
+    most: 1,200 of the 3,000 records are over it) on an update topic of 3 partitions that Kafka's
+    own console producer fills with keyless records (they land wherever its sticky partitioner
+    likes, so a user's records, even a tick's, are in several partitions). The worker releases exactly what ``dpstream replay`` releases
+    from the same records listed in (tick, partition, offset) order - the order the unit step
+    bounds in - with nothing dead-lettered and the records over the bound counted as such."""
+    import time
+    import uuid
+
+    from tests.test_kafka_worker import Scenario, canonical, runs, write_dynamic_config
+
+    tag = uuid.uuid4().hex[:8]
+    sc = Scenario(tmp_path, broker)
+    name, topic, out = f"tickets{tag}", f"ticket-updates-{tag}", f"it-ticket-counts-{tag}"
+    tick_ms, lateness_ms, n = 100, 40_000, 3_000
+    # dated in the recent past: the JVM's start (its stamps) may take seconds, and the
+    # records are on time as long as the broker stamps them within the lateness
+    t0 = (int(time.time() * 1000) // 1000 - 30) * 1000
+    write_dynamic_config(sc, name=name, input_topic=topic, output_topic=out, items="[open, pending, solved, closed]",
+                         start=t0, tick=f"{tick_ms}ms", allowed_lateness=f"{lateness_ms}ms", epsilon=300.0, shards=2,
+                         unit_field="user", contribution_bound=300)
+    items, ops = ["open", "pending", "solved", "closed"], ["insert", "insert", "delete"]
+    # 400 records a tick: the console producer's batches (its sticky partitioner) spread a tick
+    # over several partitions, so the bound's order within a tick matters
+    lines = [json.dumps({"item": items[(i * 7) % 4], "op": ops[i % 3], "ts": t0 + i // 4, "user": f"agent-{(i * 5) % 6}",
+                         "n": i}, separators=(",", ":")).encode() for i in range(n)]
+    create_topics(broker, [TopicSpec(topic, 3, INPUT_TOPIC_CONFIG)])
+    _console_produce_keyless(broker, topic, lines)
+    placed = _placement(broker, topic, 3, n)
+    spread = {}
+    for v, (p, _) in placed.items():
+        spread.setdefault((json.loads(v)["ts"] - t0) // tick_ms, set()).add(p)
+    assert max(map(len, spread.values())) >= 2, "the console producer spread a tick's records over partitions"
+    w = sc.worker("console").start()
+    try:
+        w.wait_ready()
+        until = t0 + n // 4 + tick_ms + lateness_ms
+        time.sleep(max(0.0, until / 1000 + 3 - time.time()))  # every record's tick is due
+        horizon = (n // 4 + tick_ms) // tick_ms
+        deadline = time.time() + 120
+
+        def decided() -> int:
+            status = json.loads(w.get("/status.json")[1])
+            return max((q.get("decided_tick") or 0) for q in status["queries"] if q["name"] == name)
+
+        while decided() < horizon:  # a shard has decided every record's tick
+            assert time.time() < deadline, f"ticks up to {horizon} not decided within 120 s"
+            time.sleep(1)
+        order = sorted(lines, key=lambda v: ((json.loads(v)["ts"] - t0) // tick_ms, *placed[v]))
+        sc.events.write_bytes(b"\n".join(order) + b"\n")
+        [(_, label)] = runs(sc.read(out))
+        expected = [r for r in sc.replay(label, until_ms=until) if r["tick"] <= horizon]
+        assert len(expected) >= 5 and {r["shard"] for r in expected} == {0, 1}
+        deadline = time.time() + 30
+        while True:  # and the other shard too
+            released = [r for r in sc.read(out) if r["tick"] <= horizon]
+            if canonical(released) == canonical(expected) or time.time() > deadline:
+                break
+            time.sleep(1)
+        assert canonical(released) == canonical(expected)
+        assert not [d for d in sc.read(DEAD_LETTER_TOPIC) if d.get("query") == name], "nothing is dead-lettered"
+        assert w.metric("dpstream_events_dropped_total", query=name) == w.metric(
+            "dpstream_events_dropped_total", query=name, reason="contribution_bound") > 0
+    finally:
+        w.stop()

@@ -35,6 +35,8 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+import numpy as np
+
 from dpstream.processor.bench.dynamic import generate_stream
 from dpstream.processor.bench.kafka import _metrics, _start_workers, _stop_workers, older_code
 from dpstream.processor.bench.report import machine
@@ -44,9 +46,15 @@ TICK = "1s"
 LATENESS_MS = 1000
 
 
-def query_yaml(name: str, topic: str, items: int, start_ms: int, envelope: str = "none", shards: int = 1) -> str:
+def query_yaml(name: str, topic: str, items: int, start_ms: int, envelope: str = "none", shards: int = 1,
+               unit_bound: int | None = None) -> str:
+    """The bench's query; ``unit_bound``: with a unit bound of that many updates (the unit is
+    ``user``, a Debezium row's ``customer_id``), high enough that no update is dropped: the bound's
+    work is in the time, and the releases are those without it."""
     labels = ", ".join(f'"item{k}"' for k in range(items))
     shape = "    envelope: debezium\n    item_field: plan\n" if envelope == "debezium" else ""
+    if unit_bound is not None:
+        shape += f"    unit_field: {'customer_id' if envelope == 'debezium' else 'user'}\n    contribution_bound: {unit_bound}\n"
     return (f"dynamic:\n  - name: {name}\n    input_topic: {topic}\n    output_topic: {topic}-counts\n{shape}"
             f"    items: [{labels}]\n    start: {start_ms}\n    tick: {TICK}\n    allowed_lateness: {LATENESS_MS}ms\n"
             f"    epsilon: 1.0\n    mechanism: baseline\n    shards: {shards}\n")
@@ -86,10 +94,12 @@ class ChangeEvents:
 
 
 def produce_updates(broker: str, topic: str, updates: int, items: int, live: int, seed: int, envelope: str = "none",
-                    partitions: int = 1) -> tuple[list[bytes], int]:
+                    partitions: int = 1, units: int = 0) -> tuple[list[bytes], int]:
     """The stream, dated as produced (``LogAppendTime`` topic of ``partitions``), as update
     records or (``envelope`` debezium) as :class:`ChangeEvents`, keyed (several partitions) by
-    the record's row id or position; returns the records as written and the last one's time."""
+    the record's row id or position; returns the records as written and the last one's time.
+    ``units``: update records carry a ``user`` of that many, at random (Debezium rows carry
+    their ``customer_id`` always)."""
     from confluent_kafka import Producer
     from confluent_kafka.admin import AdminClient, NewTopic
 
@@ -101,10 +111,13 @@ def produce_updates(broker: str, topic: str, updates: int, items: int, live: int
     lines, last = [], 0
     ops = (b'"delete"', b'"insert"')
     table = ChangeEvents() if envelope == "debezium" else None
+    users = iter(np.random.default_rng(seed + 1).integers(0, max(units, 1), updates).tolist())
     for lo in range(0, updates, 10_000):
         now = int(time.time() * 1000)
         for x, ins in zip(which[lo:lo + 10_000].tolist(), inserts[lo:lo + 10_000].tolist()):
-            for line in table.lines(x, ins, now) if table else [b'{"item": "item%d", "op": %s, "ts": %d}' % (x, ops[ins], now)]:
+            plain = b'{"item": "item%d", "op": %s, "ts": %d}' % (x, ops[ins], now) if not units else \
+                b'{"item": "item%d", "op": %s, "ts": %d, "user": "u%d"}' % (x, ops[ins], now, next(users))
+            for line in table.lines(x, ins, now) if table else [plain]:
                 lines.append(line)
                 key = None if partitions == 1 else (line[line.index(b'"id":') + 5:line.index(b",", line.index(b'"id":'))]
                                                     if table else b"%d" % len(lines))
@@ -187,16 +200,19 @@ def worker_rate(broker: str, config_text: str, key_file: str, expected: int, las
 
 def run_throughput_bench(broker: str, updates: int, items: int, live: int, repeats: int, json_path: str | None,
                          compare_with: str | None = None, envelope: str = "none", partitions: int = 1, workers: int = 1,
-                         out=sys.stderr) -> dict:
+                         units: int = 0, out=sys.stderr) -> dict:
     p = lambda s="": print(s, file=out, flush=True)  # noqa: E731
     topic = f"bench-updates-{uuid.uuid4().hex[:8]}"
     start_ms = int(time.time() * 1000) // 1000 * 1000 - 60_000
-    config_text = query_yaml("bench_dynamic", topic, items, start_ms, envelope, shards=partitions)
+    config_text = query_yaml("bench_dynamic", topic, items, start_ms, envelope, shards=partitions,
+                             unit_bound=updates if units else None)
     shape = "Debezium change events (c, d, and u events that move no row)" if envelope == "debezium" else "update records"
     p(f"bench dynamic --throughput: {updates:,} updates over {items} items (heavy churn, live items ~{live:,}) as {shape}, "
       f"tick {TICK}, " + ("one partition" if partitions == 1 else f"{partitions} partitions and {partitions} shards") +
-      ("" if workers == 1 else f", {workers} workers") + f", {repeats} run(s) each")
-    lines, last = produce_updates(broker, topic, updates, items, live, seed=7, envelope=envelope, partitions=partitions)
+      ("" if workers == 1 else f", {workers} workers") + (f", a unit bound ({units:,} units)" if units else "") +
+      f", {repeats} run(s) each")
+    lines, last = produce_updates(broker, topic, updates, items, live, seed=7, envelope=envelope, partitions=partitions,
+                                  units=units)
     if len(lines) != updates:
         p(f"  {len(lines):,} records carry the {updates:,} updates")
     until = last + LATENESS_MS + 1000
@@ -222,7 +238,7 @@ def run_throughput_bench(broker: str, updates: int, items: int, live: int, repea
                 p(f"  run {r + 1}: {'worker' if code is None else 'worker at ' + compare_with} {rate:,.0f} updates/s "
                   f"({m['elapsed_s']:.1f} s from ready)")
     report = {"machine": machine(), "updates": updates, "records": len(lines), "envelope": envelope, "partitions": partitions,
-              "workers": workers,
+              "workers": workers, "units": units,
               "items": items,
               "live": live, "tick": TICK, "runs": runs,
               "replay_releases": releases, **{f"{k}_updates_per_s": statistics.median(v) for k, v in runs.items()}}
