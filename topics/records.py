@@ -231,6 +231,32 @@ def _update_time(ts, name: str, start: int) -> Union[int, InvalidRecord]:
     return ts
 
 
+@dataclass
+class UpdateColumns:
+    """The updates of many update records at once (:meth:`UpdateParser.columns`), one row per
+    record, in order. A row in ``invalid`` holds no update (its other columns are meaningless)."""
+
+    items: np.ndarray  # int64 index into the query's declared items
+    ops: np.ndarray  # int64 op code: 1 insert, 2 delete
+    ts: np.ndarray  # int64 event time, epoch milliseconds
+    ticks: np.ndarray  # int64 1-based tick of ``ts``
+    units: Optional[list]  # each row's unit id (with a unit field), else None
+    invalid: dict  # row -> InvalidRecord
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+#: op codes of UpdateColumns.ops (and of the update log: processor/engine/dynamic_stream.py)
+UPDATE_OPS = {"insert": 1, "delete": 2}
+
+#: event times at or past this are parsed one by one (their ticks do not fit the int64 columns)
+_COLUMN_TS_LIMIT = 2 ** 62
+
+#: what :meth:`UpdateParser.columns` reads a non-mapping record as (then parsed one by one)
+_NOT_A_DICT: dict = {}
+
+
 class UpdateParser:
     """A dynamic query's update from a decoded record, by its field names, declared items and ticks."""
 
@@ -242,6 +268,7 @@ class UpdateParser:
         self._item, self._op, self._time = field_reader(query.item_field), field_reader(query.op_field), field_reader(query.time_field)
         self._unit = None if query.unit_field is None else field_reader(query.unit_field)
         self._start, self._tick_ms = query.start, query.tick_ms  # read once: every record uses them
+        self._index = {item: i for i, item in enumerate(items)}
 
     def from_mapping(self, obj: Union[Mapping, InvalidRecord]) -> Union[Update, InvalidRecord]:
         if isinstance(obj, InvalidRecord):
@@ -266,6 +293,47 @@ class UpdateParser:
             if isinstance(unit, InvalidRecord):
                 return unit
         return Update(item, op, (ts - self._start) // self._tick_ms + 1, ts, unit)
+
+    def columns(self, objs: Sequence[Union[Mapping, InvalidRecord]]) -> Optional[UpdateColumns]:
+        """:meth:`from_mapping` of every record at once, as columns: the same updates and the same
+        refusals. The usual record (flat fields, a declared item as text, an op, an integer time,
+        a unit as text) is read in a few list passes and numpy; any other record goes through
+        :meth:`from_mapping`. None (then parse one by one) for a batch the columns cannot hold: a
+        valid time past 2^62 ms, or field names with dots."""
+        q = self.query
+        names = [q.item_field, q.op_field, q.time_field, *([q.unit_field] if self._unit is not None else [])]
+        if any("." in name for name in names):
+            return None
+        index = self._index
+        dicts = [o if type(o) is dict else _NOT_A_DICT for o in objs]
+        try:
+            items = [index.get(o.get(q.item_field), -1) for o in dicts]
+            ops = [UPDATE_OPS.get(o.get(q.op_field), 0) for o in dicts]
+        except TypeError:  # an unhashable value (a list, an object): no item, no op; one by one
+            items = [index.get(v, -1) if type(v) is str else -1 for v in (o.get(q.item_field) for o in dicts)]
+            ops = [UPDATE_OPS.get(v, 0) if type(v) is str else 0 for v in (o.get(q.op_field) for o in dicts)]
+        start = self._start
+        ts = [t if type(t) is int and start <= t < _COLUMN_TS_LIMIT else -1 for t in (o.get(q.time_field) for o in dicts)]
+        units = ok_unit = None
+        if self._unit is not None:
+            units = [o.get(q.unit_field) for o in dicts]
+            ok_unit = [type(u) is str and 0 < len(u) <= MAX_FIELD_CHARS for u in units]
+        invalid = {}
+        for i, (item, op, t) in enumerate(zip(items, ops, ts)):
+            if item >= 0 and op and t >= 0 and (ok_unit is None or ok_unit[i]):
+                continue
+            parsed = self.from_mapping(objs[i])  # the exact judgement, or an unusual valid record
+            if isinstance(parsed, InvalidRecord):
+                invalid[i] = parsed
+                continue
+            if parsed.ts >= _COLUMN_TS_LIMIT:
+                return None
+            items[i], ops[i], ts[i] = index[parsed.item], UPDATE_OPS[parsed.op], parsed.ts
+            if units is not None:
+                units[i] = parsed.unit
+        ts_array = np.array(ts, dtype=np.int64)
+        return UpdateColumns(np.array(items, dtype=np.int64), np.array(ops, dtype=np.int64), ts_array,
+                             (ts_array - start) // self._tick_ms + 1, units, invalid)
 
 
 class ChangeEventParser:

@@ -52,7 +52,7 @@ from dpstream.processor.mechanisms.dynamic import DynamicRelease, ShardedCounter
 from dpstream.processor.mechanisms.noise import NodeNoise, Pseudonymizer
 from dpstream.state.store import Store, WriteBatch
 from dpstream.state.tables import DynamicTables, UnitStepTables
-from dpstream.topics.records import ChangeEventParser, InvalidRecord, Update, UpdateParser, iso_utc
+from dpstream.topics.records import ChangeEventParser, InvalidRecord, Update, UpdateColumns, UpdateParser, iso_utc
 
 OPS = {"insert": 1, "delete": 2}
 OP_NAMES = {1: "insert", 2: "delete"}
@@ -451,7 +451,67 @@ class DynamicQueryState:
         Returns each record's refusal (None: taken, or dropped without a dead letter)."""
         if self.refused:
             return self.apply_parsed([[]] * len(objs), batch)
+        columns = self.parser.columns(objs) if isinstance(self.parser, UpdateParser) else None
+        if columns is not None:
+            return self.apply_columns(columns, batch, clocks_ms)
         return self.apply_parsed([self.parse(obj) for obj in objs], batch, clocks_ms)
+
+    def apply_columns(self, cols: UpdateColumns, batch: WriteBatch, clocks_ms: Optional[Sequence[int]] = None
+                      ) -> list[Optional[str]]:
+        """:meth:`apply_parsed` of update records read as columns (:meth:`UpdateParser.columns`:
+        one update per record), with the same outcome - the same refusals, counts, log entries
+        and sequence numbers - in whole-array steps: the late and future checks at once, then
+        the unit bound (if any) record by record in arrival order."""
+        n = len(cols)
+        self.updates_in += n
+        reasons: list[Optional[str]] = [None] * n
+        ok = np.ones(n, dtype=bool)
+        for i, invalid in cols.invalid.items():
+            reasons[i] = invalid.reason
+            ok[i] = False
+        if cols.invalid:
+            self.dropped["malformed"] += len(cols.invalid)
+        late = ok & (cols.ticks <= self.counter.decided)
+        self._refuse(late, "late", "late: its time is in an already decided tick", reasons)
+        ok &= ~late
+        if clocks_ms is not None:
+            future = ok & (cols.ts > np.asarray(clocks_ms, dtype=np.int64) + self.query.max_skew_ms)
+            self._refuse(future, "future", f"future: field {self.query.time_field!r} is more than {self.query.max_skew} after "
+                                           f"the clock", reasons)
+            ok &= ~future
+        rows = np.flatnonzero(ok)
+        if cols.units is not None and len(rows):
+            rows = self._within_bound(rows, [cols.units[i] for i in rows.tolist()], batch)
+        if len(rows):
+            seqs = list(range(self._next_seq, self._next_seq + len(rows)))
+            self._next_seq += len(rows)
+            items, ops, ticks = cols.items[rows].tolist(), cols.ops[rows].tolist(), cols.ticks[rows].tolist()
+            for column, values in zip(self._waiting, (seqs, items, ops, ticks)):
+                column.extend(values)
+            self.tables.append_many(batch, seqs, items, ops, ticks)
+        return reasons
+
+    def _refuse(self, mask: np.ndarray, reason: str, text: str, reasons: list[Optional[str]]) -> None:
+        rows = np.flatnonzero(mask).tolist()
+        if rows:
+            self.dropped[reason] += len(rows)
+            for i in rows:
+                reasons[i] = text
+
+    def _within_bound(self, rows: np.ndarray, units: list[str], batch: WriteBatch) -> np.ndarray:
+        """The rows (one update each, in arrival order) whose unit stays within its bound; the
+        others are dropped and counted."""
+        bound, used_by = self.query.contribution_bound, self._units
+        keep = []
+        for row, uid in zip(rows.tolist(), self.pseudonyms.users(units).tolist()):
+            used = used_by.get(uid, 0)
+            if used + 1 > bound:
+                self.dropped["contribution_bound"] += 1
+                continue
+            used_by[uid] = used + 1
+            self.tables.put_unit(batch, uid, used + 1)
+            keep.append(row)
+        return np.array(keep, dtype=np.int64)
 
     def apply_parsed(self, parsed: Sequence[Union[list[Update], InvalidRecord]], batch: WriteBatch,
                      clocks_ms: Optional[Sequence[int]] = None) -> list[Optional[str]]:
