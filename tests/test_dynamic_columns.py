@@ -120,3 +120,25 @@ def test_columns_read_what_from_mapping_reads_and_hand_the_odd_records_to_it():
         2: "field 'item' is not in the query's declared items", 3: "field 'op' must be 'insert' or 'delete'",
         4: "field 'ts' must be an integer (epoch milliseconds)"}
     assert cols.invalid[6].reason.startswith("field 'item'")
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 100_000), unit=st.booleans(), n=st.integers(1, 150), partition=st.integers(0, 7))
+def test_a_router_reading_columns_routes_and_refuses_as_record_by_record(seed, unit, n, partition):
+    """On an update topic of several partitions the router reads a batch as columns too: the same
+    updates go to the same shards (or unit steps) with the same sequence numbers, and the same
+    records are refused (invalid, late by their own stamp, future) with the same reasons."""
+    from dpstream.processor.engine.dynamic_stream import UpdateRouter
+
+    rng = np.random.default_rng(seed)
+    q = query(unit).model_copy(update={"shards": 3})
+    objs = [record(rng, unit) for _ in range(n)]
+    stamps = [START + int(rng.integers(0, 700)) for _ in range(n)]
+    offsets = sorted(int(o) for o in rng.choice(10 * n, n, replace=False))
+    routers = [UpdateRouter(q, partition, 15, pseudonyms=PSEUDONYMS) for _ in range(2)]
+    routers[1].parser.columns = lambda objs: None  # the record-by-record path
+    (got, got_reasons), (want, want_reasons) = (r.route(objs, stamps, offsets) for r in routers)
+    assert got_reasons == want_reasons and routers[0].dropped == routers[1].dropped
+    assert sorted(got) == sorted(want)
+    for k in got:
+        assert type(got[k]) is type(want[k]) and got[k].encode() == want[k].encode()
