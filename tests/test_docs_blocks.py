@@ -329,7 +329,10 @@ def test_the_operator_guides_kafka_procedure_runs_as_pasted(tmp_path):
                                      tmp_path / "guide")
     assert done.stdout.count('"query":"page_clicks"') >= 1  # tail's first release
     assert '"ready"' in done.stdout
-    owned = re.findall(r'^dpstream_partitions_owned\{topic="events"\} (\S+)', done.stdout, re.M)
-    assert len(owned) == 2 and sum(float(n) for n in owned) == 8, done.stdout[-2000:]  # the 8 partitions, shared
+    owned = re.findall(r'^dpstream_partitions_owned\{topic="([^"]+)"\} (\S+)', done.stdout, re.M)
+    assert len(owned) == 4, done.stdout[-2000:]  # two topics, two workers (the first two lines are w1's)
+    assert sum(float(n) for t, n in owned if t == "events") == 8, done.stdout[-2000:]  # the 8 partitions, shared
+    assert sum(float(n) for t, n in owned if t == "elastic-page_clicks-by-key") == 8, done.stdout[-2000:]
+    assert float(owned[0][1]) + float(owned[1][1]) > 0 and float(owned[2][1]) + float(owned[3][1]) > 0  # each its share
     assert not (work / "noise.key").exists() and not list(work.glob("dpstream-state*"))  # the teardown
     assert not list((ROOT / "state").glob("partition-*"))  # nothing landed in the source package

@@ -123,6 +123,22 @@ class Shard:
         self.state = DynamicQueryState(self.q, NOISE, PSEUDONYMS, self.store, shard=self.k)
         self.released += self.state.take_pending()
 
+    def step(self, rng: np.random.Generator, restarts: float) -> None:
+        """One random move of a harness: read a few messages (then, perhaps, restart), and
+        perhaps decide."""
+        if self.queue:
+            self.read(int(rng.integers(1, 4)))
+            if rng.random() < restarts:
+                self.restart()
+        if rng.random() < 0.3:
+            self.decide()
+
+    def finish(self, partitions: int, until_ms: int) -> None:
+        """Every input partition read to its end: its watermark is the public end."""
+        self.queue += [(p, until_ms) for p in range(partitions)]
+        self.read(len(self.queue))
+        self.decide()
+
 
 def partitioned(q: DynamicQueryConfig, recs: list[tuple[dict, int]], home: list[int], partitions: int, until_ms: int,
                 rng: np.random.Generator, resend: float = 0.0, restarts: float = 0.0) -> tuple[list[dict], Counter]:
@@ -154,17 +170,9 @@ def partitioned(q: DynamicQueryConfig, recs: list[tuple[dict, int]], home: list[
         p = int(rng.integers(partitions))
         if todo[p]:
             send(p, int(rng.integers(1, 6)))
-        shard = shards[int(rng.integers(len(shards)))]
-        if shard.queue:
-            shard.read(int(rng.integers(1, 4)))
-            if rng.random() < restarts:
-                shard.restart()
-        if rng.random() < 0.3:
-            shard.decide()
-    for sh in shards:  # every partition read to its end: its watermark is the public end
-        sh.queue += [(p, until_ms) for p in range(partitions)]
-        sh.read(len(sh.queue))
-        sh.decide()
+        shards[int(rng.integers(len(shards)))].step(rng, restarts)
+    for sh in shards:
+        sh.finish(partitions, until_ms)
     return [r for sh in shards for r in sh.released], sent
 
 

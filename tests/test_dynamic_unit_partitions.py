@@ -262,13 +262,7 @@ def unit_partitioned(q: DynamicQueryConfig, recs: list[tuple[dict, int]], home: 
                 step.restart()
         if rng.random() < 0.3:
             bound(step, crash=rng.random() < restarts)
-        shard = shards[int(rng.integers(len(shards)))]
-        if shard.queue:
-            shard.read(int(rng.integers(1, 4)))
-            if rng.random() < restarts:
-                shard.restart()
-        if rng.random() < 0.3:
-            shard.decide()
+        shards[int(rng.integers(len(shards)))].step(rng, restarts)
     for step in steps:  # every input partition read to its end: its watermark is the public end
         step.queue += [(p, until_ms) for p in range(partitions)]
         step.read(len(step.queue))
@@ -610,11 +604,9 @@ def test_unit_ids_never_reach_the_wire():
     assert record_of(routed_seq(1, 11, 1)) == (1, 11, 1)
 
 
-def test_a_unit_step_that_crashed_after_sending_bounds_the_same_ticks_again_within_the_bound():
-    """At least once: a unit step sends what it bounded before its state is written. If it stops
-    between the two, it starts from its store and bounds those ticks again: the same records
-    admitted (the shards take the copies once), its unit counts as before - so with C = 3 the
-    shards get the unit's first three updates in all, never more."""
+def one_units_inserts_at_ticks_1_to_4() -> tuple:
+    """A unit step (C = 3) that has taken in, and written, one unit's inserts at ticks 1 to 4
+    on one partition: the query, the step's partition, its store and the step."""
     q = hand_built(bound=3, shards=1)
     router = UpdateRouter(q, 0, DELAY_MS, pseudonyms=PSEUDONYMS)
     recs = [({"item": ITEMS[j], "op": "insert", "ts": at_tick(t)[0], "user": "gus"}, at_tick(t)[1]) for j, t in enumerate([1, 2, 3, 4])]
@@ -624,6 +616,15 @@ def test_a_unit_step_that_crashed_after_sending_bounds_the_same_ticks_again_with
     batch = WriteBatch()
     step.take(updates, batch)
     store.write(batch)
+    return q, u, store, step
+
+
+def test_a_unit_step_that_crashed_after_sending_bounds_the_same_ticks_again_within_the_bound():
+    """At least once: a unit step sends what it bounded before its state is written. If it stops
+    between the two, it starts from its store and bounds those ticks again: the same records
+    admitted (the shards take the copies once), its unit counts as before - so with C = 3 the
+    shards get the unit's first three updates in all, never more."""
+    q, u, store, step = one_units_inserts_at_ticks_1_to_4()
     sent = []
     for tick in (1, 2):  # tick 1 bounded and written; tick 2 bounded, sent, then the write is lost
         batch = WriteBatch()
@@ -642,15 +643,7 @@ def test_a_unit_step_bounding_twice_before_a_write_loses_nothing_on_a_crash():
     never get more than C. (The log entries of bounded ticks go only up to the mark the store
     holds, not one an unwritten batch holds: deleting up to the latter once let a restart admit
     a fourth update with C = 3.)"""
-    q = hand_built(bound=3, shards=1)
-    router = UpdateRouter(q, 0, DELAY_MS, pseudonyms=PSEUDONYMS)
-    recs = [({"item": ITEMS[j], "op": "insert", "ts": at_tick(t)[0], "user": "gus"}, at_tick(t)[1]) for j, t in enumerate([1, 2, 3, 4])]
-    [(u, updates)] = router.route([r for r, _ in recs], [s for _, s in recs], list(range(4)))[0].items()
-    store = MemoryStore()
-    step = UnitBounder(q, u, store)
-    batch = WriteBatch()
-    step.take(updates, batch)
-    store.write(batch)
+    q, u, store, step = one_units_inserts_at_ticks_1_to_4()
     lost, sent = WriteBatch(), []
     for tick in (1, 2):
         sent += admitted_records(step.bound(at_tick(tick)[0] + TICK_MS + LATENESS_MS, lost))
