@@ -147,6 +147,10 @@ class QueryBudget:
     #: integer weights w_1..w_C of a user's 1st, 2nd, ... key in key selection (needs
     #: per_key_bound 1, where a record's slot is its key's rank); None: 1 each
     selection_weights: Optional[tuple] = None
+    #: the key domain is declared (``public_keys``): every declared key is released at every
+    #: trigger, with no key selection, so the whole budget goes to perturbation and there is no
+    #: thresholding term (docs/privacy.md, "Public keys")
+    public_keys: bool = False
 
 
 @dataclass(frozen=True)
@@ -201,6 +205,9 @@ class PrivacyPlan:
     perturbation_steps: Optional[str] = None
     #: key selection's weight per slot (1-based: index 0 is slot 1) when declared; None: 1 each
     selection_weights: Optional[tuple] = None
+    #: True when the key domain is public: no key selection (its sigma, rho, epsilon, delta and
+    #: thresholds are 0); None otherwise (then left out of the fingerprint)
+    public_keys: Optional[bool] = None
     conversion: str = "zCDP -> (eps, delta): Canonne-Kamath-Steinke 2020 Prop. 12 (optimal)"
 
     @property
@@ -261,7 +268,12 @@ def _check(budget: QueryBudget) -> None:
         raise BudgetError("key_threshold", f"must be >= 0, got {budget.key_threshold!r}")
     if budget.beta is not None and not 0 < budget.beta < 1:
         raise BudgetError("beta", f"must be in (0, 1) or null, got {budget.beta!r}")
-    if not 0 < budget.key_selection_share < 1:
+    if budget.public_keys:
+        if budget.selection_weights is not None:
+            raise BudgetError("selection_weights", "public keys are released without key selection: leave selection_weights null")
+        if budget.key_threshold != 0:
+            raise BudgetError("key_threshold", "public keys are released without key selection: key_threshold must be 0")
+    elif not 0 < budget.key_selection_share < 1:
         raise BudgetError("key_selection_share", f"must be in (0, 1), got {budget.key_selection_share!r}")
     if not (isinstance(budget.hierarchy_depth, int) and 1 <= budget.hierarchy_depth <= 16):
         raise BudgetError("hierarchy_depth", f"must be an integer in [1, 16], got {budget.hierarchy_depth!r}")
@@ -312,6 +324,10 @@ def _growing_terms(budget: QueryBudget, draws: int) -> list[tuple[float, float, 
     fixed share of delta, which the part's delta then leaves out."""
     C, levels = budget.contribution_bound, budget.hierarchy_depth
     tv = C * draws * SAMPLER_TV_BOUND  # one stream's sampler term per user, over e^eps + 1
+    if budget.public_keys:  # no key selection: no thresholding term, and no selection streams
+        if budget.composition in ("zcdp", "gdp"):
+            return [(1.0, budget.delta, 0.0, levels * len(columns_of(budget)) * tv)]
+        return [(s, s * budget.delta, 0.0, tv) for s in _level_shares(budget)]
     if budget.composition in ("zcdp", "gdp"):
         usable = budget.delta * (1.0 - DEFAULT_BETA_DELTA_SHARE if budget.beta is None else 1.0)
         return [(1.0, usable, levels * C, levels * (1 + len(columns_of(budget))) * tv)]
@@ -411,8 +427,10 @@ def _user_parts(C: int, h: int, per_key_bound: Optional[int], weights: Optional[
     the user's records in one node per level, the shift ``C B`` on ``h`` nodes; with c_k = 1 (the
     only per-key bound accepted) at most ``B`` on each of C keys' nodes, ``C h`` copies of ``B``.
     Concentrating the shift is the worst pattern (docs/privacy.md, "Accounting"; checked over
-    every split in tests/test_gdp_accounting.py)."""
-    if weights is not None:
+    every split in tests/test_gdp_accounting.py). ``sigma_k`` 0: public keys, no key selection."""
+    if sigma_k == 0:
+        selection = ()
+    elif weights is not None:
         counts: dict[int, int] = {}
         for w in weights:
             if w:
@@ -437,7 +455,7 @@ def worst_case_parts(plan: PrivacyPlan) -> tuple[tuple, tuple]:
     else:
         columns = tuple((units, int(math.floor(plan.clamp / step)) if kind == VALUE else 1) for kind, _, units, step in plan.columns)
     return _user_parts(plan.contribution_bound, plan.tree_height, plan.per_key_bound, plan.selection_weights,
-                       plan.sigma_key_selection, columns)
+                       0.0 if plan.public_keys else plan.sigma_key_selection, columns)
 
 
 def _calibrate_discrete(budget: QueryBudget, h: int, sigmas: list, parts: list, resolution: float, rho: float,
@@ -477,13 +495,18 @@ def _calibrate_discrete(budget: QueryBudget, h: int, sigmas: list, parts: list, 
     every = everything(sigmas)
     delta_gauss = discrete_gaussian_delta(every, eps)
     eps_spent = min(eps, discrete_gaussian_epsilon(every, delta_gauss))
-    share, new_parts = budget.key_selection_share, []
+    share, new_parts = _selection_share(budget), []
     for (rho_k, rho_m, _, delta_k, _, delta_m, beta), (sigma_k, cols), s in zip(parts, sigmas, _level_shares(budget)):
         selection, perturbation = level_parts(sigma_k, cols)
         new_parts.append((rho_k / scale ** 2, rho_m / scale ** 2,
-                          discrete_gaussian_epsilon(selection, share * s * delta_conv), delta_k,
+                          discrete_gaussian_epsilon(selection, share * s * delta_conv) if selection else 0.0, delta_k,
                           discrete_gaussian_epsilon(perturbation, (1.0 - share) * s * delta_conv), delta_m, beta))
     return sigmas, new_parts, rho / scale ** 2, eps_spent, delta_gauss + delta_other
+
+
+def _selection_share(budget: QueryBudget) -> float:
+    """Key selection's share of the budget: none with public keys (docs/privacy.md, "Public keys")."""
+    return 0.0 if budget.public_keys else budget.key_selection_share
 
 
 def plan_query(budget: QueryBudget) -> PrivacyPlan:
@@ -534,7 +557,8 @@ def _plan_levels(budget: QueryBudget) -> tuple[PrivacyPlan, ...]:
     T = budget.triggers
     h = counter.sensitivity_sq(T)
     draws = counter.draws(T)  # noise draws of one stream that a user's increment reaches
-    share = budget.key_selection_share
+    share = _selection_share(budget)
+    public = budget.public_keys
     levels = budget.hierarchy_depth
     shares = _level_shares(budget)
     kinds = columns_of(budget)
@@ -546,12 +570,15 @@ def _plan_levels(budget: QueryBudget) -> tuple[PrivacyPlan, ...]:
     if budget.composition in ("zcdp", "gdp"):
         gdp = budget.composition == "gdp"
         beta = budget.beta
-        if beta is None:
+        if public:
+            beta = 0.0  # no thresholding: every declared key is released, whatever its count
+        elif beta is None:
             beta = DEFAULT_BETA_DELTA_SHARE * delta / ((math.exp(eps) + 1.0) * C * levels)
         delta_beta = (math.exp(eps) + 1.0) * levels * C * beta
-        # a user's records reach one selection tree and one perturbation tree per column, per
-        # key round and level: the samplers' total-variation terms count all of them
-        delta_sampler = (math.exp(eps) + 1.0) * levels * (1 + ncols) * C * draws * SAMPLER_TV_BOUND
+        # a user's records reach one selection tree (none with public keys) and one perturbation
+        # tree per column, per key round and level: the samplers' total-variation terms count all of them
+        trees = ncols if public else 1 + ncols
+        delta_sampler = (math.exp(eps) + 1.0) * levels * trees * C * draws * SAMPLER_TV_BOUND
         delta_conv = delta - delta_beta - delta_sampler
         if delta_conv <= 0:
             raise _no_delta_left(budget, draws)  # rounding at the ceiling
@@ -568,7 +595,7 @@ def _plan_levels(budget: QueryBudget) -> tuple[PrivacyPlan, ...]:
         for s in shares:
             rho_k, rho_m = share * s * rho, (1.0 - share) * s * rho
             parts.append((rho_k, rho_m,
-                          part_epsilon(rho_k, share * s * delta_conv), share * s * delta_conv + delta_beta / levels,
+                          part_epsilon(rho_k, share * s * delta_conv) if rho_k else 0.0, share * s * delta_conv + delta_beta / levels,
                           part_epsilon(rho_m, (1.0 - share) * s * delta_conv), (1.0 - share) * s * delta_conv, beta))
         eps_spent = part_epsilon(rho, delta_conv)
         delta_gauss = gdp_delta(math.sqrt(2.0 * rho), eps) / (1.0 - GDP_DISCRETE_MARGIN) if gdp else cks_delta(rho, eps)
@@ -577,6 +604,15 @@ def _plan_levels(budget: QueryBudget) -> tuple[PrivacyPlan, ...]:
         rho = delta_beta = delta_sampler = delta_conv = eps_spent = delta_spent = 0.0
         for s in shares:
             eps_l, delta_l = s * eps, s * delta
+            if public:  # the paper's split without its key selection: perturbation alone, at (eps, delta)
+                rho_m = cks_rho(eps_l, delta_l - C * draws * SAMPLER_TV_BOUND * (math.exp(eps_l) + 1.0))
+                parts.append((0.0, rho_m, 0.0, 0.0, eps_l, delta_l, 0.0))
+                rho += rho_m
+                delta_sampler += (math.exp(eps_l) + 1.0) * C * draws * SAMPLER_TV_BOUND
+                delta_conv += delta_l - (math.exp(eps_l) + 1.0) * C * draws * SAMPLER_TV_BOUND
+                eps_spent += eps_l
+                delta_spent += cks_delta(rho_m, eps_l) + (math.exp(eps_l) + 1.0) * C * draws * SAMPLER_TV_BOUND
+                continue
             eps_k, eps_m = share * eps_l, (1.0 - share) * eps_l
             delta_k, delta_m = 2.0 * delta_l / 3.0, delta_l / 3.0
             beta = budget.beta
@@ -602,7 +638,9 @@ def _plan_levels(budget: QueryBudget) -> tuple[PrivacyPlan, ...]:
     for rho_k, rho_m, *_ in parts:
         ck = budget.per_key_bound or C
         weights = budget.selection_weights
-        if weights is not None:
+        if public:
+            weights = None
+        elif weights is not None:
             # a user's j-th key adds w_j to that key's round stream (one stream per key with c_k
             # = 1, the slots distinct): squared sensitivity sum_j w_j^2 per unit of ||c||^2
             squares, l1, touched = sum(x * x for x in weights), sum(weights), sum(1 for x in weights if x)
@@ -612,19 +650,19 @@ def _plan_levels(budget: QueryBudget) -> tuple[PrivacyPlan, ...]:
             # one stream per (key, round) fed with unit increments, C of them per user; the
             # rounding slack widens each (dpstream.accountant.counters.slack_sigma)
             if weights is None:
-                sigma_k = slack_sigma(2.0 * rho_k / C, 1, 1.0, T, counter)
+                sigma_k = 0.0 if public else slack_sigma(2.0 * rho_k / C, 1, 1.0, T, counter)
             column_sigmas = [slack_sigma(2.0 * rho_m / ncols, C, C * (budget.clamp if kind == VALUE else 1.0), T, counter,
                                          per_stream=ck * (budget.clamp if kind == VALUE else 1.0))
                              for kind in kinds]
         elif ck < C:
             if weights is None:
-                sigma_k = math.sqrt(C * h / (2.0 * rho_k))
+                sigma_k = 0.0 if public else math.sqrt(C * h / (2.0 * rho_k))
             # a user adds at most c_k B to a key and C B in all: the squared L2 change over keys,
             # per read level, is at most (C / c_k) (c_k B)^2 = C c_k B^2
             column_sigmas = [math.sqrt(C * ck) * (budget.clamp if kind == VALUE else 1.0) * math.sqrt(h / (2.0 * rho_m / ncols))
                              for kind in kinds]
         else:
-            sigma_k = math.sqrt(C * h / (2.0 * rho_k))
+            sigma_k = 0.0 if public else math.sqrt(C * h / (2.0 * rho_k))
             # the columns' trees share the level's perturbation rho equally (zCDP composition); a
             # column's per-tree sensitivity is C times its per-record bound (1, or L for values)
             column_sigmas = [C * (budget.clamp if kind == VALUE else 1.0) * math.sqrt(h / (2.0 * rho_m / ncols)) for kind in kinds]
@@ -654,7 +692,7 @@ def _plan_levels(budget: QueryBudget) -> tuple[PrivacyPlan, ...]:
                 raise BudgetError(field_name, f"perturbation noise is {sigma / step:.4g} grid steps, beyond the sampler's range")
             columns.append((kind, sigma, sigma / step, step))
         _, sigma_m, sigma_m_units, _ = columns[0]
-        z = tail_multiplier(budget.triggers, beta)
+        z = 0.0 if public else tail_multiplier(budget.triggers, beta)
         # a lattice counter's prefix also carries a bounded rounding part: bias_units lattice
         # steps, each at most 2 sigma / LATTICE_TARGET_SIGMA (dpstream.accountant.counters.lattice_scale)
         bias_step = 2.0 * sigma_k / LATTICE_TARGET_SIGMA if counter.lattice else 0.0
@@ -699,6 +737,7 @@ def _plan_levels(budget: QueryBudget) -> tuple[PrivacyPlan, ...]:
             per_key_bound=budget.per_key_bound,
             perturbation_steps="release" if budget.perturbation_steps == "release" else None,
             selection_weights=tuple(budget.selection_weights) if budget.selection_weights is not None else None,
+            public_keys=True if public else None,
             conversion=conversion,
         ))
     if budget.composition == "gdp" and not counter.lattice:
@@ -840,6 +879,7 @@ def release_outlook(plans, key_users: float) -> dict:
     stddev = max(p.expected_stddev for p in plans)
     return {
         "key_users": key_users,
+        "public_keys": bool(first.public_keys),  # every declared key released at every trigger: no bar
         "tau_1": first.thresholds[0],
         "min_users_to_release": bar,
         "expected_stddev": stddev,

@@ -162,6 +162,11 @@ def _human_plan(query: QueryConfig, plan: PrivacyPlan) -> str:
         f"  expected stddev    {plan.expected_stddev:.2f} of a released {_column_names(query)[0]} at the last trigger"
         + (" (level 1)" if query.hierarchy else ""),
     ]
+    if plan.public_keys:  # no key selection: its lines say that instead
+        at = next(i for i, line in enumerate(lines) if line.lstrip().startswith("key selection"))
+        lines[at:at + 4] = [f"  key selection      none: public keys, {len(query.public_key_texts):,} declared, each released at "
+                            f"every trigger (no threshold, no beta term); the whole budget goes to perturbation "
+                            f"(docs/privacy.md, \"Public keys\")"]
     if query.hierarchy:  # the per-part lines above are level 1's; the level block has them all
         lines = [line for line in lines if not line.lstrip().startswith(("key selection", "perturbation", "on its own", "release when"))]
     return "\n".join(lines)

@@ -86,6 +86,7 @@ UNPINNED_FIELDS = {
     "allowed_lateness": "the public trigger schedule: no noise scale, unit or field depends on it",
     "max_skew": "which records are refused as future: no noise scale, unit or field depends on it",
     "input_format": "how the input's records are encoded, not what events they hold",
+    "public_keys_file": "where the key list is read from: the keys themselves are pinned (public_keys, as their digest)",
 }
 #: DynamicQueryConfig fields a dynamic query is not pinned to (see :data:`UNPINNED_FIELDS`)
 UNPINNED_DYNAMIC_FIELDS = {
@@ -136,6 +137,64 @@ def parse_time_ms(value: str | int) -> int:
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=timezone.utc)
     return int(moment.timestamp() * 1000)
+
+
+#: the most keys a public key domain may declare (every one is released at every trigger)
+MAX_PUBLIC_KEYS = 1_000_000
+
+
+def _frozen(value):
+    """A hashable copy of a YAML list (lists as tuples)."""
+    return tuple(_frozen(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+@lru_cache(maxsize=64)
+def public_key_texts(entries: Optional[tuple], path: Optional[str], fields: int) -> tuple[str, ...]:
+    """Key texts of a declared key domain (``public_keys`` entries, or the lines of
+    ``public_keys_file``), each checked as stage 1 checks a record's key fields. Raises
+    ValueError naming the field and the entry (public configuration, never data)."""
+    from dpstream.topics.records import InvalidRecord, _text, key_text
+
+    name = "public_keys" if path is None else "public_keys_file"
+    if path is not None:
+        try:
+            lines = Path(path).read_text(encoding="utf-8").splitlines()
+        except OSError as exc:
+            raise ValueError(f"public_keys_file: {path}: {exc.strerror}") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"public_keys_file: {path}: not UTF-8 text") from None
+        entries = []
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            if fields == 1:
+                entries.append(line)
+                continue
+            try:
+                entries.append(_frozen(json.loads(line)))
+            except json.JSONDecodeError:
+                raise ValueError(f"public_keys_file: {path} line {number}: with {fields} key fields, each line is a JSON "
+                                 f"list of {fields} values") from None
+    texts, seen = [], set()
+    for j, entry in enumerate(entries):
+        where = f"{name}[{j}]" if path is None else f"public_keys_file: {path} key {j + 1}"
+        parts = [entry] if fields == 1 and not isinstance(entry, tuple) else list(entry) if isinstance(entry, tuple) else None
+        if parts is None or len(parts) != fields:
+            raise ValueError(f"{where}: a key of {fields} key fields is a list of {fields} values, got {entry!r}")
+        checked = [_text(part, f"key_fields[{k}]") for k, part in enumerate(parts)]
+        bad = next((c for c in checked if isinstance(c, InvalidRecord)), None)
+        if bad is not None:
+            raise ValueError(f"{where}: {bad.reason}")
+        text = checked[0] if fields == 1 else key_text(checked)
+        if text in seen:
+            raise ValueError(f"{where}: {entry!r} is declared twice")
+        seen.add(text)
+        texts.append(text)
+    if not texts:
+        raise ValueError(f"{name}: declares no key")
+    if len(texts) > MAX_PUBLIC_KEYS:
+        raise ValueError(f"{name}: {len(texts):,} keys, more than {MAX_PUBLIC_KEYS:,} (each is released at every trigger)")
+    return tuple(texts)
 
 
 class QueryConfig(BaseModel):
@@ -190,6 +249,15 @@ class QueryConfig(BaseModel):
     #: level (key = prefix of key_fields), published consistent (docs/privacy.md, "Post-processing: hierarchical consistency")
     hierarchy: bool = False
     level_shares: Optional[list[float]] = None  # budget share per level (sum 1); null: equal
+    #: the key domain, when it is public (PipelineDP's and Tumult's public partitions): exactly
+    #: these keys are released at every trigger, with no key selection and no threshold, and the
+    #: whole budget goes to perturbation; records of other keys are dropped (``not_public_key``).
+    #: A key is a string (an integer reads as its digits), or a list of one per key field; with a
+    #: hierarchy, the finest level's keys (their prefixes are the coarser levels'). docs/privacy.md, "Public keys"
+    public_keys: Optional[list[Union[str, int, list[Union[str, int]]]]] = None
+    #: the same from a file: one key per line (with several key fields, a JSON list per line);
+    #: a relative path is read from the config file's folder
+    public_keys_file: Optional[str] = None
 
     @field_validator("window")
     @classmethod
@@ -250,7 +318,28 @@ class QueryConfig(BaseModel):
                 raise ValueError("key_fields: the levels of a hierarchy must be distinct fields")
         elif self.level_shares is not None:
             raise ValueError("level_shares: only a hierarchy (hierarchy: true) has levels")
+        if self.public_keys is not None and self.public_keys_file is not None:
+            raise ValueError("public_keys_file: give the key domain once, as public_keys or as public_keys_file")
+        self.public_key_texts  # read and checked now: a bad list fails at start, naming its field
         return self
+
+    @property
+    def public_key_texts(self) -> Optional[tuple[str, ...]]:
+        """The declared key domain as key texts (what stage 1 makes of a record's key fields:
+        dpstream.topics.records.EventParser), in the order declared; None without public keys."""
+        if self.public_keys is not None:
+            return public_key_texts(_frozen(self.public_keys), None, len(self.key_fields))
+        if self.public_keys_file is not None:
+            return public_key_texts(None, self.public_keys_file, len(self.key_fields))
+        return None
+
+    @property
+    def public_keys_digest(self) -> Optional[str]:
+        """SHA-256 of the declared key domain (what a window is pinned to), None without one."""
+        texts = self.public_key_texts
+        if texts is None:
+            return None
+        return hashlib.sha256("\n".join(texts).encode()).hexdigest()
 
     @property
     def hierarchy_depth(self) -> int:
@@ -270,6 +359,7 @@ class QueryConfig(BaseModel):
         the window's state (:class:`dpstream.processor.engine.pipeline.QueryPipeline`) and its
         ledger charge (:class:`dpstream.processor.engine.budget.BudgetGate`)."""
         pins = _pinned_settings(self, UNPINNED_FIELDS, {"window": self.window_ms})
+        pins["public_keys"] = self.public_keys_digest  # the keys, however given: not a list of thousands in every pin
         pins[PLAN] = plan_fingerprint(plans if plans is not None else level_plans_for(self)).hex()
         return pins
 
@@ -293,6 +383,7 @@ class QueryConfig(BaseModel):
             resolution=self.resolution,
             hierarchy_depth=self.hierarchy_depth,
             level_shares=tuple(self.level_shares) if self.level_shares is not None else None,
+            public_keys=self.public_key_texts is not None,
         )
 
 
@@ -594,6 +685,12 @@ class DpstreamConfig(BaseModel):
     def _unique_names(self) -> "DpstreamConfig":
         if not self.queries and not self.dynamic:
             raise ValueError("queries: the config needs at least one query (under 'queries' or 'dynamic')")
+        for i, q in enumerate(self.queries):
+            if q.public_key_texts is not None and self.budget is None:
+                # every declared key is released in every open window: a window opened by its
+                # first record would show, by its releases, that it has data (docs/privacy.md, "Public keys")
+                raise ValueError(f"queries[{i}].public_keys: public keys need a budget section: their windows open on the "
+                                 f"public schedule (budget.start), data or not, never on a window's first record")
         if self.budget is not None:
             for kind, qs in (("queries", self.queries), ("dynamic", self.dynamic)):
                 for i, q in enumerate(qs):
@@ -696,6 +793,10 @@ def load_config(path: str | os.PathLike, environ: Mapping[str, str] = os.environ
         raise ConfigError(f"config file {source}: {exc.strerror}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {source}: not valid YAML: {exc}") from None
+    if isinstance(raw, dict) and isinstance(raw.get("queries"), list):
+        for query in raw["queries"]:  # a relative key list is read from the config's own folder
+            if isinstance(query, dict) and isinstance(query.get("public_keys_file"), str):
+                query["public_keys_file"] = str(source.parent / query["public_keys_file"])
     return config_from_mapping(raw, f"config file {source}", environ)
 
 

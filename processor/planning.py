@@ -178,8 +178,9 @@ def human_totals(doc: dict) -> str:
         k = doc["rules"]["key_users"]
         lines.append(f"usefulness at a stated scale of {k:,.0f} distinct users per key and window (--key-users):")
         for name, u in use.items():
-            lines.append(f"    {name:<22} a key needs > {u['min_users_to_release']:,.0f} users in a round (tau_1 "
-                         f"{u['tau_1']:,.0f}); release stddev {u['expected_stddev']:,.1f} = {u['relative_stddev']:.3g} of "
+            bar = ("public keys: each released at every trigger" if u["public_keys"] else
+                   f"a key needs > {u['min_users_to_release']:,.0f} users in a round (tau_1 {u['tau_1']:,.0f})")
+            lines.append(f"    {name:<22} {bar}; release stddev {u['expected_stddev']:,.1f} = {u['relative_stddev']:.3g} of "
                          f"such a key's value" + ("   RELEASES NOTHING USEFUL" if u["releases_nothing"] or u["noise_dominates"] else ""))
     return "\n".join(lines)
 

@@ -720,8 +720,10 @@ class DpstreamWorker:
         key = (topic, partition)
         if topic in self._by_repartition:
             q = self._by_repartition[topic]
+            # a stage 2 releases the public keys (if declared) stage 1 routes to its partition
             source = SourcePartition(topic, partition, store, [QueryPipeline(q, self.noise, store, self.pseudonyms,
-                                                                             index=self.config.queries.index(q))])
+                                                                             index=self.config.queries.index(q),
+                                                                             key_partition=(partition, self.repartitions))])
             if self.gate is not None:
                 for pipe in source.pipelines:
                     pipe.set_schedule(self.gate.window_gate(pipe.query), self.schedule_start)

@@ -53,6 +53,7 @@ from dpstream.accountant import pins
 from dpstream.accountant.counters import BINARY_TREE
 from dpstream.accountant.intervals import CI_FIELD
 from dpstream.processor.config import QueryConfig, level_plans_for, parse_duration_ms
+from dpstream.processor.engine.public_keys import PublicKeyDomain
 from dpstream.processor.mechanisms.aggregates import aggregate_named
 from dpstream.processor.mechanisms.bounding import (
     ContributionBounder,
@@ -381,9 +382,11 @@ def prepare_noise_tables(query: QueryConfig, noise: NodeNoise) -> None:
 
 class QueryPipeline:
     def __init__(self, query: QueryConfig, noise: NodeNoise, store: Store, pseudonyms: Optional[Pseudonymizer] = None,
-                 index: Optional[int] = None):
+                 index: Optional[int] = None, key_partition: Optional[tuple[int, int]] = None):
         """``index``: the query's position in the config's ``queries`` (a refusal names its
-        fields as ``queries[index].field``)."""
+        fields as ``queries[index].field``). ``key_partition``: (partition, partitions) of the
+        by-key topic this pipeline's stage 2 holds (a worker's); with public keys it releases the
+        declared keys routed there, and all of them without it."""
         self.query = query
         self.index = index
         #: one plan per level (docs/privacy.md, "Post-processing: hierarchical consistency"); a flat query has one level
@@ -399,6 +402,16 @@ class QueryPipeline:
         if self.hierarchy_depth > 1 and pseudonyms is None:
             raise ValueError(f"query {query.name}: a hierarchy needs the pseudonymizer for its level keys")
         self.pseudonyms = pseudonyms
+        #: the declared key domain (docs/privacy.md, "Public keys"): all of it for stage 1's
+        #: filter, this stage 2's share for its releases; None: key selection decides
+        self.public: Optional[PublicKeyDomain] = None
+        self.public_share: Optional[PublicKeyDomain] = None
+        if query.public_key_texts is not None:
+            if pseudonyms is None:
+                raise ValueError(f"query {query.name}: public keys need the pseudonymizer for their key ids")
+            self.public = PublicKeyDomain.build(query.public_key_texts, self.hierarchy_depth, level_key_texts, pseudonyms.group_keys)
+            self.public_share = self.public if key_partition is None else self.public.share(*key_partition)
+            self._public_texts = self.public_share.text_of()
         self.noise = noise
         self.store = store
         self.schedule = Schedule(query)
@@ -407,7 +420,8 @@ class QueryPipeline:
         # every counter of the query (key selection and perturbation) has T steps; its state is
         # what the key rows carry per stream (dpstream.processor.mechanisms.counters). Built at
         # key selection's scale: a tree builds that sampler table now, which selection uses anyway
-        counter = counter_for(plan.counter or BINARY_TREE.name, plan.triggers, plan.sigma_key_selection, noise)
+        counter = counter_for(plan.counter or BINARY_TREE.name, plan.triggers,
+                              plan.sigma_key_selection or plan.sigma_perturbation_units, noise)  # public keys: no selection
         self.counter_state_width = counter.state_width
         self.bounder = ContributionBounder(plan.contribution_bound, plan.clamp, plan.resolution)
         #: key selection's weight by slot (index = slot; slots beyond the declared weights: 0)
@@ -586,6 +600,11 @@ class QueryPipeline:
                                               f"when it arrived"))
         self.stats.dropped["late"] += int(late.sum())
         idx = np.nonzero(on_time & ~future & ~collided)[0]
+        if self.public is not None:
+            # before bounding: a user's C slots go to declared keys only (docs/privacy.md, "Public keys")
+            declared = self.public.admits(events.key_ids[idx], events.keys[idx])
+            self.stats.dropped["not_public_key"] += int(len(idx) - declared.sum())
+            idx = idx[declared]
         window, trigger = window[idx], trigger[idx]
         self._pin_windows(window, batch)
         users = events.users[idx]
@@ -786,8 +805,12 @@ class QueryPipeline:
         batch = WriteBatch()
         micro = self._take_pending(window, trigger, batch)
         rec_key, rec_prev, rec_units, texts = micro.key_ids, micro.previous, micro.units, micro.texts
-        # --- keys: micro-batch + prediction index for this trigger (never all keys)
-        all_ids = _distinct(np.concatenate([rec_key, self.tables.predictions.take(window, trigger, batch)]))
+        # --- keys: micro-batch + prediction index for this trigger (never all keys); with public
+        # keys, every declared key of this stage 2 at every trigger
+        visit = self.tables.predictions.take(window, trigger, batch) if self.public_share is None else self.public_share.ids
+        all_ids = _distinct(np.concatenate([rec_key, visit]))
+        if self.public_share is not None:
+            texts = {**self._public_texts, **texts}
         n = len(all_ids)
         self.stats.keys_loaded = n
         kidx = np.searchsorted(all_ids, rec_key)
@@ -797,6 +820,8 @@ class QueryPipeline:
         fresh = rows["level"] == 0  # new keys: level and root come with their records
         if fresh.any():
             level_of, root_of = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.uint64)
+            if self.public_share is not None:  # a declared key without records yet
+                level_of, root_of = self.public_share.level_and_root(all_ids)
             level_of[kidx], root_of[kidx] = micro.levels, micro.roots
             rows["level"][fresh], rows["root"][fresh] = level_of[fresh], root_of[fresh]
         # --- merge the micro-batch: users new to each key's round (the record before theirs in
@@ -850,7 +875,10 @@ class QueryPipeline:
 
     def _fire_level(self, plan, window, trigger, ids, rows, names, has_data, new_users, batch) -> list[tuple[int, int, dict]]:
         """Key selection (Algorithm 2), perturbation (Algorithm 3) and the next visit (Algorithm 4)
-        for the keys of one level; mutates ``rows``. Returns (key id, root id, release record) triples."""
+        for the keys of one level; mutates ``rows``. Returns (key id, root id, release record) triples.
+        With public keys every key is released, with no selection and no visits to plan."""
+        if self.public_share is not None:
+            return self._release(plan, window, trigger, ids, rows, names, np.ones(len(ids), dtype=bool))
         selector = KeySelector(plan, self.noise, self.query.name, window)
         sel = SelectionBatch(names, rows["round"].astype(np.int64), rows["start"].astype(np.int64), rows["done"].astype(np.int64),
                              rows["count"].copy(), rows["participations"].copy(), rows["sel_cache"].copy(),
