@@ -583,7 +583,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_dpsqlp(args: argparse.Namespace) -> int:
-    from dpstream.processor.bench.dpsqlp import run_dpsqlp_bench, run_dpsqlp_compare
+    from dpstream.processor.bench.dpsqlp import run_dpsqlp_bench, run_dpsqlp_compare, run_dpsqlp_public
 
     counters = [c.strip() for c in args.counter.split(",") if c.strip()]
     bad = [c for c in counters if c not in ("tree", "blt")]
@@ -592,7 +592,11 @@ def cmd_bench_dpsqlp(args: argparse.Namespace) -> int:
     common = dict(users=args.users, keys=args.keys, seed=args.seed, state=args.state, processes=args.processes, runs=args.runs,
                   composition=args.composition, per_key_bound=args.per_key_bound, key_selection_share=args.key_selection_share,
                   perturbation_steps=args.perturbation_steps, selection_weights=args.selection_weights)
-    if len(counters) > 1:
+    if args.public_keys_top is not None:
+        if len(counters) > 1 or args.public_keys_top < 1:
+            raise ConfigError("--public-keys-top: a positive number of keys, with one --counter")
+        run_dpsqlp_public(args.public_keys_top, args.triggers, json_path=args.json, counter=counters[0], **common)
+    elif len(counters) > 1:
         run_dpsqlp_compare(counters, args.triggers, json_path=args.json, plot_path=args.plot, **common)
     else:
         run_dpsqlp_bench(triggers=args.triggers, json_path=args.json, plot_path=args.plot, counter=counters[0], **common)
@@ -1048,6 +1052,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="key selection's integer weights of a user's 1st, 2nd, ... key, comma-separated (needs --per-key-bound 1)")
     dpsqlp.add_argument("--perturbation-steps", choices=["trigger", "release"], default="trigger",
                         help="the perturbation counter steps once per trigger (default, the paper's) or once per release of the key")
+    dpsqlp.add_argument("--public-keys-top", type=int, default=None, metavar="K",
+                        help="run twice on the same workload: key selection, then the workload's top K keys by true count "
+                             "declared as public keys (public_keys: a stand-in for a public catalogue); both scored over "
+                             "those K keys (docs/privacy.md, \"Public keys\")")
     dpsqlp.add_argument("--json", help="write the results (and the per-trigger curve) to this JSON file")
     dpsqlp.add_argument("--plot", help="draw error and retained keys vs trigger to this PNG")
     dpsqlp.set_defaults(func=cmd_bench_dpsqlp)

@@ -181,11 +181,12 @@ def test_one_properties_file_serves_kafkas_console_producer_and_an_elastic_worke
     for name in [n for n in os.environ if n.startswith("DPSTREAM_KAFKA_")]:
         monkeypatch.delenv(name)
     monkeypatch.setenv(cp.PROPERTIES_FILE_ENV, secure_broker.properties_file)  # the only setting: the Java file
-    sc = Scenario(tmp_path, secure_broker.sasl_ssl)
+    # 30 s of lateness: Kafka's console producer, a JVM that starts, logs in and sends, is on time
+    # as long as it is done within the lead and that (10 s of lead and 1 s of lateness were missed
+    # on a loaded 2-core machine: 1,457 of 6,000 events late)
+    sc = Scenario(tmp_path, secure_broker.sasl_ssl, lateness_s=30)
     try:
         sc.ready_worker("file", extra=("--assignment", "group"))
-        # Kafka's console producer: a JVM that starts, logs in and sends before the window's first
-        # trigger fires (4 s of lead were missed on a loaded 2-core machine; tests/test_any_producer.py)
         sc.write_events(6_000, users=600, keys=30, lead_s=10)
         lines = [f"{json.loads(line)['user_id']}\t{line.strip()}" for line in sc.events.read_text().splitlines()]
         _console_produce(secure_broker.sasl_ssl, sc.input, lines, secure_broker.properties_file)
@@ -251,10 +252,10 @@ def test_over_oauthbearer_the_console_producer_and_a_worker_share_one_properties
         monkeypatch.delenv(name)
     monkeypatch.setenv(cp.PROPERTIES_FILE_ENV, str(props))
     granted = oauth_broker.provider.granted
-    sc = Scenario(tmp_path, oauth_broker.oauth)
+    sc = Scenario(tmp_path, oauth_broker.oauth, lateness_s=30)  # the console producer's JVM and its token, as above
     try:
         sc.ready_worker("oauth")
-        sc.write_events(4_000, users=400, keys=30, lead_s=10)  # the console producer's JVM and its token, as above
+        sc.write_events(4_000, users=400, keys=30, lead_s=10)
         lines = [f"{json.loads(line)['user_id']}\t{line.strip()}" for line in sc.events.read_text().splitlines()]
         _console_produce(oauth_broker.oauth, sc.input, lines, str(props), allowed_urls=oauth_broker.provider.token_url)
         sc.assert_releases_equal_replay()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import datetime
+import functools
 import hashlib
 import json
 import math
@@ -431,6 +432,7 @@ def key_for_output(key: str, key_fields: Sequence[str]):
 _EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
 
 
+@functools.lru_cache(maxsize=4096)  # a trigger's releases share their three times
 def iso_utc(ms: int) -> str:
     """An epoch-millisecond time as ISO-8601 UTC: ``2026-11-20T00:00:00Z``, with ``.mmm`` before
     the ``Z`` when the time is not a whole second. Exact (integer arithmetic), the twin of the

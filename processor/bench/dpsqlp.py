@@ -75,13 +75,17 @@ def run_dpsqlp_bench(users: int = 10_000_000, keys: int = 1_000_000, triggers: i
                      delta: float = 1e-9, contribution_bound: int = 32, json_path: str | None = None, plot_path: str | None = None,
                      state: str = "rocksdb", processes: int = 2, runs: int = 1, counter: str = "blt", composition: str = "gdp",
                      per_key_bound: int | None = None, key_selection_share: float = 0.5, perturbation_steps: str = "trigger",
-                     selection_weights: list | None = None, out=None) -> dict:
+                     selection_weights: list | None = None, top_keys: int | None = None, public_keys: bool = False,
+                     out=None) -> dict:
     """The workload ``runs`` times (each from a fresh store); the report's times are medians over
-    the runs, its releases those of every run (they must agree: same secret, same data)."""
+    the runs, its releases those of every run (they must agree: same secret, same data).
+    ``top_keys``: also score the workload's ``top_keys`` keys by true count alone (``top`` in the
+    results); ``public_keys``: declare those keys as the query's public key domain (a stand-in
+    for a public catalogue: docs/privacy.md, "Public keys")."""
     out = sys.stdout if out is None else out  # resolved per call (a default would bind stdout at import)
     reports = []
     args = (users, keys, triggers, seed, epsilon, delta, contribution_bound, state, processes, counter, composition, per_key_bound,
-            key_selection_share, perturbation_steps, selection_weights)
+            key_selection_share, perturbation_steps, selection_weights, top_keys, public_keys)
     for run in range(runs):
         if runs > 1:
             print(f"run {run + 1}/{runs}", file=out, flush=True)
@@ -132,7 +136,7 @@ def _dpsqlp_once_to_queue(queue, args) -> None:
 
 def _dpsqlp_once(users: int, keys: int, triggers: int, seed: int, epsilon: float, delta: float, contribution_bound: int, state: str,
                  processes: int, counter: str, composition: str, per_key_bound: int | None, key_selection_share: float,
-                 perturbation_steps: str, selection_weights: list | None, out) -> dict:
+                 perturbation_steps: str, selection_weights: list | None, top_keys: int | None, public_keys: bool, out) -> dict:
     p = lambda s="": print(s, file=out, flush=True)  # noqa: E731
     t_start = time.perf_counter()
     stream = generate(users, keys, seed)
@@ -141,11 +145,16 @@ def _dpsqlp_once(users: int, keys: int, triggers: int, seed: int, epsilon: float
     p(f"bench dpsqlp: {users:,} users, {n:,} records, {keys:,} keys, T={triggers}, C={contribution_bound}, "
       f"eps={epsilon:g}, delta={delta:g}, counter {counter}, composition {composition}, per-key bound {per_key_bound or 'none'}, "
       f"key selection share {key_selection_share:g}, perturbation steps per {perturbation_steps}, selection weights "
-      f"{selection_weights or 'none'} (generated in {t_gen:.1f} s)")
+      f"{selection_weights or 'none'}" + (f", public keys: the top {top_keys:,} by true count" if public_keys else "")
+      + f" (generated in {t_gen:.1f} s)")
+    truth = np.bincount(stream.keys, minlength=keys).astype(np.float64)
+    # the workload's top keys by true count (ties: the lower key number): what --top-keys scores
+    # and, with --public-keys, the declared domain (the synthetic data's own, a stand-in for a catalogue)
+    top = np.sort(np.argsort(-truth, kind="stable")[:top_keys]) if top_keys else None
     query = QueryConfig(name="dpsqlp", window="1d", triggers=triggers, contribution_bound=contribution_bound, epsilon=epsilon,
                         delta=delta, allowed_lateness="0s", counter=counter, composition=composition, per_key_bound=per_key_bound,
                         key_selection_share=key_selection_share, perturbation_steps=perturbation_steps,
-                        selection_weights=selection_weights)
+                        selection_weights=selection_weights, public_keys=[f"k{i}" for i in top.tolist()] if public_keys else None)
     # synthetic data only: the secret is derived from --seed so that published numbers can be
     # reproduced exactly; real data always takes its secret from a file or the environment
     secret = hashlib.sha256(f"dpstream bench seed {seed}".encode()).digest()
@@ -155,7 +164,6 @@ def _dpsqlp_once(users: int, keys: int, triggers: int, seed: int, epsilon: float
     key_ids = pseudo.group_keys(key_text.tolist())
     interval = 86_400_000 // triggers
     bounds = np.searchsorted(stream.ts, np.arange(triggers + 1) * interval)
-    truth = np.bincount(stream.keys, minlength=keys).astype(np.float64)
 
     # ---- baselines' shared pieces
     kept = _rank_in_user(stream.users) < contribution_bound  # the ranks themselves are not kept (0.5 GB at 10M users)
@@ -191,7 +199,7 @@ def _dpsqlp_once(users: int, keys: int, triggers: int, seed: int, epsilon: float
     feeder = _StageOneProcess(bound_trigger, query, secret, state, triggers) if processes == 2 else None
     tmp = tempfile.TemporaryDirectory(prefix="dpstream-bench-")
     store = RocksDBStore(tmp.name) if state == "rocksdb" else MemoryStore()
-    pipe = QueryPipeline(query, NodeNoise(secret), store)
+    pipe = QueryPipeline(query, NodeNoise(secret), store, pseudo)
     runner = QueryRunner(pipe)
     for i in range(1, triggers + 1):
         sl = slice(bounds[i - 1], bounds[i])
@@ -238,6 +246,8 @@ def _dpsqlp_once(users: int, keys: int, triggers: int, seed: int, epsilon: float
         "Baseline 1": _errors(truth, b1_estimate, b1_keep),
         "Baseline 2": _errors(truth, b2_sum, b2_released),
     }
+    if top is not None:  # the same metrics over the top keys alone (unreleased ones count 0)
+        results["top"] = {"keys_scored": len(top), **_errors(truth[top], estimate[top], released[top])}
     stats = pipe.stats
     if feeder:
         child_stats, child_rss = feeder.finish()
@@ -250,21 +260,27 @@ def _dpsqlp_once(users: int, keys: int, triggers: int, seed: int, epsilon: float
         "users": users, "records": n, "keys": keys, "triggers": triggers, "contribution_bound": contribution_bound,
         "epsilon": epsilon, "delta": delta, "seed": seed, "state": state, "processes": processes, "counter": counter, "composition": composition,
         "per_key_bound": per_key_bound, "key_selection_share": key_selection_share, "perturbation_steps": perturbation_steps,
-        "selection_weights": selection_weights, "results": results,
+        "selection_weights": selection_weights, "top_keys": top_keys, "public_keys": public_keys, "results": results,
         "paper": {m: dict(zip(("keys", "linf", "l1", "l2"), v)) for m, v in PAPER.get(triggers, {}).items()},
         "pipeline_seconds": t_pipe, "fire_seconds_median": float(np.median(fire_seconds)), "fire_seconds_max": float(np.max(fire_seconds)),
         "wall_seconds": time.perf_counter() - t_start, "peak_rss_gb": peak_gb, "peak_pss_gb": peak_pss, "stage_one_wait_seconds": waited if feeder else None,
         "dropped": dict(stats.dropped), "releases": stats.releases,
         "baseline_sigma": sigma_q, "baseline_threshold": threshold_q, "curve": curve,
     }
-    p(f"\n{'metric':<8}" + "".join(f"{m:>26}" for m in results))
+    p(f"\n{'metric':<8}" + "".join(f"{m:>26}" for m in results if m != "top"))
     for metric in ("keys", "linf", "l1", "l2"):
         row = f"{metric:<8}"
         for m, r in results.items():
+            if m == "top":
+                continue
             paper = PAPER.get(triggers, {}).get(m)
             ref = f" (paper {paper[('keys', 'linf', 'l1', 'l2').index(metric)]:,})" if paper else ""
             row += f"{r[metric]:>12,.0f}{ref:>14}"
         p(row)
+    if top is not None:
+        t = results["top"]
+        p(f"over the top {len(top):,} keys by true count: {t['keys']:,} released, l_inf {t['linf']:,.0f}, l_1 {t['l1']:,.0f}, "
+          f"l_2 {t['l2']:,.0f}")
     b1 = max(results["Baseline 1"]["keys"], 1)
     p(f"\nDP-SQLP keeps {results['DP-SQLP']['keys'] / b1:.1f}x Baseline 1's keys; l2 ratio DP-SQLP / Baseline 1 = "
       f"{results['DP-SQLP']['l2'] / results['Baseline 1']['l2']:.3f}")
@@ -293,7 +309,7 @@ class _StageOneProcess:
     def _run(self, bound_trigger, query, secret, state, triggers):
         with tempfile.TemporaryDirectory(prefix="dpstream-bench-stage1-") as tmp:
             store = RocksDBStore(tmp) if state == "rocksdb" else MemoryStore()
-            stage1 = QueryRunner(QueryPipeline(query, NodeNoise(secret), store))
+            stage1 = QueryRunner(QueryPipeline(query, NodeNoise(secret), store, Pseudonymizer(secret)))
             for i in range(1, triggers + 1):
                 self._queue.put(bound_trigger(stage1, store, i))
             rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 ** 2
@@ -360,6 +376,31 @@ def run_dpsqlp_compare(counters: list, triggers: int, json_path: str | None = No
             json.dump(comparison, fh, indent=2)
     if plot_path:
         _plot_counters({c: r["curve"] for c, r in reports.items()}, triggers, plot_path)
+    return comparison
+
+
+def run_dpsqlp_public(top_keys: int, triggers: int, json_path: str | None = None, out=None, **kwargs) -> dict:
+    """Public keys against key selection on the same workload, secret and budget (issue 34): the
+    workload's ``top_keys`` keys by true count are declared public (a stand-in for a public
+    catalogue), and both runs are scored over those keys alone. The selection run keeps the
+    options given (selection weights too); the public run has no selection to weigh."""
+    out = sys.stdout if out is None else out
+    p = lambda s="": print(s, file=out, flush=True)  # noqa: E731
+    selection = run_dpsqlp_bench(triggers=triggers, top_keys=top_keys, out=out, **kwargs)
+    public = run_dpsqlp_bench(triggers=triggers, top_keys=top_keys, public_keys=True, out=out,
+                              **{**kwargs, "selection_weights": None})
+    rows = {"key selection": selection["results"]["top"], "public keys": public["results"]["top"]}
+    p(f"\nover the top {top_keys:,} keys by true count (T={triggers}, {selection['users']:,} users):")
+    p(f"{'':16}" + "".join(f"{m:>14}" for m in ("keys", "linf", "l1", "l2")))
+    for name, r in rows.items():
+        p(f"{name:16}" + "".join(f"{r[m]:>14,.0f}" for m in ("keys", "linf", "l1", "l2")))
+    ratio = rows["public keys"]["l2"] / rows["key selection"]["l2"]
+    p(f"l_2 public keys / key selection = {ratio:.3f}")
+    comparison = {"triggers": triggers, "top_keys": top_keys, "l2_ratio": ratio, "top": rows,
+                  "runs": {"key selection": selection, "public keys": public}}
+    if json_path:
+        with open(json_path, "w") as fh:
+            json.dump(comparison, fh, indent=2)
     return comparison
 
 

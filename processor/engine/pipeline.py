@@ -952,9 +952,12 @@ class QueryPipeline:
             rows["pert_tree" + suffix][sidx] = sub["pert_tree" + suffix]
             units = perturber.release_units(pb, trigger, rows["buffer" + suffix][sidx])  # exact: whole grid steps
             values[column.name] = perturber.publish(units)
-            stddevs[column.name] = [perturber.stddev(int(step)) for step in pb.done.tolist()]
+            # public functions of the step, which released keys mostly share: each step once
+            steps, at = np.unique(pb.done, return_inverse=True)
+            stddev = [perturber.stddev(int(step)) for step in steps.tolist()]
+            stddevs[column.name] = [stddev[j] for j in at.ravel().tolist()]
             # the confidence interval: the noisy value +- a public half-width, on the same grid
-            half = np.array([perturber.halfwidth_units(int(step)) for step in pb.done.tolist()], dtype=np.int64)
+            half = np.array([perturber.halfwidth_units(int(step)) for step in steps.tolist()], dtype=np.int64)[at.ravel()]
             intervals[column.name] = list(zip(perturber.publish(units - half), perturber.publish(units + half)))
             rows["released" + suffix][sidx] = pb.released_units
             rows["pcache" + suffix][sidx] = pb.cache
