@@ -709,7 +709,7 @@ def cmd_bench_hierarchy(args: argparse.Namespace) -> int:
     from dpstream.processor.bench.hierarchy import run_hierarchy_bench
 
     run_hierarchy_bench(countries=args.countries, users=args.users, triggers=args.triggers, epsilons=args.epsilon, seed=args.seed,
-                        repeats=args.repeats, json_path=args.json)
+                        repeats=args.repeats, json_path=args.json, public_keys=args.public_keys)
     return 0
 
 
@@ -1026,6 +1026,9 @@ def build_parser() -> argparse.ArgumentParser:
     hier.add_argument("--epsilon", type=float, nargs="+", default=[1.0, 6.0], help="epsilons to run (default 1 6)")
     hier.add_argument("--seed", type=int, default=1, help="first seed (default 1)")
     hier.add_argument("--repeats", type=int, default=3, help="workloads (seeds) per epsilon; medians are printed (default 3)")
+    hier.add_argument("--public-keys", action="store_true",
+                      help="declare every leaf of the workload as a public key (no key selection; every key released at "
+                           "every trigger, the hierarchy's parents closed: docs/privacy.md, \"Public keys\")")
     hier.add_argument("--json", help="write the results as JSON here")
     hier.set_defaults(func=cmd_bench_hierarchy)
     dpsqlp = bench_sub.add_parser("dpsqlp", help="the DP-SQLP paper's synthetic workload: DP-SQLP vs Baselines 1 and 2")

@@ -289,6 +289,7 @@ def _query_report(q: QueryConfig, ev: _Events, releases: list, stats) -> dict:
     events_in = int(stats.events_in)
     return {
         "name": q.name,
+        "public_keys": q.public_key_texts is not None,  # every declared key at every trigger, no selection
         "field": field,
         "events": events_in,
         "windows": len(windows),
@@ -384,8 +385,9 @@ def human_preview(report: dict) -> str:
             lines.append(f"  suggested C = {s['value']}  (least RMSE; docs/plan.md):")
             for row in s["candidates"]:
                 mark = " <" if row["C"] == s["value"] else ""
+                bar = "public keys" if r.get("public_keys") else f"key needs > {row['min_users_to_release']:,.0f} users"
                 lines.append(f"    C {row['C']:>6}: drops {100 * row['dropped_share']:6.2f}%, stddev {row['expected_stddev']:10,.1f}, "
-                             f"key needs > {row['min_users_to_release']:,.0f} users, RMSE {row['rmse']:,.1f}{mark}")
+                             f"{bar}, RMSE {row['rmse']:,.1f}{mark}")
     return "\n".join(lines)
 
 

@@ -292,3 +292,45 @@ def test_a_plan_with_public_keys_says_so(capsys):
 def test_the_budget_reallocation_changes_the_fingerprint_only_with_public_keys():
     plain = plan_query(dataclasses.replace(budget(), public_keys=False))
     assert "public_keys" not in {k for k, v in plain.to_dict().items() if v is not None}
+
+
+def test_the_user_guides_public_keys_config_loads_and_releases_its_plans():
+    """docs/user-guide.md, "Public keys": its config block as written loads, plans no key
+    selection, and a replay of it releases exactly the four plans at every trigger."""
+    import yaml
+
+    from tests.test_docs_blocks import ROOT, blocks
+
+    block = next(b for b in blocks(ROOT / "docs" / "user-guide.md") if "public-keys-config" in b.marker)
+    cfg = config_from_mapping(yaml.safe_load(block.text))
+    q = cfg.queries[0]
+    assert q.public_key_texts == ("free", "pro", "team", "enterprise") and plan_query(q.budget()).sigma_key_selection == 0
+    day = 86_400_000
+    start = cfg.budget.start_ms + 300 * day
+    events = [{"user_id": f"u{u}", "plan": ["free", "pro", "other"][u % 3], "ts": start + 1000 * u} for u in range(300)]
+    runner = ReplayRunner(cfg, TEST_SECRET, None, log=io.StringIO(), noise_label=TEST_LABEL, start_ms=start)
+    out = io.StringIO()
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "events.jsonl"
+        path.write_text("".join(json.dumps(e) + "\n" for e in events))
+        try:
+            runner.run(str(path), out, until_ms=start + day + 120_000)
+        finally:
+            runner.close()
+    releases = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert {(r["trigger"], r["key"]) for r in releases} == {(t, k) for t in range(1, 101) for k in q.public_key_texts}
+
+
+def test_plan_sample_previews_a_public_key_query(tmp_path):
+    """`plan --sample`: the preview runs the product's replay path on the sample, so it releases
+    the declared keys at every trigger and counts the other keys' records as not_public_key."""
+    import dpstream
+
+    rng = np.random.default_rng(3)
+    rows = sorted((int(rng.integers(300)), str(rng.choice(["a", "b", "x"])), int(rng.integers(HOUR))) for _ in range(1500))
+    sample = tmp_path / "sample.jsonl"
+    sample.write_text("".join(json.dumps(e) + "\n" for e in events_of(sorted(rows, key=lambda r: r[2]))))
+    report = dpstream.preview({"queries": [query()], "budget": BUDGET}, sample)
+    [q] = report["queries"]
+    assert q["public_keys"] and q["keys_released_per_trigger"]["series"] == [3] * 6
+    assert q["dropped"]["not_public_key"] == sum(1 for r in rows if r[1] == "x")

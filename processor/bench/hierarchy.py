@@ -19,6 +19,10 @@ parent whose value cannot be the sum of its released children plus a non-negativ
 (value < sum of children), or a negative or fractional count; counted over the views after every
 trigger. Time: each trigger's ``fire`` and the part spent in the consistency step (median, max).
 
+With ``public_keys`` every leaf of the workload is declared (a public domain: the hierarchy's
+parents are then closed, every key is released at every trigger, docs/privacy.md, "Public
+keys"), and the consistency step has the whole tree at every trigger.
+
 The noise secret is a one-off random one.
 """
 from __future__ import annotations
@@ -95,9 +99,10 @@ def violations(view: dict, values: dict) -> int:
     return bad + sum(1 for v in values.values() if v < 0 or v != int(v))
 
 
-def run_one(epsilon: float, leaves, user, leaf, ts, triggers: int, secret: bytes) -> dict:
+def run_one(epsilon: float, leaves, user, leaf, ts, triggers: int, secret: bytes, public_keys: bool = False) -> dict:
     query = QueryConfig(name="geo", key_fields=["country", "state", "city"], hierarchy=True, window="1d", triggers=triggers,
-                        allowed_lateness="0s", contribution_bound=C, epsilon=epsilon, delta=1e-9)
+                        allowed_lateness="0s", contribution_bound=C, epsilon=epsilon, delta=1e-9,
+                        public_keys=[list(names) for names in leaves] if public_keys else None)
     noise, pseudo = NodeNoise(secret), Pseudonymizer(secret)
     texts = np.array([json.dumps(list(names), separators=(",", ":")) for names in leaves], dtype=object)
     leaf_ids = pseudo.group_keys(texts.tolist())
@@ -169,16 +174,18 @@ def _median_run(runs: list[dict]) -> dict:
 
 
 def run_hierarchy_bench(countries: int = 20, users: int = 200_000, triggers: int = 10, epsilons=(1.0, 6.0), seed: int = 1,
-                        repeats: int = 3, json_path: str | None = None, out=sys.stdout) -> dict:
-    """Each epsilon on ``repeats`` workloads (seeds ``seed``, ``seed + 1``, ...); medians printed."""
+                        repeats: int = 3, json_path: str | None = None, public_keys: bool = False, out=sys.stdout) -> dict:
+    """Each epsilon on ``repeats`` workloads (seeds ``seed``, ``seed + 1``, ...); medians printed.
+    ``public_keys``: every leaf declared (a public domain), no key selection."""
     workloads = [generate(countries, users, seed + r) for r in range(repeats)]
     leaves, user = workloads[0][0], workloads[0][1]
     print(f"bench hierarchy: ~{len(leaves):,} leaves in {countries} countries, {users:,} users, ~{len(user):,} records, "
-          f"C={C}, T={triggers}; medians over {repeats} seeds from {seed}", file=out)
+          f"C={C}, T={triggers}; medians over {repeats} seeds from {seed}"
+          + ("; public keys: every leaf declared, every key released at every trigger" if public_keys else ""), file=out)
     results = {"countries": countries, "users": users, "triggers": triggers, "seeds": [seed + r for r in range(repeats)],
-               "epsilons": []}
+               "public_keys": public_keys, "epsilons": []}
     for eps in epsilons:
-        runs = [run_one(eps, *w, triggers, os.urandom(32)) for w in workloads]
+        runs = [run_one(eps, *w, triggers, os.urandom(32), public_keys=public_keys) for w in workloads]
         r = _median_run(runs)
         results["epsilons"].append({"epsilon": eps, "median": r, "runs": runs})
         print(f"\nepsilon {eps:g}, delta 1e-9: {r['released_records']:,.0f} records published ({r['reissued']:,.0f} re-issued by "
