@@ -992,7 +992,8 @@ class QueryPipeline:
         variance (the paper's plain L2 when all variances are equal), such that every released
         parent is at least the sum of its released descendants. Each record then carries
         ``consistent_count`` and, below the finest level, ``consistent_other``: the part of the
-        parent not in its released children (children not, or not yet, released).
+        parent not in its released children (children not, or not yet, released). With public
+        keys every parent is closed: it equals the sum of its children, and its other is 0.
 
         Post-processing of released values and public parameters only: no budget (the paper's
         Lemma 3). Keys released now get the consistent fields on their records; keys released
@@ -1028,8 +1029,11 @@ class QueryPipeline:
                     break
         noisy = np.array([e["count"] for e in nodes], dtype=np.float64)
         stddev = np.array([e["stddev"] for e in nodes])
+        # a public domain closes every parent: its records are exactly its declared children's
+        # (records of other keys are dropped), all released at every trigger, so parent = sum of
+        # children, with no remainder (docs/privacy.md, "Public keys")
         solution = solve_consistency(parent, noisy, weight=1.0 / stddev ** 2, spread=CONSISTENCY_SPREAD * stddev,
-                                     open=np.ones(len(nodes), dtype=bool))
+                                     open=np.full(len(nodes), self.public_share is None))
         values = solution.values
         in_children = np.zeros(len(nodes), dtype=np.int64)
         has_parent = direct >= 0
