@@ -61,6 +61,13 @@ SUGGESTION_RULE = ("candidates: the configured C, the 0.5 to 0.995 quantiles and
                    "when its distinct users kept exceed mu + the lowest threshold tau, else its whole true value squared "
                    "(not released); the suggestion is the candidate with the least root mean squared error (ties: the "
                    "smaller C). PipelineDP's parameter tuning rule, with dpstream's own noise and thresholds")
+WEIGHTS_RULE = ("the sample's participation shape p_j: the share of (user, key) pairs in a window that are the user's "
+                "j-th distinct key (in line order), j <= C. Weights proportional to p (Cauchy-Schwarz: the most signal "
+                "per participation for the same L2 charge), as integers w_j = round(s p_j / p_1) for the smallest scale "
+                "s <= 16 within 1% of the best gain; the gain is sum_j p_j w_j / sqrt(sum_j w_j^2 / C), 1 for no weights "
+                "(docs/privacy.md, \"Weighted key selection\"). They need per_key_bound: 1")
+#: weights are integers in [0, 1024] (dpstream.accountant.plan); the scales tried reach 16
+MAX_WEIGHT_SCALE = 16
 CHUNK = 50_000
 
 
@@ -230,6 +237,47 @@ def suggest_contribution_bound(q: QueryConfig, ev: _Events) -> dict:
                                         "p99": _quantile(counts, 0.99), "max": int(counts[-1])}}
 
 
+def participation_shape(ev: _Events, contribution_bound: int) -> np.ndarray:
+    """p_j, j = 1..C: the share of (user, window, key) pairs that are the user's j-th distinct
+    key of the window, in line order (what slot a record of the key takes with per_key_bound 1)."""
+    full = ev.cells[-1]  # (window, key) cells
+    if not len(full):
+        return np.zeros(contribution_bound)
+    n_cells = int(full.max()) + 1
+    _, first = np.unique(ev.users * n_cells + full, return_index=True)
+    first = np.sort(first)  # each pair's first record, in line order
+    keys = np.stack([ev.windows[first], ev.users[first]])
+    order = np.lexsort(keys[::-1])  # by (window, user), line order kept within
+    w, u = ev.windows[first][order], ev.users[first][order]
+    start = np.r_[True, (w[1:] != w[:-1]) | (u[1:] != u[:-1])]
+    rank = np.arange(len(order)) - np.nonzero(start)[0][np.cumsum(start) - 1]
+    counts = np.bincount(rank[rank < contribution_bound], minlength=contribution_bound).astype(np.float64)
+    return counts / max(counts.sum(), 1.0)
+
+
+def selection_gain(shape: np.ndarray, weights, contribution_bound: int) -> float:
+    """Signal per participation over the noise scale of weights against none (docs/privacy.md,
+    "Weighted key selection"): ``sum_j p_j w_j / sqrt(sum_j w_j^2 / C)``."""
+    w = np.zeros(contribution_bound)
+    w[:len(weights)] = weights
+    return float((shape * w).sum() / math.sqrt((w ** 2).sum() / contribution_bound))
+
+
+def suggest_selection_weights(shape: np.ndarray, contribution_bound: int) -> dict:
+    """Integer weights proportional to the participation shape (WEIGHTS_RULE)."""
+    if not shape.any() or shape[0] == 0:
+        return {"weights": None, "gain": None, "shape": shape.tolist(), "rule": WEIGHTS_RULE}
+    tried = []
+    for scale in range(1, MAX_WEIGHT_SCALE + 1):
+        w = [int(round(scale * x / shape[0])) for x in shape.tolist()]
+        while w and w[-1] == 0:
+            w.pop()
+        tried.append((selection_gain(shape, w, contribution_bound), w))
+    best = max(g for g, _ in tried)
+    gain, weights = next((g, w) for g, w in tried if g >= 0.99 * best)
+    return {"weights": weights, "gain": gain, "shape": shape.tolist(), "rule": WEIGHTS_RULE}
+
+
 def _distinct_users(cells: np.ndarray, users: np.ndarray, size: int) -> np.ndarray:
     """Distinct users per cell code (0..size-1)."""
     if not len(cells):
@@ -303,6 +351,9 @@ def _query_report(q: QueryConfig, ev: _Events, releases: list, stats) -> dict:
         "dropped_share_by_contribution_bound": dropped.get("contribution_bound", 0) / events_in if events_in else 0.0,
         "contribution_bound": q.contribution_bound,
         "suggested_contribution_bound": suggest_contribution_bound(q, ev),
+        # public keys have no selection to weigh
+        "suggested_selection_weights": (None if q.public_key_texts is not None else
+                                        suggest_selection_weights(participation_shape(ev, q.contribution_bound), q.contribution_bound)),
     }
 
 
@@ -388,6 +439,14 @@ def human_preview(report: dict) -> str:
                 bar = "public keys" if r.get("public_keys") else f"key needs > {row['min_users_to_release']:,.0f} users"
                 lines.append(f"    C {row['C']:>6}: drops {100 * row['dropped_share']:6.2f}%, stddev {row['expected_stddev']:10,.1f}, "
                              f"{bar}, RMSE {row['rmse']:,.1f}{mark}")
+        w = r.get("suggested_selection_weights")
+        if w and w["weights"]:
+            shape = ", ".join(f"{x:.3f}" for x in w["shape"][:6])
+            lines.append(f"  suggested selection_weights: {w['weights']} (with per_key_bound: 1; {w['gain']:.2f}x the signal per "
+                         f"participation of no weights at C = {r['contribution_bound']}); the sample's share of a user's 1st, 2nd, "
+                         f"... key: {shape}, ...")
+            lines.append("    like the suggested C, these come from the sample: use them only if the sample is not the data "
+                         "you will release (a previous period, a public sample; docs/plan.md, \"Selection weights\")")
     return "\n".join(lines)
 
 
