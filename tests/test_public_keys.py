@@ -159,9 +159,10 @@ def test_a_window_is_pinned_to_its_key_domain():
 
 # --------------------------------------------------------------------------- releases
 
-def run(config: DpstreamConfig, events: list[dict], until: int):
-    """Replay ``events`` (the product's replay path) to ``until``; (releases, pipeline stats)."""
-    runner = ReplayRunner(config, TEST_SECRET, None, log=io.StringIO(), noise_label=TEST_LABEL)
+def run(config: DpstreamConfig, events: list[dict], until: int, start: int | None = None):
+    """Replay ``events`` (the product's replay path) from ``start`` (the clock's public start,
+    if given) to ``until``; (releases, pipeline stats)."""
+    runner = ReplayRunner(config, TEST_SECRET, None, log=io.StringIO(), noise_label=TEST_LABEL, start_ms=start)
     out = io.StringIO()
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "events.jsonl"
@@ -310,16 +311,7 @@ def test_the_user_guides_public_keys_config_loads_and_releases_its_plans():
     day = 86_400_000
     start = cfg.budget.start_ms + 300 * day
     events = [{"user_id": f"u{u}", "plan": ["free", "pro", "other"][u % 3], "ts": start + 1000 * u} for u in range(300)]
-    runner = ReplayRunner(cfg, TEST_SECRET, None, log=io.StringIO(), noise_label=TEST_LABEL, start_ms=start)
-    out = io.StringIO()
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "events.jsonl"
-        path.write_text("".join(json.dumps(e) + "\n" for e in events))
-        try:
-            runner.run(str(path), out, until_ms=start + day + 120_000)
-        finally:
-            runner.close()
-    releases = [json.loads(line) for line in out.getvalue().splitlines()]
+    releases, _ = run(cfg, events, until=start + day + 120_000, start=start)
     assert {(r["trigger"], r["key"]) for r in releases} == {(t, k) for t in range(1, 101) for k in q.public_key_texts}
 
 
