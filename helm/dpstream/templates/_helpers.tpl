@@ -153,7 +153,7 @@ integer number of ms), or nothing when it is not one. */}}
 {{/* Fields of a query, a dynamic query and the config (processor/config.py: QueryConfig,
 DynamicQueryConfig, DpstreamConfig; tests/test_helm_chart.py keeps them equal). */}}
 {{- define "dpstream.queryFields" -}}
-name tenant input_topic output_topic user_field key_fields value_field time_field aggregate clamp contribution_bound window allowed_lateness max_skew input_format triggers key_threshold epsilon delta beta key_selection_share composition counter per_key_bound perturbation_steps selection_weights resolution hierarchy level_shares
+name tenant input_topic output_topic user_field key_fields value_field time_field aggregate clamp contribution_bound window allowed_lateness max_skew input_format triggers key_threshold epsilon delta beta key_selection_share composition counter per_key_bound perturbation_steps selection_weights resolution hierarchy level_shares public_keys public_keys_file
 {{- end }}
 {{- define "dpstream.dynamicFields" -}}
 name tenant input_topic output_topic item_field op_field time_field start tick allowed_lateness max_skew unit_field contribution_bound items epsilon delta beta partition_share mechanism static_release shards envelope
