@@ -30,6 +30,7 @@ def likely_cause(reason: str, query, partitioner: Optional[str] = None) -> str:
         "budget": "the ledger refused the window's privacy charge (`dpstream budget` shows what is left): it releases nothing",
         "contribution_bound": "users over the query's contribution bound (C records per window): the bound at work",
         "per_key_bound": "users over the per-key bound: the bound at work",
+        "not_public_key": "records of keys outside the query's public_keys: the declared domain at work",
         "duplicate": "a record seen again (a redelivery after a restart): counted once",
     }
     return causes.get(reason, "see dpstream_events_dropped_total")
