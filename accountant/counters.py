@@ -70,6 +70,8 @@ def lattice_scale(sigma_units: float) -> int:
 
     The lattice step ``1 / K`` (in grid units) is then below ``2 sigma_units / LATTICE_TARGET_SIGMA``,
     the bound the accountant uses for the slack, whatever the grid (dpstream.accountant.plan)."""
+    if not sigma_units > 0:  # a noise scale of 0 (a part the plan does not run, such as public keys' selection)
+        raise ValueError(f"a lattice counter needs a positive noise scale, got {sigma_units!r}")
     k = 1
     while sigma_units * (2 * k) <= LATTICE_TARGET_SIGMA:
         k *= 2

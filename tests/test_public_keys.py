@@ -328,3 +328,17 @@ def test_plan_sample_previews_a_public_key_query(tmp_path):
     [q] = report["queries"]
     assert q["public_keys"] and q["keys_released_per_trigger"]["series"] == [3] * 6
     assert q["dropped"]["not_public_key"] == sum(1 for r in rows if r[1] == "x")
+
+
+def test_a_worker_builds_its_noise_tables_for_a_public_key_query():
+    """The worker builds every sampler table a query's triggers use before its first trigger; a
+    public-key query has no key selection to build one for (its zero sigma once stopped the
+    worker: OverflowError in the lattice scale), and asking for one is a clear error."""
+    from dpstream.processor.engine.pipeline import prepare_noise_tables
+    from dpstream.processor.mechanisms.key_selection import KeySelector
+    from dpstream.processor.mechanisms.noise import NodeNoise
+
+    cfg = config_of()
+    prepare_noise_tables(cfg.queries[0], NodeNoise(TEST_SECRET))
+    with pytest.raises(ValueError, match="public keys has no key selection"):
+        KeySelector(plan_query(cfg.queries[0].budget()), NodeNoise(TEST_SECRET), "clicks", 0)

@@ -375,7 +375,8 @@ def prepare_noise_tables(query: QueryConfig, noise: NodeNoise) -> None:
     that its first trigger does not hold the loop for them (docs/architecture.md, "Noise
     tables"). The tables depend on the plan only, never on data."""
     for plan in level_plans_for(query):
-        KeySelector(plan, noise, query.name, 0).counter.prepare()
+        if not plan.public_keys:  # public keys: no key selection to sample for
+            KeySelector(plan, noise, query.name, 0).counter.prepare()
         for c, column in enumerate(aggregate_named(query.aggregate).columns):
             HierarchicalPerturber(plan, noise, query.name, 0, column.name, c).counter.prepare()
 

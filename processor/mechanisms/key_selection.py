@@ -88,6 +88,8 @@ class KeySelector:
     """Algorithm 2 for one (query, window), vectorized over the keys of a micro-batch."""
 
     def __init__(self, plan: PrivacyPlan, noise: NodeNoise, query: str, window_start: int):
+        if plan.public_keys:
+            raise ValueError(f"query {query}: a plan with public keys has no key selection (docs/privacy.md, \"Public keys\")")
         self.plan = plan
         self.query = query
         self.window_start = int(window_start)
