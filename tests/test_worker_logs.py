@@ -142,7 +142,7 @@ def test_a_healthy_start_logs_clean_lines_shows_lag_and_an_idle_worker_writes_no
             # a loaded machine (CI: six test processes and their brokers on 2 cores) can keep the
             # broker from answering for 10 s: the worker says so and says when it answers again,
             # which is its health report working, not an unclean line
-            quiet = re.sub(r"^.*\[WARNING\] waiting for the broker at \S+: no answer for \d+ s\n(?=(.*\n)*?.*the broker at \S+ answers again)",
+            quiet = re.sub(r"^.*\[WARNING\] waiting for the broker at \S+: no answer for \d+ s *\n(?=(.*\n)*?.*the broker at \S+ answers again)",
                            "", text, flags=re.M)
             assert not re.search(r"\[(ERROR|WARNING)\]|^%[0-4]\|", quiet, re.M), text
             assert "dpstream worker stopping: SIGTERM received" in text
