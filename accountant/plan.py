@@ -138,8 +138,9 @@ class QueryBudget:
     #: the continual counter behind key selection and perturbation (dpstream.accountant.counters:
     #: "tree" or "binary_tree", "blt")
     counter: str = "binary_tree"
-    #: c_k: records a user may add to one key (None: up to C). Stage 1 enforces 1 (the user's
-    #: first record per key); the perturbation sensitivity is then sqrt(C c_k) L, not C L
+    #: c_k: records a user may add to one key, an integer in [1, C] (None: up to C). Stage 1 keeps
+    #: the user's first c_k records per key; the perturbation sensitivity is then sqrt(C c_k) L,
+    #: not C L (:func:`perturbation_squares`)
     per_key_bound: Optional[int] = None
     #: the perturbation stream's step: "trigger" (the paper's) or "release" (the key's release
     #: number, public); None: trigger
@@ -218,6 +219,13 @@ class PrivacyPlan:
         return int(math.floor(self.clamp / self.resolution))
 
     @property
+    def perturbation_l2_sensitivity(self) -> float:
+        """L2 sensitivity of one user's change to the per-key sums of one read level, in value
+        units (the first column's): ``sqrt(C c_k) L`` with a per-key bound, ``C L`` without
+        (:func:`perturbation_squares`)."""
+        return math.sqrt(perturbation_squares(self.contribution_bound, self.per_key_bound)) * self.clamp
+
+    @property
     def perturbation_sensitivity_units(self) -> int:
         """Per-tree L1 sensitivity of the perturbation tree in grid units: C * M <= C L / resolution."""
         return self.contribution_bound * self.clamp_units
@@ -284,9 +292,10 @@ def _check(budget: QueryBudget) -> None:
         if abs(sum(shares) - 1.0) > 1e-9:
             raise BudgetError("level_shares", f"must add up to 1, got {sum(shares):.12g}")
     if budget.per_key_bound is not None:
-        if budget.per_key_bound != 1:
-            raise BudgetError("per_key_bound", f"must be 1 or null (stage 1 keeps a user's first record per key; larger "
-                                               f"bounds are not enforced yet), got {budget.per_key_bound!r}")
+        ck = budget.per_key_bound
+        if not (isinstance(ck, int) and not isinstance(ck, bool) and 1 <= ck <= budget.contribution_bound):
+            raise BudgetError("per_key_bound", f"must be an integer from 1 to contribution_bound (C = {budget.contribution_bound}: "
+                                               f"a user adds at most C records in all), or null, got {ck!r}")
         if budget.hierarchy_depth > 1:
             raise BudgetError("per_key_bound", "is not supported with a hierarchy (hierarchy_depth > 1)")
     if budget.selection_weights is not None:
@@ -416,6 +425,18 @@ def _level_shares(budget: QueryBudget) -> tuple[float, ...]:
     return tuple(float(s) for s in budget.level_shares)
 
 
+def perturbation_squares(C: int, per_key_bound: Optional[int]) -> int:
+    """The squared L2 sensitivity of one user's per-key record counts, in units of one record's
+    bound squared, that every perturbation sigma is calibrated to: ``C c_k`` with ``c_k =
+    min(per_key_bound, C)`` (``C^2`` without a per-key bound). A user adds at most c_k records to
+    a key and C in all, so the squared change over keys, ``sum_j n_j^2`` with ``n_j <= c_k`` and
+    ``sum_j n_j <= C``, is at most ``floor(C / c_k) c_k^2 + (C mod c_k)^2 <= C c_k`` (equal when
+    c_k divides C; docs/privacy.md, "Per-key bound"). The exact discrete curve of ``composition:
+    gdp`` with the tree charges that pattern itself (:func:`_user_parts`)."""
+    ck = C if per_key_bound is None else min(int(per_key_bound), C)
+    return C * ck
+
+
 def _user_parts(C: int, h: int, per_key_bound: Optional[int], weights: Optional[tuple], sigma_k: float,
                 columns) -> tuple[tuple, tuple]:
     """(key selection parts, perturbation parts) of the worst-case user of one level of the binary
@@ -424,8 +445,9 @@ def _user_parts(C: int, h: int, per_key_bound: Optional[int], weights: Optional[
 
     Key selection: each of the user's keys adds its weight (1 without weights) to one leaf of
     its round tree, moving one read node per level: ``h`` copies per key. Perturbation: all of
-    the user's records in one node per level, the shift ``C B`` on ``h`` nodes; with c_k = 1 (the
-    only per-key bound accepted) at most ``B`` on each of C keys' nodes, ``C h`` copies of ``B``.
+    the user's records in one node per level, the shift ``C B`` on ``h`` nodes; with a per-key
+    bound c_k < C at most ``c_k B`` on one key's node, so ``floor(C / c_k)`` keys' nodes moved by
+    ``c_k B`` and, when c_k does not divide C, one more moved by ``(C mod c_k) B``, per level.
     Concentrating the shift is the worst pattern (docs/privacy.md, "Accounting"; checked over
     every split in tests/test_gdp_accounting.py). ``sigma_k`` 0: public keys, no key selection."""
     if sigma_k == 0:
@@ -439,7 +461,10 @@ def _user_parts(C: int, h: int, per_key_bound: Optional[int], weights: Optional[
     else:
         selection = ((sigma_k, 1, C * h),)
     if per_key_bound is not None and per_key_bound < C:
-        perturbation = tuple((units, per_key_bound * bound, (C // per_key_bound) * h) for units, bound in columns)
+        rest = C % per_key_bound  # the last key's records when c_k does not divide C
+        perturbation = tuple(part for units, bound in columns
+                             for part in ((units, per_key_bound * bound, (C // per_key_bound) * h),
+                                          *(((units, rest * bound, h),) if rest else ())))
     else:
         perturbation = tuple((units, C * bound, h) for units, bound in columns)
     return selection, perturbation
@@ -658,9 +683,9 @@ def _plan_levels(budget: QueryBudget) -> tuple[PrivacyPlan, ...]:
             if weights is None:
                 sigma_k = 0.0 if public else math.sqrt(C * h / (2.0 * rho_k))
             # a user adds at most c_k B to a key and C B in all: the squared L2 change over keys,
-            # per read level, is at most (C / c_k) (c_k B)^2 = C c_k B^2
-            column_sigmas = [math.sqrt(C * ck) * (budget.clamp if kind == VALUE else 1.0) * math.sqrt(h / (2.0 * rho_m / ncols))
-                             for kind in kinds]
+            # per read level, is at most C c_k B^2 (perturbation_squares)
+            column_sigmas = [math.sqrt(perturbation_squares(C, ck)) * (budget.clamp if kind == VALUE else 1.0)
+                             * math.sqrt(h / (2.0 * rho_m / ncols)) for kind in kinds]
         else:
             sigma_k = 0.0 if public else math.sqrt(C * h / (2.0 * rho_k))
             # the columns' trees share the level's perturbation rho equally (zCDP composition); a

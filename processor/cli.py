@@ -150,7 +150,7 @@ def _human_plan(query: QueryConfig, plan: PrivacyPlan) -> str:
         (f"  perturbation       rho {plan.rho_perturbation:.6g}, sensitivity C*L = {C * plan.clamp:g}; sigma_m = {plan.sigma_perturbation:.4f}"
          if plan.per_key_bound is None else
          f"  perturbation       rho {plan.rho_perturbation:.6g}, per-key bound c_k = {plan.per_key_bound}: sensitivity sqrt(C c_k)*L = "
-         f"{(C * plan.per_key_bound) ** 0.5 * plan.clamp:.4g}; sigma_m = {plan.sigma_perturbation:.4f}")
+         f"{plan.perturbation_l2_sensitivity:.4g}; sigma_m = {plan.sigma_perturbation:.4f}")
         + (f" (grid {plan.resolution:g})" if plan.aggregate == "sum" else ""),
         *([f"                     {len(plan.columns)} columns, rho_m split equally: "
            + "; ".join(f"{name} sigma {sigma:.4f}" + (f" (grid {step:g})" if kind == "value" else "")
@@ -583,7 +583,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_dpsqlp(args: argparse.Namespace) -> int:
-    from dpstream.processor.bench.dpsqlp import run_dpsqlp_bench, run_dpsqlp_compare, run_dpsqlp_public
+    from dpstream.processor.bench.dpsqlp import run_dpsqlp_bench, run_dpsqlp_compare, run_dpsqlp_per_key, run_dpsqlp_public
 
     counters = [c.strip() for c in args.counter.split(",") if c.strip()]
     bad = [c for c in counters if c not in ("tree", "blt")]
@@ -592,7 +592,19 @@ def cmd_bench_dpsqlp(args: argparse.Namespace) -> int:
     common = dict(users=args.users, keys=args.keys, seed=args.seed, state=args.state, processes=args.processes, runs=args.runs,
                   composition=args.composition, per_key_bound=args.per_key_bound, key_selection_share=args.key_selection_share,
                   perturbation_steps=args.perturbation_steps, selection_weights=args.selection_weights)
-    if args.public_keys_top is not None:
+    if args.per_key_bounds is not None:
+        try:
+            bounds = [None if b.strip() == "none" else int(b) for b in args.per_key_bounds.split(",") if b.strip()]
+        except ValueError:
+            bounds = []
+        if not bounds or len(set(bounds)) < len(bounds):
+            raise ConfigError(f"--per-key-bounds: distinct per-key bounds, comma-separated (none or integers), got "
+                              f"{args.per_key_bounds!r}")
+        if len(counters) > 1 or args.public_keys_top is not None or args.per_key_bound is not None:
+            raise ConfigError("--per-key-bounds: with one --counter, and without --per-key-bound or --public-keys-top")
+        common.pop("per_key_bound")
+        run_dpsqlp_per_key(bounds, args.triggers, json_path=args.json, counter=counters[0], **common)
+    elif args.public_keys_top is not None:
         if len(counters) > 1 or args.public_keys_top < 1:
             raise ConfigError("--public-keys-top: a positive number of keys, with one --counter")
         run_dpsqlp_public(args.public_keys_top, args.triggers, json_path=args.json, counter=counters[0], **common)
@@ -1047,8 +1059,12 @@ def build_parser() -> argparse.ArgumentParser:
     dpsqlp.add_argument("--composition", choices=["zcdp", "gdp", "basic"], default="gdp",
                         help="how the Gaussian parts compose (default gdp, exact Gaussian DP, as in a query config; zcdp: the "
                              "paper's analysis with the CKS conversion)")
-    dpsqlp.add_argument("--per-key-bound", type=int, choices=[1], default=None,
-                        help="records a user may add to one key (default: up to C); 1 keeps each user's first record per key")
+    dpsqlp.add_argument("--per-key-bound", type=int, default=None,
+                        help="records a user may add to one key, 1 to C (default: up to C); c_k keeps each user's first c_k "
+                             "records per key")
+    dpsqlp.add_argument("--per-key-bounds", default=None, metavar="LIST",
+                        help="run the workload once per per-key bound, comma-separated (none: the default, up to C), e.g. "
+                             "none,1,2,4, and compare them side by side (same data, secret and budget)")
     dpsqlp.add_argument("--key-selection-share", type=float, default=0.5,
                         help="share of the Gaussian budget (mu^2 or rho) for key selection (default 0.5)")
     dpsqlp.add_argument("--selection-weights", type=lambda t: [int(x) for x in t.split(",")], default=None,

@@ -235,8 +235,9 @@ class QueryConfig(BaseModel):
     #: the default: less worst-step noise variance than the tree, 1.3x at T = 2 to 5x at T = 1000)
     #: or tree (binary tree + Honaker, the paper's); docs/privacy.md, "Counters"
     counter: Literal["tree", "blt"] = "blt"
-    #: records a user may add to one key (c_k): null (up to contribution_bound) or 1, the user's
-    #: first record per key; the perturbation noise then scales with sqrt(C c_k) instead of C
+    #: records a user may add to one key (c_k): null (up to contribution_bound) or an integer from
+    #: 1 to contribution_bound, the user's first c_k records per key; the perturbation noise then
+    #: scales with sqrt(C c_k) instead of C (docs/privacy.md, "Per-key bound")
     per_key_bound: Optional[int] = None
     #: the perturbation counter's step: trigger (the paper's layout) or release (one step per
     #: release of the key: fewer steps, less noise); docs/privacy.md, "Perturbation steps"

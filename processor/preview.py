@@ -91,7 +91,7 @@ class _Events:
     values: np.ndarray
     triggers: np.ndarray
     windows: np.ndarray
-    eligible: np.ndarray  # competes for the user's C slots (per_key_bound 1: the user's first record of the key)
+    eligible: np.ndarray  # competes for the user's C slots (per_key_bound c_k: among the user's first c_k records of the key)
     rank: np.ndarray  # among the user's eligible records of the window, 0-based, in line order
     cell_keys: list  # per level: cell code -> (window, level, key parts)
 
@@ -150,20 +150,21 @@ def _columns(q: QueryConfig, users: list, keys: list, values: list, ts: list) ->
                            for w, p in zip(windows.tolist(), parts)), dtype=np.int64, count=len(parts))
         cells.append(col)
         cell_keys.append([(w, level, p) for (w, p) in codes])
-    # bounding as stage 1 does it, in line order: per (user, window), with per_key_bound 1 only a
-    # user's first record of a key competes for the C slots; the first C of those are kept
+    # bounding as stage 1 does it, in line order: per (user, window), with per_key_bound c_k only
+    # a user's first c_k records of a key compete for the C slots; the first C of those are kept
     eligible = np.ones(len(ts), dtype=bool)
     rank = np.zeros(len(ts), dtype=np.int64)
     seen: dict = {}
-    firsts: set = set()
+    per_cell: dict = {}  # (user, cell): the user's records of the key so far
     full = cells[-1]  # the full key's cell (window, key)
-    per_key = q.per_key_bound == 1
+    per_key = q.per_key_bound
     for i, (u, w, c) in enumerate(zip(ucode.tolist(), windows.tolist(), full.tolist())):
-        if per_key:
-            if (u, c) in firsts:
+        if per_key is not None:
+            m = per_cell.get((u, c), 0)
+            if m >= per_key:
                 eligible[i] = False
                 continue
-            firsts.add((u, c))
+            per_cell[(u, c)] = m + 1
         n = seen.get((u, w), 0)
         rank[i] = n
         seen[(u, w)] = n + 1
@@ -212,7 +213,11 @@ def suggest_contribution_bound(q: QueryConfig, ev: _Events) -> dict:
     rows = []
     for c in candidates:
         try:
-            plans = level_plans_for(q.model_copy(update={"contribution_bound": c}))
+            # a per-key bound above a candidate C bounds nothing that C does not (and is refused): C
+            update = {"contribution_bound": c}
+            if q.per_key_bound is not None and q.per_key_bound > c:
+                update["per_key_bound"] = c
+            plans = level_plans_for(q.model_copy(update=update))
         except (ConfigError, ValueError):
             continue  # beyond the sampler's range, or weights longer than C: not a candidate
         kept = ev.eligible & (ev.rank < c)

@@ -29,3 +29,25 @@ def test_repeated_runs_with_two_processes_agree(tmp_path, capsys):
     report = json.loads(out.read_text())
     assert len(report["timing"]["pipeline_seconds"]["runs"]) == 2
     assert "median of 2 runs" in capsys.readouterr().out
+
+
+def test_per_key_bounds_run_side_by_side_on_the_same_data(tmp_path, capsys):
+    """--per-key-bounds none,2,4 runs the workload once per bound and reports them side by side:
+    the same records and baselines, the accountant's sensitivity sqrt(C c_k) L per row, and each
+    bound's drops."""
+    out = tmp_path / "pk.json"
+    assert main(["bench", "dpsqlp", "--users", "20000", "--keys", "2000", "--triggers", "12", "--processes", "1",
+                 "--state", "memory", "--per-key-bounds", "none,2,4", "--json", str(out)]) == 0
+    assert "per-key bounds compared" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert report["per_key_bounds"] == [None, 2, 4] and list(report["rows"]) == ["none", "2", "4"]
+    runs = report["runs"]
+    assert runs["none"]["records"] == runs["2"]["records"] == runs["4"]["records"]
+    assert runs["none"]["results"]["Baseline 1"] == runs["4"]["results"]["Baseline 1"]
+    C = runs["none"]["contribution_bound"]
+    for name, ck in (("none", C), ("2", 2), ("4", 4)):
+        assert report["rows"][name]["perturbation_l2_sensitivity"] == (C * ck) ** 0.5
+    assert report["rows"]["none"]["dropped_per_key_bound"] == 0 < report["rows"]["2"]["dropped_per_key_bound"]
+    assert report["rows"]["2"]["dropped_per_key_bound"] >= report["rows"]["4"]["dropped_per_key_bound"]
+    for bad in (["--per-key-bounds", "2,x"], ["--per-key-bounds", "2,2"], ["--per-key-bounds", "2", "--per-key-bound", "1"]):
+        assert main(["bench", "dpsqlp", "--users", "100", "--keys", "10", "--triggers", "2", *bad]) == 2

@@ -277,6 +277,7 @@ def _dpsqlp_once(users: int, keys: int, triggers: int, seed: int, epsilon: float
         "pipeline_seconds": t_pipe, "fire_seconds_median": float(np.median(fire_seconds)), "fire_seconds_max": float(np.max(fire_seconds)),
         "wall_seconds": time.perf_counter() - t_start, "peak_rss_gb": peak_gb, "peak_pss_gb": peak_pss, "stage_one_wait_seconds": waited if feeder else None,
         "dropped": dict(stats.dropped), "releases": stats.releases,
+        "sigma_perturbation": pipe.plan.sigma_perturbation, "perturbation_l2_sensitivity": pipe.plan.perturbation_l2_sensitivity,
         "baseline_sigma": sigma_q, "baseline_threshold": threshold_q, "curve": curve,
     }
     p(f"\n{'metric':<8}" + "".join(f"{m:>26}" for m in results if m != "top"))
@@ -410,6 +411,39 @@ def run_dpsqlp_public(top_keys: int, triggers: int, json_path: str | None = None
     p(f"l_2 public keys / key selection = {ratio:.3f}")
     comparison = {"triggers": triggers, "top_keys": top_keys, "l2_ratio": ratio, "top": rows,
                   "runs": {"key selection": selection, "public keys": public}}
+    if json_path:
+        with open(json_path, "w") as fh:
+            json.dump(comparison, fh, indent=2)
+    return comparison
+
+
+def run_dpsqlp_per_key(bounds: list, triggers: int, json_path: str | None = None, out=None, **kwargs) -> dict:
+    """The workload once per per-key bound (None: the default, up to C records on one key), on the
+    same data, secret and budget, side by side (issue 34): keys released and error over all keys,
+    the perturbation's sensitivity and noise from the accountant, and what each bound dropped."""
+    out = sys.stdout if out is None else out
+    p = lambda s="": print(s, file=out, flush=True)  # noqa: E731
+    reports = {b: run_dpsqlp_bench(triggers=triggers, per_key_bound=b, out=out, **kwargs) for b in bounds}
+    first = reports[bounds[0]]
+    name = lambda b: "none" if b is None else str(b)  # noqa: E731
+    p(f"\nper-key bounds compared (T={triggers}, {first['users']:,} users, {first['records']:,} records, C={first['contribution_bound']}, "
+      f"counter {first['counter']}, composition {first['composition']}, key selection share {first['key_selection_share']:g}, "
+      f"perturbation steps per {first['perturbation_steps']}):")
+    columns = ("keys", "linf", "l1", "l2")
+    p(f"{'per_key_bound':>14}" + "".join(f"{m:>14}" for m in columns) + f"{'sensitivity':>13}{'sigma_m':>10}"
+      f"{'dropped c_k':>13}{'dropped C':>11}")
+    rows = {}
+    for b in bounds:
+        r = reports[b]
+        res = r["results"]["DP-SQLP"]
+        rows[name(b)] = {**res, "perturbation_l2_sensitivity": r["perturbation_l2_sensitivity"],
+                         "sigma_perturbation": r["sigma_perturbation"],
+                         "dropped_per_key_bound": r["dropped"].get("per_key_bound", 0),
+                         "dropped_contribution_bound": r["dropped"].get("contribution_bound", 0)}
+        row = rows[name(b)]
+        p(f"{name(b):>14}" + "".join(f"{res[m]:>14,.0f}" for m in columns) + f"{row['perturbation_l2_sensitivity']:>13.4g}"
+          f"{row['sigma_perturbation']:>10.1f}{row['dropped_per_key_bound']:>13,}{row['dropped_contribution_bound']:>11,}")
+    comparison = {"triggers": triggers, "per_key_bounds": bounds, "rows": rows, "runs": {name(b): r for b, r in reports.items()}}
     if json_path:
         with open(json_path, "w") as fh:
             json.dump(comparison, fh, indent=2)

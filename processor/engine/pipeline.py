@@ -59,6 +59,7 @@ from dpstream.processor.mechanisms.bounding import (
     ContributionBounder,
     first_for_key,
     key_histories,
+    within_key_bound,
 )
 from dpstream.processor.mechanisms.consistency import solve as solve_consistency
 from dpstream.processor.mechanisms.counters import counter_for
@@ -425,6 +426,10 @@ class QueryPipeline:
                               plan.sigma_key_selection or plan.sigma_perturbation_units, noise)  # public keys: no selection
         self.counter_state_width = counter.state_width
         self.bounder = ContributionBounder(plan.contribution_bound, plan.clamp, plan.resolution)
+        #: a per-key bound 1 < c_k < C: stage 1 counts a user's admitted records per key, its user
+        #: states a multiset of one entry per admitted record (bounding.within_key_bound); with
+        #: c_k = 1 the set of keys suffices, and c_k >= C bounds nothing that C does not
+        self._per_key_counts = plan.per_key_bound is not None and 1 < plan.per_key_bound < plan.contribution_bound
         #: key selection's weight by slot (index = slot; slots beyond the declared weights: 0)
         self.selection_weights = None
         if plan.selection_weights is not None:
@@ -620,10 +625,14 @@ class QueryPipeline:
         gw, gu = window[firsts], users[firsts]  # groups are sorted by (window, user)
         state = self.tables.users.read(gw, gu)
         before = state.admitted
-        if self.plan.per_key_bound == 1:
-            # at most one record per (user, key): only a user's first record for a key competes
-            # for the user's C slots (docs/privacy.md, "Per-key bound")
-            eligible = np.nonzero(first_for_key(group_of, events.key_ids[idx], state.group, state.key))[0]
+        if self.plan.per_key_bound == 1 or self._per_key_counts:
+            # at most c_k records per (user, key): only a user's first c_k records for a key, in
+            # arrival order, compete for the user's C slots (docs/privacy.md, "Per-key bound")
+            if self.plan.per_key_bound == 1:
+                within = first_for_key(group_of, events.key_ids[idx], state.group, state.key)
+            else:  # the user's state counts its admitted records per key (one entry each)
+                within = within_key_bound(group_of, events.key_ids[idx], state.group, state.key, self.plan.per_key_bound)
+            eligible = np.nonzero(within)[0]
             self.stats.dropped["per_key_bound"] += int(len(order) - len(eligible))
             assigned = self.bounder.assign_slots(before, group_of[eligible])
             admitted = np.zeros(len(order), dtype=bool)
@@ -659,7 +668,8 @@ class QueryPipeline:
             rec_roots = np.repeat(ids[:, 0], d)
             rec_group, rec_trigger, rec_window, rec_users, rec_slots, rec_units = (
                 np.repeat(a, d) for a in (rec_group, rec_trigger, rec_window, rec_users, rec_slots, rec_units))
-        history = key_histories(rec_group, rec_ids, rec_trigger, state.group, state.key, state.trigger)
+        history = key_histories(rec_group, rec_ids, rec_trigger, state.group, state.key, state.trigger,
+                                distinct=not self._per_key_counts)
         # a user at the bound admits nothing more: the per-key entries are never needed again
         self.tables.users.write(batch, gw, gu, assigned.counts, assigned.counts != before,
                                 assigned.counts >= self.plan.contribution_bound, history.group, history.key, history.trigger)

@@ -1,8 +1,10 @@
 """User contribution bounding (DP-SQLP section 3.2 and section 4.1 step 1; docs/privacy.md, "Failures").
 
 Stage 1, partitioned by user: each (user, window) - the privacy unit - admits at most C records,
-the first C in arrival order; each admitted record gets a *slot* 1..C. The per-user state is just
-the number of admitted records. Values are clamped to ``|v| <= L`` and put on the accountant's
+the first C in arrival order; each admitted record gets a *slot* 1..C. The per-user state is the
+number of admitted records and their keys (:func:`key_histories`). With a per-key bound c_k only
+a user's first c_k records of a key, in arrival order, compete for the C slots
+(:func:`first_for_key`, :func:`within_key_bound`). Values are clamped to ``|v| <= L`` and put on the accountant's
 grid (``round(v / resolution)`` grid units, ties to even, then clamped to the ``M = floor(L /
 resolution)`` steps the accountant's sensitivity assumes): the integer data the perturbation
 tree's discrete noise needs.
@@ -76,10 +78,12 @@ class KeyHistory:
 
 
 def key_histories(group_of: np.ndarray, key_ids: np.ndarray, triggers: np.ndarray,
-                  state_group: np.ndarray, state_key: np.ndarray, state_trigger: np.ndarray) -> KeyHistory:
+                  state_group: np.ndarray, state_key: np.ndarray, state_trigger: np.ndarray, distinct: bool = True) -> KeyHistory:
     """For admitted records (arrival order): each record's *predecessor* among the same user's
     records for the same key, and the updated per-user state (the set of (key, trigger) pairs the
-    user has contributed in the window: at most C entries).
+    user has contributed in the window: at most C entries). ``distinct`` False (a per-key bound
+    above 1: :func:`within_key_bound`): the state keeps one entry per admitted record instead,
+    a multiset whose entries of a key count the user's admitted records of it (still at most C).
 
     Order the user's records for a key by (trigger, arrival). Stage 2 counts a record as the
     user's arrival in the key's current round iff the trigger of the record before it in that
@@ -158,8 +162,9 @@ def key_histories(group_of: np.ndarray, key_ids: np.ndarray, triggers: np.ndarra
         askers_sorted = np.nonzero(earlier)[0]
         fold(order[b], t[order[a]], np.ones(total, dtype=bool), first[askers_sorted], order[askers_sorted])
     amend = np.where(later == big, 0, later)
-    # the new state: a group's entries, then its new (key, trigger) pairs (``order`` is by group)
-    fresh = order[~known[order]]
+    # the new state: a group's entries, then its new (key, trigger) pairs (``order`` is by group);
+    # as a multiset, one per record
+    fresh = order[~known[order]] if distinct else order
     if not len(fresh):
         return KeyHistory(previous, amend, sg, sk, st)
     at = bounds[g[fresh] + 1]  # after the group's last entry
@@ -170,7 +175,8 @@ def first_for_key(group_of: np.ndarray, key_ids: np.ndarray, state_group: np.nda
     """Per record (arrival order): whether it is its user's first record for its key in the window,
     i.e. no state entry of its group has its key and no earlier record of the batch has its
     (group, key). The per-key bound of 1 (``per_key_bound``; docs/privacy.md, "Per-key bound")
-    admits only these records: a user then adds at most one record to any key.
+    admits only these records: a user then adds at most one record to any key. (A bound above 1:
+    :func:`within_key_bound`, which at 1 gives the same answer.)
 
     ``state_group`` ascending with ``state_key`` (the user states of :func:`key_histories`: every
     admitted record's key is there until the user reaches C, after which nothing is admitted)."""
@@ -204,3 +210,53 @@ def first_for_key(group_of: np.ndarray, key_ids: np.ndarray, state_group: np.nda
             seen = np.logical_or.reduceat(sk[entry] == k[cand[asking]], starts[has])
             first[cand[has[seen]]] = False
     return first
+
+
+def within_key_bound(group_of: np.ndarray, key_ids: np.ndarray, state_group: np.ndarray, state_key: np.ndarray,
+                     bound: int) -> np.ndarray:
+    """Per record (arrival order): whether fewer than ``bound`` records of its (group, key) came
+    before it, i.e. the group's state entries with its key plus the batch's earlier records of the
+    (group, key) number fewer than ``bound``. The per-key bound c_k = ``bound`` > 1
+    (``per_key_bound``; docs/privacy.md, "Per-key bound") admits only these records: a user then
+    adds at most c_k records to any key, the first c_k in arrival order (then at most C in all).
+
+    ``state_group`` ascending with ``state_key``: the user states of :func:`key_histories` kept as
+    a multiset (``distinct=False``), one entry per admitted record, so a group's entries of a key
+    count its admitted records of the key. (Every admitted record is there until the user reaches
+    C, after which nothing is admitted; an eligible record not admitted for C means the same.)
+    A record of the batch beyond the bound counts among the earlier ones of its (group, key), but
+    it comes after ``bound`` eligible ones, so the answer is the same."""
+    n = len(group_of)
+    if n == 0:
+        return np.zeros(0, dtype=bool)
+    g = np.asarray(group_of, dtype=np.int64)
+    k = np.asarray(key_ids, dtype=np.uint64)
+    # rank in the batch among the (group, key)'s records, by one stable sort (ties keep arrival order)
+    order = np.lexsort((k, g))
+    sg_, sk_ = g[order], k[order]
+    head = np.ones(n, dtype=bool)
+    head[1:] = (sg_[1:] != sg_[:-1]) | (sk_[1:] != sk_[:-1])
+    seg_start = np.maximum.accumulate(np.where(head, np.arange(n), 0))
+    taken = np.empty(n, dtype=np.int64)
+    taken[order] = np.arange(n) - seg_start
+    # ... plus the group's state entries with the key: each (group, key)'s first record compares
+    # its key with its group's entries (at most C each), the rest of its records share the answer
+    sg = np.asarray(state_group, dtype=np.int64)
+    if len(sg):
+        sk = np.asarray(state_key, dtype=np.uint64)
+        bounds = np.zeros(max(int(g.max()), int(sg.max())) + 2, dtype=np.int64)
+        np.cumsum(np.bincount(sg, minlength=len(bounds) - 1), out=bounds[1:])
+        heads = order[head]
+        lo = bounds[g[heads]]
+        count = bounds[g[heads] + 1] - lo
+        total = int(count.sum())
+        if total:
+            asking = np.repeat(np.arange(len(heads)), count)
+            starts = np.cumsum(count) - count
+            entry = lo[asking] + (np.arange(total) - starts[asking])
+            has = np.nonzero(count)[0]
+            prior = np.zeros(len(heads), dtype=np.int64)
+            prior[has] = np.add.reduceat((sk[entry] == k[heads[asking]]).astype(np.int64), starts[has])
+            segment = np.cumsum(head) - 1  # per sorted position: its (group, key)'s index among the heads
+            taken[order] += prior[segment]
+    return taken < bound

@@ -1,22 +1,26 @@
-"""The per-key bound (``per_key_bound: 1``): a user adds at most one record to any key.
+"""The per-key bound (``per_key_bound: c_k``): a user adds at most c_k records to any key.
 
 The accountant charges the perturbation sqrt(C c_k) L instead of C L on this promise, so it must
 hold through the real stage 1 (QueryPipeline.bound) for any arrival order, any split into
-micro-batches (state carried between them in the store), duplicated lines, and users with many
-records on one key. And the charge must cover what one user can actually change.
+micro-batches (state carried between them in the store), restarts, duplicated lines, and users
+with many records on one key. And the charge must cover what one user can actually change
+(through the whole pipeline, for c_k 2 and 4: tests/privacy/test_per_key_counts.py).
 """
 import math
 
+import dp_accounting
 import numpy as np
 import pytest
+from dp_accounting.pld import PLDAccountant
+from dp_accounting.rdp import RdpAccountant
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dpstream.accountant.calibration import read_levels
-from dpstream.accountant.plan import BudgetError, QueryBudget, plan_query
+from dpstream.accountant.plan import BudgetError, QueryBudget, perturbation_squares, plan_query
 from dpstream.processor.config import QueryConfig
 from dpstream.processor.engine.pipeline import EventColumns, QueryPipeline
-from dpstream.processor.mechanisms.bounding import first_for_key
+from dpstream.processor.mechanisms.bounding import first_for_key, within_key_bound
 from dpstream.processor.mechanisms.noise import NodeNoise, Pseudonymizer
 from dpstream.state.store import MemoryStore, WriteBatch
 from tests.conftest import TEST_SECRET
@@ -25,9 +29,9 @@ DAY = 86_400_000
 START = 1_795_132_800_000
 
 
-def _query(C, **kw):
+def _query(C, per_key_bound=1, **kw):
     return QueryConfig(name="pk", window="1d", triggers=8, contribution_bound=C, epsilon=6.0, delta=1e-9,
-                       allowed_lateness="0s", per_key_bound=1, **kw)
+                       allowed_lateness="0s", per_key_bound=per_key_bound, **kw)
 
 
 @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
@@ -72,6 +76,84 @@ def test_stage_one_admits_each_users_first_record_per_key_up_to_c(data, C, users
     assert dropped["per_key_bound"] + dropped["contribution_bound"] + len(admitted) == len(rows)
 
 
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), C=st.integers(2, 8), users=st.integers(1, 4), keys=st.integers(1, 4))
+def test_stage_one_admits_each_users_first_ck_records_per_key_up_to_c(data, C, users, keys):
+    """c_k from 2 to C through QueryPipeline.bound over several micro-batches, with restarts (a
+    fresh pipeline on the same store) between some of them and lines repeated: the admitted
+    records are, per user, the first c_k records of each key in arrival order, the first C of
+    those; never more than c_k of a key."""
+    ck = data.draw(st.integers(2, C))
+    n = data.draw(st.integers(1, 60))
+    rows = data.draw(st.lists(st.tuples(st.integers(0, users - 1), st.integers(0, keys - 1), st.integers(0, 7)),
+                              min_size=n, max_size=n))
+    if data.draw(st.booleans()):
+        rows = rows + rows  # every line twice
+    cuts = sorted(set(data.draw(st.lists(st.integers(1, max(1, len(rows) - 1)), max_size=5))))
+    pseudo = Pseudonymizer(TEST_SECRET)
+    store = MemoryStore()
+    query = _query(C, per_key_bound=ck)
+    pipe = QueryPipeline(query, NodeNoise(TEST_SECRET), store, pseudo)
+    admitted, dropped = [], 0
+    for lo, hi in zip([0] + cuts, cuts + [len(rows)]):
+        part = rows[lo:hi]
+        if not part:
+            continue
+        if data.draw(st.booleans()):  # a restart: stage 1 reads what it admitted from the store
+            dropped += sum(pipe.stats.dropped.values())
+            pipe = QueryPipeline(query, NodeNoise(TEST_SECRET), store, pseudo)
+        key_text = [f"k{k}" for _, k, _ in part]
+        ts = np.array([START + t * (DAY // 8) for _, _, t in part], dtype=np.int64)
+        cols = EventColumns(pseudo.users([f"u{u}" for u, _, _ in part]), np.array(key_text, dtype=object),
+                            pseudo.group_keys(key_text), np.ones(len(part)), ts)
+        batch = WriteBatch()
+        out = pipe.bound(cols, ts, batch)
+        store.write(batch)
+        admitted += list(zip(out.users.tolist(), out.keys.tolist(), out.trigger.tolist()))
+    dropped += sum(pipe.stats.dropped.values())
+    # the rule, computed plainly: per user, in arrival order, the first c_k records of each key, the first C of those
+    want: dict = {}
+    seen: dict = {}
+    for u, k, t in rows:
+        m = seen.get((u, k), 0)
+        seen[(u, k)] = m + 1
+        mine = want.setdefault(u, [])
+        if m < ck and len(mine) < C:
+            mine.append((f"k{k}", t + 1))
+    users_of = dict(zip(pseudo.users([f"u{u}" for u in range(users)]).tolist(), range(users)))
+    got: dict = {}
+    for user, key, trigger in admitted:
+        got.setdefault(users_of[user], []).append((key, trigger))
+    assert {u: sorted(v) for u, v in got.items()} == {u: sorted(v) for u, v in want.items() if v}
+    for v in got.values():
+        assert len(v) <= C
+        assert max(np.unique([key for key, _ in v], return_counts=True)[1]) <= ck
+    assert dropped + len(admitted) == len(rows)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(st.integers(0, 4), st.integers(0, 3)), max_size=30),
+       st.lists(st.tuples(st.integers(0, 4), st.integers(0, 3)), max_size=16), st.integers(1, 5))
+def test_within_key_bound_matches_a_plain_loop(batch, state, bound):
+    """The state is a multiset (one entry per admitted record, grouped by group); at bound 1 on a
+    set it is first_for_key."""
+    state = sorted(state, key=lambda e: e[0])
+    args = (np.array([g for g, _ in batch], dtype=np.int64), np.array([k for _, k in batch], dtype=np.uint64),
+            np.array([g for g, _ in state], dtype=np.int64), np.array([k for _, k in state], dtype=np.uint64))
+    got = within_key_bound(*args, bound)
+    seen: dict = {}
+    for pair in state:
+        seen[pair] = seen.get(pair, 0) + 1
+    want = []
+    for pair in batch:
+        want.append(seen.get(pair, 0) < bound)
+        seen[pair] = seen.get(pair, 0) + 1
+    assert got.tolist() == want
+    distinct = sorted(set(state))
+    set_args = args[:2] + (np.array([g for g, _ in distinct], dtype=np.int64), np.array([k for _, k in distinct], dtype=np.uint64))
+    assert within_key_bound(*set_args, 1).tolist() == first_for_key(*set_args).tolist()
+
+
 @settings(max_examples=200, deadline=None, derandomize=True)
 @given(st.lists(st.tuples(st.integers(0, 4), st.integers(0, 3)), max_size=30),
        st.lists(st.tuples(st.integers(0, 4), st.integers(0, 3)), max_size=12))
@@ -114,13 +196,70 @@ def test_one_users_change_is_within_the_charge(seed):
     assert plan.sigma_perturbation == pytest.approx(math.sqrt(C) * math.sqrt(h / (2 * plan.rho_perturbation)), rel=1e-12)
 
 
-def test_per_key_bound_is_refused_where_it_is_not_enforced():
+def test_per_key_bound_is_refused_outside_1_to_c_and_with_a_hierarchy():
+    """c_k must be an integer in [1, C] (a bound above C bounds nothing, and a typo should not
+    pass as one), naming the field; the hierarchy's shared slots are not bounded per key."""
+    for bad in (0, -1, 5, 2.5, 2.0, True, "2"):
+        with pytest.raises(BudgetError) as err:
+            plan_query(QueryBudget(epsilon=1.0, delta=1e-6, triggers=8, contribution_bound=4, per_key_bound=bad))
+        assert err.value.field == "per_key_bound"
+        assert "contribution_bound" in str(err.value)
+    for ok in (1, 2, 3, 4):
+        assert plan_query(QueryBudget(epsilon=1.0, delta=1e-6, triggers=8, contribution_bound=4, per_key_bound=ok)).per_key_bound == ok
     with pytest.raises(BudgetError) as err:
-        plan_query(QueryBudget(epsilon=1.0, delta=1e-6, triggers=8, contribution_bound=4, per_key_bound=2))
+        plan_query(QueryBudget(epsilon=1.0, delta=1e-6, triggers=8, contribution_bound=4, per_key_bound=2, hierarchy_depth=2))
     assert err.value.field == "per_key_bound"
-    with pytest.raises(BudgetError) as err:
-        plan_query(QueryBudget(epsilon=1.0, delta=1e-6, triggers=8, contribution_bound=4, per_key_bound=1, hierarchy_depth=2))
-    assert err.value.field == "per_key_bound"
+    with pytest.raises(BudgetError) as err:  # weights need a record's slot to be its key's rank: c_k = 1
+        plan_query(QueryBudget(epsilon=1.0, delta=1e-6, triggers=8, contribution_bound=4, per_key_bound=2, selection_weights=(2, 1)))
+    assert err.value.field == "selection_weights"
+
+
+@pytest.mark.parametrize("C", range(1, 13))
+def test_the_charged_squares_cover_every_user_and_are_attained_when_ck_divides_c(C):
+    """Brute force over every vector of per-key record counts n_j <= c_k with sum <= C: the
+    largest sum of n_j^2 is floor(C/c_k) c_k^2 + (C mod c_k)^2 (the pattern the exact discrete
+    curve charges), at most C c_k (what every sigma is calibrated to), equal when c_k divides C."""
+    def vectors(total, cap):  # non-increasing vectors of positive parts <= cap summing to <= total
+        yield ()
+        for first in range(min(total, cap), 0, -1):
+            for rest in vectors(total - first, first):
+                yield (first,) + rest
+
+    for ck in range(1, C + 1):
+        worst = max(sum(n * n for n in v) for v in vectors(C, ck))
+        assert worst == (C // ck) * ck * ck + (C % ck) ** 2
+        assert worst <= perturbation_squares(C, ck) == C * ck
+        assert (worst == C * ck) == (C % ck == 0)
+    assert perturbation_squares(C, None) == C * C
+
+
+@pytest.mark.parametrize("ck", [2, 3, 4])
+@pytest.mark.parametrize("T", [24, 100])
+def test_per_key_bound_plans_meet_the_budget_by_dp_accounting(ck, T):
+    """zCDP with the tree: key selection is C h Gaussians of sensitivity 1, perturbation h of L2
+    sensitivity sqrt(C c_k) L (the plan's own number); dp_accounting's RDP and PLD accountants
+    of that composition stay within epsilon at the plan's conversion delta, and 3% less noise
+    would not (the charge is not needlessly large)."""
+    C, L = 32, 1.0
+    plan = plan_query(QueryBudget(epsilon=6.0, delta=1e-9, triggers=T, contribution_bound=C, per_key_bound=ck, composition="zcdp",
+                                  counter="binary_tree"))
+    h = plan.tree_height
+    assert plan.perturbation_l2_sensitivity == pytest.approx(math.sqrt(C * ck) * L, rel=1e-15)
+    assert plan.sigma_perturbation == pytest.approx(math.sqrt(C * ck) * L * math.sqrt(h / (2 * plan.rho_perturbation)), rel=1e-12)
+    events = [dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(plan.sigma_key_selection), C * h),
+              dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(plan.sigma_perturbation / plan.perturbation_l2_sensitivity), h)]
+    rdp, pld = RdpAccountant(), PLDAccountant()
+    for e in events:
+        rdp.compose(e)
+        pld.compose(e)
+    assert rdp.get_epsilon(plan.delta_conversion) <= 6.0 * 1.001
+    assert pld.get_epsilon(plan.delta_conversion) <= 6.0
+    tighter = PLDAccountant()
+    tighter.compose(events[0])
+    tighter.compose(dp_accounting.SelfComposedDpEvent(
+        dp_accounting.GaussianDpEvent(0.97 * plan.sigma_perturbation / plan.perturbation_l2_sensitivity), h))
+    tighter.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(0.97 * plan.sigma_key_selection), C * h))
+    assert tighter.get_epsilon(plan.delta_conversion) > 6.0
 
 
 def test_per_key_bound_shrinks_only_the_perturbation_noise():
@@ -131,6 +270,10 @@ def test_per_key_bound_shrinks_only_the_perturbation_noise():
         assert on.sigma_key_selection == off.sigma_key_selection
         # exactly 1/sqrt(C) for the tree; the BLT's rounding slack does not shrink with c_k
         assert on.sigma_perturbation / off.sigma_perturbation == pytest.approx(1 / math.sqrt(32), rel=1e-12 if counter == "binary_tree" else 3e-3)
+        for ck in (2, 4, 8, 32):  # sqrt(c_k / C)
+            at = plan_query(QueryBudget(counter=counter, per_key_bound=ck, **base))
+            assert at.sigma_key_selection == off.sigma_key_selection
+            assert at.sigma_perturbation / off.sigma_perturbation == pytest.approx(math.sqrt(ck / 32), rel=1e-12 if counter == "binary_tree" else 3e-3)
 
 
 # --------------------------------------------------------------------------- weighted key selection
