@@ -63,6 +63,12 @@ distribution, and delta(eps) above is the curve of both neighbour directions.
   large to enumerate (``MAX_PART_ATOMS``) is split onto a grid of its own the same way.
 * Atoms of negligible mass (below ``PRUNE_MASS``) are dropped into the deficit.
 
+**Pure parts.** An epsilon_0-DP mechanism (the dynamic queries' Laplace noise) is dominated by
+randomized response with epsilon_0 (Kairouz, Oh and Viswanath 2015): losses +-epsilon_0 with
+P-masses ``e^eps0 / (1 + e^eps0)`` and ``1 / (1 + e^eps0)``; ``copies`` of it are a binomial.
+A ``pure`` tuple of ``(epsilon_0, copies)`` enters the composition beside the parts
+(:func:`composition_delta`, :func:`composition_epsilon`; docs/privacy.md, "Totals over time").
+
 Results are cached per tuple of parts (public parameters only).
 """
 from __future__ import annotations
@@ -121,6 +127,18 @@ def canonical_parts(parts: Iterable[Sequence]) -> tuple[tuple[float, int, int], 
     return tuple(sorted((s, d, n) for (s, d), n in merged.items()))
 
 
+def canonical_pure(pure: Iterable[Sequence]) -> tuple[tuple[float, int], ...]:
+    """Pure parts as a sorted tuple of ``(epsilon_0, copies)``, equal epsilons merged."""
+    merged: dict[float, int] = {}
+    for eps0, copies in pure:
+        eps0, copies = float(eps0), int(copies)
+        if not (math.isfinite(eps0) and eps0 >= 0) or copies < 0:
+            raise ValueError(f"a pure part needs epsilon_0 >= 0 and copies >= 0, got {eps0!r}, {copies!r}")
+        if eps0 and copies:
+            merged[eps0] = merged.get(eps0, 0) + copies
+    return tuple(sorted(merged.items()))
+
+
 def discrete_gaussian_delta(parts: Iterable[Sequence], eps: float) -> float:
     """An upper bound, tight to floating precision, on delta(eps) of the composition of
     ``parts``, each ``(sigma, shift, copies)`` (module docstring)."""
@@ -131,6 +149,27 @@ def discrete_gaussian_epsilon(parts: Iterable[Sequence], delta: float) -> float:
     """The smallest eps (to 1e-12 relative) with ``discrete_gaussian_delta(parts, eps) <= delta``
     (verified at the value returned); 0 if delta(0) is already at most delta."""
     return _epsilon(canonical_parts(parts), float(delta))
+
+
+def composition_delta(parts: Iterable[Sequence], pure: Iterable[Sequence], eps: float) -> float:
+    """delta(eps) of discrete Gaussian ``parts`` composed with ``pure`` parts (module docstring)."""
+    return _delta(canonical_parts(parts), float(eps), canonical_pure(pure))
+
+
+def composition_epsilon(parts: Iterable[Sequence], pure: Iterable[Sequence], delta: float) -> float:
+    """The smallest eps with ``composition_delta(parts, pure, eps) <= delta``, as
+    :func:`discrete_gaussian_epsilon`."""
+    return _epsilon(canonical_parts(parts), float(delta), canonical_pure(pure))
+
+
+def pure_atoms(eps0: float, copies: int) -> Atoms:
+    """``copies`` randomized responses of ``eps0``: ``j`` of them answer "+" with the binomial
+    P-mass, and the loss is ``eps0 (2 j - copies)``."""
+    j = np.arange(copies + 1, dtype=np.float64)
+    log_p, log_q = -math.log1p(math.exp(-eps0)), -math.log1p(math.exp(eps0))
+    log_choose = np.array([math.lgamma(copies + 1) - math.lgamma(k + 1) - math.lgamma(copies - k + 1) for k in range(copies + 1)])
+    mass = np.exp(log_choose + j * log_p + (copies - j) * log_q)
+    return _pruned(Atoms(eps0 * (2.0 * j - copies), mass, 0.0))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -380,8 +419,8 @@ def _trimmed(lo: int, w: np.ndarray, deficit: float) -> tuple[int, np.ndarray, f
 
 
 @lru_cache(maxsize=16)
-def _composition(parts: tuple) -> _Composition:
-    atoms = [part_atoms(*p) for p in parts]
+def _composition(parts: tuple, pure: tuple = ()) -> _Composition:
+    atoms = [part_atoms(*p) for p in parts] + [pure_atoms(*p) for p in pure]
     if not atoms:
         atoms = [Atoms(np.zeros(1), np.ones(1), 0.0)]
     inner_index = max(range(len(atoms)), key=lambda i: len(atoms[i].loss))
@@ -404,25 +443,33 @@ def _composition(parts: tuple) -> _Composition:
         deficit=(outer.deficit + inner.deficit) * (1.0 + FLOAT_SLACK))
 
 
-@lru_cache(maxsize=4096)
-def _delta(parts: tuple, eps: float) -> float:
-    return _composition(parts).delta(eps)
+@lru_cache(maxsize=16)
+def _cached_composition(parts: tuple, pure: tuple) -> _Composition:
+    return _composition(parts, pure)
 
 
 @lru_cache(maxsize=4096)
-def _epsilon(parts: tuple, delta: float) -> float:
+def _delta(parts: tuple, eps: float, pure: tuple = ()) -> float:
+    return _cached_composition(parts, pure).delta(eps)
+
+
+@lru_cache(maxsize=4096)
+def _epsilon(parts: tuple, delta: float, pure: tuple = ()) -> float:
     """Newton's method in ``u = e^eps`` (the bound is convex and decreasing in u, so from below
     the root each step stays below it, up to the float slack), then bisection of the last
     bracket to 1e-13: the value returned is the upper end, verified. The start is the
     continuous Gaussian curve's epsilon at the same mu, stepped down until it is below."""
     from dpstream.accountant.calibration import gdp_epsilon
 
-    curve = _composition(parts)
+    curve = _cached_composition(parts, pure)
     if curve.delta(0.0) <= delta:
         return 0.0
-    mu = math.sqrt(sum(n * d * d / (s * s) for s, d, n in parts))
+    mu = math.sqrt(sum(n * d * d / (s * s) for s, d, n in parts) + sum(n * e * e for e, n in pure))
     hi = math.inf  # the smallest eps seen with delta(eps) <= target
-    eps = gdp_epsilon(mu, delta) if 0 < delta < 1 else 1.0
+    try:
+        eps = gdp_epsilon(mu, delta) if 0 < delta < 1 else 1.0
+    except OverflowError:  # a long composition: start from the Gaussian's zCDP bound instead
+        eps = mu * mu / 2.0 + mu * math.sqrt(2.0 * math.log(1.0 / delta))
     d, slope = curve.evaluate(eps)
     down = 1e-4 * eps + 1e-9
     while d <= delta:  # above the root: step down, further each time

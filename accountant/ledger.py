@@ -5,8 +5,12 @@ One entry per *principal* (a query, a tenant or an input stream - configurable):
 budget (epsilon, delta) allowed per refresh period, what has been spent, and when it was last
 reset. As in the paper's key-value budget manager, every operation is an atomic read-modify-write
 of one entry: :meth:`BudgetLedger.check` (checkBudget), :meth:`BudgetLedger.charge`
-(updateBudget) and :meth:`BudgetLedger.get` (getBudget). Spend composes by basic (sequential)
-composition: epsilons and deltas add.
+(updateBudget) and :meth:`BudgetLedger.get` (getBudget). Spend composes as the principal's
+policy says (``budget.accounting``, :mod:`dpstream.accountant.composition`): ``basic`` adds
+epsilons and deltas; ``zcdp`` and ``pld`` compose every charge of the period (each charge carries
+its :class:`~dpstream.accountant.composition.WindowLoss`) and allow a charge when the composed
+total, at the cap's delta, stays within the cap's epsilon (docs/privacy.md, "Totals over time").
+The schedule of charges is the same in every accounting; only where the cap is reached moves.
 
 The ledger never resets silently:
 
@@ -31,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Mapping, Optional
 
 from dpstream.accountant import pins
+from dpstream.accountant.composition import Total, WindowLoss, total_delta, total_epsilon
 from dpstream.state.store import Store, WriteBatch
 
 ENTRY = b"L"
@@ -74,6 +79,7 @@ class BudgetPolicy:
     max_epsilon: float
     max_delta: float
     refresh_ms: Optional[int] = None  # None: never refreshes
+    accounting: str = "basic"  # how charges add up: dpstream.accountant.composition.ACCOUNTINGS
 
 
 @dataclass
@@ -87,14 +93,46 @@ class BudgetEntry:
     last_reset_ms: int = 0
     charges: int = 0
     refusals: int = 0  # refused (or, in shadow mode, would-be refused) charges
+    accounting: str = "basic"
+    #: this period's charges composed (dpstream.accountant.composition.Total), for every
+    #: accounting; None: none yet, or an entry written before charges carried their loss terms
+    composed: Optional[dict] = None
+
+    def total(self) -> Total:
+        """This period's charges composed; what was spent before charges carried their loss
+        terms counts by basic composition (``legacy``)."""
+        if self.composed is not None:
+            return Total.from_dict(self.composed)
+        return Total().add(None, epsilon=self.spent_epsilon, delta=self.spent_delta)
+
+    @property
+    def spent_composed_epsilon(self) -> float:
+        """The period's spend as the entry's accounting composes it, at the cap's delta (the sum
+        of epsilons under ``basic``)."""
+        if self.accounting == "basic":
+            return self.spent_epsilon
+        return total_epsilon(self.total(), self.accounting, self.max_delta)
 
     @property
     def remaining(self) -> tuple[float, float]:
-        return max(0.0, self.max_epsilon - self.spent_epsilon), max(0.0, self.max_delta - self.spent_delta)
+        if self.accounting == "basic":
+            return max(0.0, self.max_epsilon - self.spent_epsilon), max(0.0, self.max_delta - self.spent_delta)
+        # the epsilon left at the cap's delta, and the delta left at the cap's epsilon
+        return (max(0.0, self.max_epsilon - self.spent_composed_epsilon),
+                max(0.0, self.max_delta - total_delta(self.total(), self.accounting, self.max_epsilon)))
 
-    def allows(self, epsilon: float, delta: float) -> bool:
-        return (self.spent_epsilon + epsilon <= self.max_epsilon * (1 + TOLERANCE)
-                and self.spent_delta + delta <= self.max_delta * (1 + TOLERANCE))
+    def allows(self, epsilon: float, delta: float, loss: Optional[WindowLoss] = None) -> bool:
+        if self.accounting == "basic":
+            return (self.spent_epsilon + epsilon <= self.max_epsilon * (1 + TOLERANCE)
+                    and self.spent_delta + delta <= self.max_delta * (1 + TOLERANCE))
+        after = self.total().add(loss, epsilon=epsilon, delta=delta)
+        return total_epsilon(after, self.accounting, self.max_delta) <= self.max_epsilon * (1 + TOLERANCE)
+
+    def spend(self, epsilon: float, delta: float, loss: Optional[WindowLoss]) -> None:
+        self.composed = self.total().add(loss, epsilon=epsilon, delta=delta).to_dict()
+        self.spent_epsilon += epsilon
+        self.spent_delta += delta
+        self.charges += 1
 
 
 @dataclass(frozen=True)
@@ -162,16 +200,19 @@ class BudgetLedger:
         policy = self.policy(principal)
         raw = self.store.get(ENTRY + principal.encode())
         if raw is None:
-            entry = BudgetEntry(principal, policy.max_epsilon, policy.max_delta, policy.refresh_ms, last_reset_ms=now_ms)
+            entry = BudgetEntry(principal, policy.max_epsilon, policy.max_delta, policy.refresh_ms, last_reset_ms=now_ms,
+                                accounting=policy.accounting, composed=Total().to_dict())
             changed = True
         else:
             entry = BudgetEntry(**json.loads(raw))
-            changed = (entry.max_epsilon, entry.max_delta, entry.refresh_ms) != (policy.max_epsilon, policy.max_delta, policy.refresh_ms)
-            entry.max_epsilon, entry.max_delta, entry.refresh_ms = policy.max_epsilon, policy.max_delta, policy.refresh_ms
+            now = (policy.max_epsilon, policy.max_delta, policy.refresh_ms, policy.accounting)
+            changed = (entry.max_epsilon, entry.max_delta, entry.refresh_ms, entry.accounting) != now
+            entry.max_epsilon, entry.max_delta, entry.refresh_ms, entry.accounting = now
         if entry.refresh_ms and now_ms >= entry.last_reset_ms + entry.refresh_ms:
             periods = (now_ms - entry.last_reset_ms) // entry.refresh_ms
             entry.last_reset_ms += periods * entry.refresh_ms  # the configured refresh, on its schedule
             entry.spent_epsilon = entry.spent_delta = 0.0
+            entry.composed = Total().to_dict()
             changed = True
         return entry, changed
 
@@ -183,12 +224,15 @@ class BudgetLedger:
         names = {k[len(ENTRY):].decode() for k, _ in self.store.scan_prefix(ENTRY)} | set(self.policies)
         return [self.get(name, now_ms) for name in sorted(names)]
 
-    def check(self, principal: str, epsilon: float, delta: float, now_ms: int) -> bool:
-        return self.get(principal, now_ms).allows(epsilon, delta)
+    def check(self, principal: str, epsilon: float, delta: float, now_ms: int, loss: Optional[WindowLoss] = None) -> bool:
+        return self.get(principal, now_ms).allows(epsilon, delta, loss)
 
     def charge(self, principal: str, epsilon: float, delta: float, charge_id: str, now_ms: int,
-               plan: Optional[str] = None, pins: Optional[Mapping[str, object]] = None) -> ChargeResult:
-        """Spend (epsilon, delta) for ``charge_id`` atomically; idempotent per id. Raises
+               plan: Optional[str] = None, pins: Optional[Mapping[str, object]] = None,
+               loss: Optional[WindowLoss] = None) -> ChargeResult:
+        """Spend (epsilon, delta) for ``charge_id`` atomically; idempotent per id. ``loss``: the
+        charge's terms for the ``zcdp`` and ``pld`` accountings (without it, the charge composes
+        with the rest by basic composition). Raises
         :class:`BudgetExceeded` when it would overspend (shadow mode: records and allows), and
         :class:`ChargePlanError` when the id was charged under another ``plan`` fingerprint or
         other ``pins`` (the settings its window is pinned to: :mod:`dpstream.accountant.pins`),
@@ -207,7 +251,7 @@ class BudgetLedger:
                 if changed:
                     raise ChargePlanError(charge_id, principal, changed)
                 return ChargeResult(principal, False, True, False, entry)
-            would_refuse = not entry.allows(epsilon, delta)
+            would_refuse = not entry.allows(epsilon, delta, loss)
             batch = WriteBatch()
             if would_refuse:
                 entry.refusals += 1
@@ -217,11 +261,11 @@ class BudgetLedger:
                                                       "remaining": list(entry.remaining)}).encode())
                     self.store.write(batch)
                     raise BudgetExceeded(principal, (epsilon, delta), entry.remaining)
-            entry.spent_epsilon += epsilon
-            entry.spent_delta += delta
-            entry.charges += 1
+            entry.spend(epsilon, delta, loss)
             batch.put(ENTRY + principal.encode(), json.dumps(asdict(entry)).encode())
             record = {"epsilon": epsilon, "delta": delta, "at_ms": now_ms, "period_start_ms": entry.last_reset_ms}
+            if loss is not None:
+                record["loss"] = loss.to_dict()
             if plan is not None:
                 record["plan"] = plan
             if pins is not None:

@@ -17,14 +17,14 @@ if not _os.path.isdir(_os.path.join(_os.path.dirname(_os.path.abspath(__file__))
     __path__.append(_root)  # noqa: F821 (the package's own __path__)
 
 
-def plan(config, key_users: float = 10_000, max_daily_epsilon: float = 10.0) -> dict:
+def plan(config, key_users: float = 10_000, max_daily_epsilon: float = 10.0, total_delta: float | None = None) -> dict:
     """What ``dpstream plan --config FILE --json`` prints, as a dict: each query's calibration,
-    ``totals`` (privacy loss per input topic over a day and 30 days), ``budget``, ``usefulness``
+    ``totals`` (privacy loss per input topic over a day and 30 days: basic, zcdp, pld), ``budget``, ``usefulness``
     and ``warnings`` (docs/plan.md). ``config``: a YAML path, a dict of its content, or a loaded
     config. Needs no noise secret."""
     from dpstream.processor.planning import plan_document
 
-    return plan_document(config, key_users=key_users, max_daily_epsilon=max_daily_epsilon)
+    return plan_document(config, key_users=key_users, max_daily_epsilon=max_daily_epsilon, total_delta=total_delta)
 
 
 def preview(config, sample) -> dict:

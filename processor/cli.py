@@ -28,8 +28,13 @@ times the windows a UTC day and 30 UTC days reach (a 1h window: 24 a day), summe
 composition: epsilons and deltas add (docs/privacy.md, "The guarantee and the neighbour
 relation"). That is an upper bound; any 24 hours not starting at midnight can reach one more
 window of each query, shown as "any span". A dynamic query is charged once for its whole life
-and counts once in every horizon (its privacy unit is an update, or its unit_field). With a
-budget: section each principal's cap is shown beside its planned spend per refresh period.
+and counts once in every horizon (its privacy unit is an update, or its unit_field). Beside the
+basic sum, the same windows composed: in zCDP (rho adds) and, where every mechanism has an exact
+privacy-loss distribution (counter: tree), by composing those (pld), both at a stated delta
+(--total-delta; by default the basic total's own delta), key selection's thresholding and the
+samplers' terms added once (docs/privacy.md, "Totals over time"). With a budget: section each
+principal's cap is shown beside its planned spend per refresh period, composed as
+budget.accounting says.
 
 Warnings (a "warning:" line on stderr, and "warnings" in --json), from the plan's public
 numbers: a query releases nothing useful when a key needs more than --key-users distinct users
@@ -221,7 +226,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.plot is not None:
         preview.check_plotting()
     config = load_config(args.config)
-    doc = planning.plan_document(config, key_users=args.key_users, max_daily_epsilon=args.max_daily_epsilon)
+    doc = planning.plan_document(config, key_users=args.key_users, max_daily_epsilon=args.max_daily_epsilon,
+                                 total_delta=args.total_delta)
     if args.sample is not None:
         doc["preview"] = preview.preview(config, args.sample)
         if args.plot is not None:
@@ -449,14 +455,18 @@ def cmd_budget(args: argparse.Namespace) -> int:
                 if limit is None:
                     notes.append(f"{e.principal}: config {args.config} no longer sets a budget for it")
                     continue
-                policy = limit.policy()
+                policy = limit.policy(b.accounting)
                 if (policy.max_epsilon, policy.max_delta, policy.refresh_ms) != (e.max_epsilon, e.max_delta, e.refresh_ms):
                     notes.append(f"{e.principal}: config {args.config} now sets max_epsilon {policy.max_epsilon:g}, max_delta "
                                  f"{policy.max_delta:g}: the ledger applies it at its next charge")
+                if policy.accounting != e.accounting:
+                    notes.append(f"{e.principal}: config {args.config} now sets budget.accounting {policy.accounting!r} (the ledger "
+                                 f"composed with {e.accounting!r}): the ledger applies it at its next charge, to every charge of the period")
     if args.json:
         json.dump({"state_dir": args.state_dir, "ledger": epoch is not None, "epoch": epoch, "principals": [
             {"principal": e.principal, "max_epsilon": e.max_epsilon, "max_delta": e.max_delta, "refresh_ms": e.refresh_ms,
-             "spent_epsilon": e.spent_epsilon, "spent_delta": e.spent_delta, "remaining_epsilon": e.remaining[0],
+             "accounting": e.accounting, "spent_epsilon": e.spent_epsilon, "spent_delta": e.spent_delta,
+             "spent_composed_epsilon": e.spent_composed_epsilon, "remaining_epsilon": e.remaining[0],
              "remaining_delta": e.remaining[1], "last_reset_ms": e.last_reset_ms, "last_reset": _iso_ms(e.last_reset_ms),
              "charges": e.charges, "refusals": e.refusals}
             for e in entries], "notes": notes}, sys.stdout, indent=2)
@@ -465,12 +475,15 @@ def cmd_budget(args: argparse.Namespace) -> int:
     if epoch is not None:
         print(f"budget ledger of {args.state_dir}, epoch {epoch!r}, as recorded at each principal's last charge")
     if entries:
-        print(f"  {'principal':<24} {'eps spent':>10} {'eps max':>9} {'eps left':>9} {'delta spent':>12} {'delta left':>11} "
-              f"{'charges':>8} {'refused':>8}  refresh / period began")
+        print(f"  {'principal':<24} {'accounting':>10} {'eps spent':>10} {'eps max':>9} {'eps left':>9} {'delta spent':>12} "
+              f"{'delta left':>11} {'charges':>8} {'refused':>8}  refresh / period began")
+        if any(e.accounting != "basic" for e in entries):
+            print("  (zcdp, pld: eps spent is the period's charges composed, at the cap's delta; delta left is at the cap's "
+                  "epsilon; delta spent is the sum of the charges' deltas)")
     for e in entries:
         refresh = f"every {e.refresh_ms / 86_400_000:g} d" if e.refresh_ms else "never"
-        print(f"  {e.principal:<24} {e.spent_epsilon:>10.4g} {e.max_epsilon:>9.4g} {e.remaining[0]:>9.4g} {e.spent_delta:>12.3g} "
-              f"{e.remaining[1]:>11.3g} {e.charges:>8} {e.refusals:>8}  {refresh} / {_iso_ms(e.last_reset_ms)}")
+        print(f"  {e.principal:<24} {e.accounting:>10} {e.spent_composed_epsilon:>10.4g} {e.max_epsilon:>9.4g} {e.remaining[0]:>9.4g} "
+              f"{e.spent_delta:>12.3g} {e.remaining[1]:>11.3g} {e.charges:>8} {e.refusals:>8}  {refresh} / {_iso_ms(e.last_reset_ms)}")
     for note in notes:
         print(f"note: {note}")
     return 0
@@ -759,6 +772,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "(default 10,000); see 'Warnings' above")
     plan.add_argument("--max-daily-epsilon", type=float, default=10.0, metavar="EPS",
                       help="warn (advice only) when a topic's users may lose more than this epsilon per day (default 10)")
+    plan.add_argument("--total-delta", type=float, default=None, metavar="DELTA",
+                      help="the delta at which the composed totals (zcdp, pld) are stated (default: each horizon's basic "
+                           "total delta, for a like-for-like comparison); see 'Total privacy loss' above")
     plan.add_argument("--sample", metavar="EVENTS.jsonl",
                       help="also preview utility on these events (JSONL or .jsonl.gz): a replay with a throwaway random "
                            "secret and a temporary state directory that publishes nothing; see 'Utility preview' above")

@@ -559,7 +559,7 @@ class DynamicQueryConfig(BaseModel):
 
 
 class BudgetLimit(BaseModel):
-    """A principal's budget per refresh period (basic composition: epsilons and deltas add)."""
+    """A principal's budget per refresh period, its charges composed as ``budget.accounting`` says."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -581,8 +581,8 @@ class BudgetLimit(BaseModel):
             raise ValueError("must be finite")
         return value
 
-    def policy(self) -> BudgetPolicy:
-        return BudgetPolicy(self.max_epsilon, self.max_delta, parse_duration_ms(self.refresh) if self.refresh else None)
+    def policy(self, accounting: str = "basic") -> BudgetPolicy:
+        return BudgetPolicy(self.max_epsilon, self.max_delta, parse_duration_ms(self.refresh) if self.refresh else None, accounting)
 
 
 class BudgetConfig(BaseModel):
@@ -592,6 +592,10 @@ class BudgetConfig(BaseModel):
 
     principal: Literal["query", "tenant", "input_topic"] = "query"
     shadow: bool = False  # track and report, never refuse
+    #: how a principal's charges add up against its cap (docs/privacy.md, "Totals over time"):
+    #: basic (epsilons and deltas add), zcdp (rho adds), pld (privacy-loss distributions compose;
+    #: needs counter: tree in every query the ledger charges)
+    accounting: Literal["basic", "zcdp", "pld"] = "basic"
     epoch: str = Field("1", min_length=1)  # a new epoch (lost state, new noise secret) is named here
     #: the public start of the window schedule: the first window charged (epoch ms or ISO-8601
     #: time). null: the worker's first start; a replay then needs --start
@@ -682,6 +686,23 @@ class DpstreamConfig(BaseModel):
             raise ValueError(f"must be one of {', '.join(DECODERS)}, got {value!r}")
         return value
 
+    def _check_composed_cap(self, kind: str, i: int, q, field: str, limit: "BudgetLimit") -> None:
+        """With ``budget.accounting`` zcdp or pld: the query's windows must have the loss terms
+        the accounting composes (pld: an exact curve, counter tree), and one window composed must
+        fit the cap (else every window is refused: a mistake, not a budget)."""
+        from dpstream.accountant.composition import Total, dynamic_loss, query_loss, total_epsilon
+
+        accounting = self.budget.accounting
+        loss = query_loss(level_plans_for(q)) if kind == "queries" else dynamic_loss(q.epsilon)
+        if accounting == "pld" and loss.parts is None:
+            raise ValueError(f"budget.accounting: 'pld' composes exact privacy-loss distributions, and {kind}[{i}] ({q.name!r}) "
+                             f"uses counter {q.counter!r}, which has none: use counter: tree in every query, or accounting: zcdp")
+        one = total_epsilon(Total().add(loss), accounting, limit.max_delta)
+        if not self.budget.shadow and one > limit.max_epsilon:
+            raise ValueError(f"{field}.max_epsilon: one window of {kind}[{i}] ({q.name!r}) composed by {accounting} at max_delta "
+                             f"{limit.max_delta:g} is epsilon {one:.6g}, more than {limit.max_epsilon:g}, so every window would "
+                             f"be refused; raise max_epsilon or max_delta (max_delta defaults to 0)")
+
     @model_validator(mode="after")
     def _unique_names(self) -> "DpstreamConfig":
         if not self.queries and not self.dynamic:
@@ -705,7 +726,9 @@ class DpstreamConfig(BaseModel):
                     field = f"budget.principals.{principal}" if principal in self.budget.principals else "budget.default"
                     limit = self.budget.principals.get(principal, self.budget.default)
                     delta = q.delta if kind == "queries" else 0.0  # dynamic queries spend Laplace only
-                    if not self.budget.shadow and (limit.max_epsilon < q.epsilon or limit.max_delta < delta):
+                    if self.budget.accounting != "basic":
+                        self._check_composed_cap(kind, i, q, field, limit)
+                    elif not self.budget.shadow and (limit.max_epsilon < q.epsilon or limit.max_delta < delta):
                         which, cap, need = (("max_delta", limit.max_delta, delta) if limit.max_delta < delta
                                             else ("max_epsilon", limit.max_epsilon, q.epsilon))
                         raise ValueError(f"{field}.{which}: {cap:g} is less than one window of {kind}[{i}] ({q.name!r} "

@@ -1,5 +1,7 @@
 """`dpstream plan`'s document: every query's calibration, the total privacy loss per input topic
-over a day and 30 days, the budget caps beside it, and warnings (docs/plan.md).
+over a day and 30 days (by basic composition, and composed in zCDP and by privacy-loss
+distributions: :mod:`dpstream.accountant.composition`), the budget caps beside it, and warnings
+(docs/plan.md).
 
 Every number comes from the accountant (:mod:`dpstream.accountant.plan`: the plans,
 :func:`~dpstream.accountant.plan.compose_horizons`, :func:`~dpstream.accountant.plan.budget_outlook`,
@@ -8,11 +10,21 @@ for :func:`dpstream.plan`, which return the same dictionary. Needs no noise secr
 """
 from __future__ import annotations
 
+import math
 import os
-from typing import Mapping, Union
+from typing import Mapping, Optional, Union
 
+from dpstream.accountant.composition import (
+    Total,
+    WindowLoss,
+    composed_horizons,
+    dynamic_loss,
+    query_loss,
+    total_epsilon,
+)
 from dpstream.accountant.plan import (
     BASIC_COMPOSITION,
+    DAY_MS,
     HORIZONS,
     Spend,
     budget_outlook,
@@ -33,6 +45,10 @@ DEFAULT_KEY_USERS = 10_000
 #: advice: a topic whose users may lose more than this epsilon per day is warned about (--max-daily-epsilon)
 DEFAULT_MAX_DAILY_EPSILON = 10.0
 
+COMPOSED_TOTALS = ("composed: the same windows composed in zCDP (rho adds; one CKS conversion) and, where every "
+                   "mechanism has an exact privacy-loss distribution (counter: tree, dynamic queries), by composing those "
+                   "(pld); each at a stated delta (--total-delta; by default the basic total's delta), the thresholding and "
+                   "sampler terms added once (docs/privacy.md, \"Totals over time\"); null: no total at that delta")
 WARNING_RULES = (
     "a query releases nothing useful when a key needs more distinct users in one round than --key-users to be "
     "released at all (mu + the lowest threshold tau), or when the expected noise stddev of a release at the last "
@@ -71,6 +87,51 @@ def spends(config: DpstreamConfig) -> list[Spend]:
     return out
 
 
+def losses(config: DpstreamConfig) -> dict[str, WindowLoss]:
+    """Each query's per-window loss terms, by name, as the ledger's zcdp and pld accountings
+    compose them (:func:`dpstream.accountant.composition.query_loss`)."""
+    out = {q.name: query_loss(level_plans_for(q)) for q in config.queries}
+    out.update({q.name: dynamic_loss(q.epsilon) for q in config.dynamic})
+    return out
+
+
+def composed_outlook(spent: list[Spend], loss: dict[str, WindowLoss], principal: str, max_epsilon: float, max_delta: float,
+                     refresh_ms: Optional[int], accounting: str) -> dict:
+    """What :func:`~dpstream.accountant.plan.budget_outlook` says, with the principal's charges
+    composed by ``accounting`` (at the cap's delta) instead of added."""
+    from dpstream.accountant.plan import windows_charged
+
+    mine = [s for s in spent if s.principal == principal]
+
+    def epsilon_of(days: float) -> float:  # the planned charges of `days` days (a refresh period's, or from the start)
+        total = Total()
+        for s in mine:
+            count = 1 if s.window_ms is None else (windows_charged(refresh_ms, s.window_ms) if days is None
+                                                   else math.ceil(days * DAY_MS / s.window_ms))
+            total.add(loss[s.name], count)
+        return total_epsilon(total, accounting, max_delta)
+
+    out = {"accounting": accounting}
+    if refresh_ms is not None:
+        eps = epsilon_of(None)
+        out.update(planned_composed_epsilon_per_period=eps, exceeds=eps > max_epsilon * (1 + 1e-12))
+        return out
+    if epsilon_of(0) > max_epsilon:
+        out["days_until_exhausted"] = 0.0
+        return out
+    lo, hi = 0, 1
+    while hi < 100_000 and epsilon_of(hi) <= max_epsilon:
+        lo, hi = hi, hi * 2
+    if hi >= 100_000:
+        out["days_until_exhausted"] = None  # not within 270 years
+        return out
+    while hi - lo > 1:  # whole days: the last day whose charges still fit
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if epsilon_of(mid) <= max_epsilon else (lo, mid)
+    out.update(days_until_exhausted=float(hi), planned_composed_epsilon_per_day=epsilon_of(1))
+    return out
+
+
 def _fmt_days(ms: int) -> str:
     for unit, size in (("d", 86_400_000), ("h", 3_600_000), ("m", 60_000), ("s", 1000)):
         if ms % size == 0:
@@ -79,19 +140,27 @@ def _fmt_days(ms: int) -> str:
 
 
 def plan_document(config: Union[str, os.PathLike, Mapping, DpstreamConfig], key_users: float = DEFAULT_KEY_USERS,
-                  max_daily_epsilon: float = DEFAULT_MAX_DAILY_EPSILON) -> dict:
+                  max_daily_epsilon: float = DEFAULT_MAX_DAILY_EPSILON, total_delta: Optional[float] = None) -> dict:
     """What ``dpstream plan --json`` prints: ``queries`` and ``dynamic`` (each query's terms),
-    ``totals`` (per input topic over ``horizons``), ``budget`` (each ledger principal's cap and
-    planned spend), ``usefulness`` (per query: :func:`release_outlook`) and ``warnings``."""
+    ``totals`` (per input topic over ``horizons``: basic sums, and under ``composed`` the zcdp and
+    pld totals at ``total_delta``, by default each horizon's basic delta), ``budget`` (each ledger
+    principal's cap and planned spend), ``usefulness`` (per query: :func:`release_outlook`) and
+    ``warnings``."""
     from dpstream.processor.cli import _plan_entry
 
     if not key_users > 0:
         raise ConfigError(f"--key-users: must be positive, got {key_users!r}")
     if not max_daily_epsilon > 0:
         raise ConfigError(f"--max-daily-epsilon: must be positive, got {max_daily_epsilon!r}")
+    if total_delta is not None and not 0 < total_delta < 1:
+        raise ConfigError(f"--total-delta: must be in (0, 1), got {total_delta!r}")
     config = as_config(config)
     spent = spends(config)
     totals = compose_horizons(spent)
+    loss = losses(config)
+    composed = composed_horizons(spent, loss, HORIZONS, total_delta)
+    for t in totals:
+        t["composed"] = composed[t["topic"]]
     warnings = []
     usefulness = {}
     for q in config.queries:
@@ -116,27 +185,36 @@ def plan_document(config: Union[str, os.PathLike, Mapping, DpstreamConfig], key_
         b = config.budget
         for principal in dict.fromkeys(s.principal for s in spent):
             limit = b.principals.get(principal, b.default)
-            policy = limit.policy()
+            policy = limit.policy(b.accounting)
             out = budget_outlook(spent, principal, policy.max_epsilon, policy.max_delta, policy.refresh_ms)
-            out["kind"], out["shadow"] = b.principal, b.shadow
+            out["kind"], out["shadow"], out["accounting"] = b.principal, b.shadow, b.accounting
+            if b.accounting != "basic":
+                # the ledger composes: what it allows, and when it refuses, follow the composed total
+                out["basic"] = {k: out.pop(k) for k in ("exceeds", "days_until_exhausted") if k in out}
+                out.update(composed_outlook(spent, loss, principal, policy.max_epsilon, policy.max_delta, policy.refresh_ms,
+                                            b.accounting))
             budget.append(out)
+            planned = (f"epsilon {out['planned_composed_epsilon_per_period']:.4g} (composed by {b.accounting} at delta "
+                       f"{policy.max_delta:g})" if b.accounting != "basic" and policy.refresh_ms is not None else
+                       f"epsilon {out.get('planned_epsilon_per_period', 0.0):.4g}, delta {out.get('planned_delta_per_period', 0.0):.3g}")
             if out.get("exceeds"):
                 what = "would be refused, counted only (shadow mode)" if b.shadow else "will be refused"
-                warnings.append(f"budget {principal!r}: planned epsilon {out['planned_epsilon_per_period']:.4g}, delta "
-                                f"{out['planned_delta_per_period']:.3g} per {_fmt_days(policy.refresh_ms)} exceed its cap "
+                warnings.append(f"budget {principal!r}: planned {planned} per {_fmt_days(policy.refresh_ms)} exceed its cap "
                                 f"(epsilon {policy.max_epsilon:g}, delta {policy.max_delta:g}): windows {what} once it is "
                                 f"spent")
             days = out.get("days_until_exhausted")
             if days is not None and days < HORIZONS[-1][1] / 86_400_000:
                 what = "would be refused, counted only (shadow mode)" if b.shadow else "are refused"
-                warnings.append(f"budget {principal!r}: never refreshed, and its planned spend (epsilon "
-                                f"{out['planned_epsilon_per_day']:.4g}, delta {out['planned_delta_per_day']:.3g} per day) "
+                rate = (f"composed by {b.accounting}" if b.accounting != "basic" else
+                        f"epsilon {out['planned_epsilon_per_day']:.4g}, delta {out['planned_delta_per_day']:.3g} per day")
+                warnings.append(f"budget {principal!r}: never refreshed, and its planned spend ({rate}) "
                                 f"reaches its cap (epsilon {policy.max_epsilon:g}, delta {policy.max_delta:g}) after about "
                                 f"{days:.3g} days; windows {what} from then on")
     return {
         "queries": [_plan_entry(q, plan_for(q)) for q in config.queries],
         "dynamic": [{"name": q.name, **q.plan().to_dict()} for q in config.dynamic],
-        "totals": {"composition": BASIC_COMPOSITION, "horizons": {name: ms for name, ms in HORIZONS},
+        "totals": {"composition": BASIC_COMPOSITION, "composed": COMPOSED_TOTALS, "total_delta": total_delta,
+                   "horizons": {name: ms for name, ms in HORIZONS},
                    "horizon_alignment": "UTC days (windows are epoch-aligned); *_any_span: any span of that length",
                    "topics": totals},
         "budget": budget,
@@ -168,6 +246,13 @@ def human_totals(doc: dict) -> str:
         for n in names:
             lines.append(f"    {'per ' + n + ' (UTC)':<22} eps {t['epsilon'][n]:.4g}, delta {t['delta'][n]:.3g}   (any span of "
                          f"{n}: eps {t['epsilon_any_span'][n]:.4g})")
+            c = t["composed"][n]
+            if c["delta"] == 0:
+                lines.append(f"    {'  composed':<22} at delta 0 the basic sum is the total (pure epsilon-DP); --total-delta "
+                             f"states another delta")
+                continue
+            lines.append(f"    {'  composed':<22} at delta {c['delta']:.3g}: zcdp eps {_eps_text(c['zcdp'])}, pld eps "
+                         f"{_eps_text(c['pld'], c['terms']['exact_curve'])}")
         if t["topic"] in caps and caps[t["topic"]]["kind"] == "input_topic":
             lines.append(f"    {'budget cap':<22} {_cap_text(caps[t['topic']])}")
     for b in doc["budget"]:
@@ -185,8 +270,23 @@ def human_totals(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def _eps_text(eps: Optional[float], exact: bool = True) -> str:
+    if eps is not None:
+        return f"{eps:.4g}"
+    return "n/a (no exact curve: counter blt)" if not exact else "n/a at this delta"
+
+
 def _cap_text(b: dict) -> str:
     shadow = " (shadow: tracked, not enforced)" if b["shadow"] else ""
+    if b.get("accounting", "basic") != "basic":
+        how = f"composed by {b['accounting']} at its delta"
+        if b["refresh_ms"] is not None:
+            return (f"cap eps {b['max_epsilon']:g}, delta {b['max_delta']:g} per {_fmt_days(b['refresh_ms'])}{shadow}; planned "
+                    f"eps {b['planned_composed_epsilon_per_period']:.4g} per {_fmt_days(b['refresh_ms'])}, {how}"
+                    + ("  EXCEEDS THE CAP" if b["exceeds"] else ""))
+        days = b["days_until_exhausted"]
+        return (f"cap eps {b['max_epsilon']:g}, delta {b['max_delta']:g}, never refreshed{shadow}; planned spend, {how}, "
+                + (f"reaches it after about {days:.3g} days" if days is not None else "does not reach it"))
     if b["refresh_ms"] is not None:
         return (f"cap eps {b['max_epsilon']:g}, delta {b['max_delta']:g} per {_fmt_days(b['refresh_ms'])}{shadow}; planned "
                 f"eps {b['planned_epsilon_per_period']:.4g}, delta {b['planned_delta_per_period']:.3g} per "

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from dpstream.accountant.composition import dynamic_loss, query_loss
 from dpstream.accountant.ledger import BudgetExceeded, BudgetLedger, ChargePlanError
 from dpstream.accountant.pins import PLAN
 from dpstream.processor.config import DpstreamConfig, level_plans_for
@@ -46,8 +47,8 @@ def open_ledger(config: DpstreamConfig, store: Store, read_only: bool = False) -
     b = config.budget
     if b is None:
         return None
-    return BudgetLedger(store, {name: limit.policy() for name, limit in b.principals.items()},
-                        b.default.policy() if b.default else None, b.epoch, shadow=b.shadow, read_only=read_only)
+    return BudgetLedger(store, {name: limit.policy(b.accounting) for name, limit in b.principals.items()},
+                        b.default.policy(b.accounting) if b.default else None, b.epoch, shadow=b.shadow, read_only=read_only)
 
 
 def ledger_store_readonly(state_dir: str) -> Optional[Store]:
@@ -69,20 +70,21 @@ class BudgetGate:
     def window_gate(self, query) -> Callable[[int], bool]:
         plans = level_plans_for(query)
         plan = plans[0]
+        loss = query_loss(plans)  # what the zcdp and pld accountings compose (docs/privacy.md, "Totals over time")
         pins = query.window_pins(plans)  # what the window is pinned to, recorded with its charge
         principal = self.config.budget.principal_of(query)
         where = self._where("queries", query)
 
         def gate(window_start: int) -> bool:
             return self._charge(principal, plan.epsilon_spent, plan.delta_spent, f"{query.name}:{window_start}",
-                                at_ms=int(window_start), pins=pins, where=where)
+                                at_ms=int(window_start), pins=pins, where=where, loss=loss)
 
         return gate
 
     def start_dynamic(self, query) -> bool:
         plan = query.plan()
         return self._charge(self.config.budget.principal_of(query), query.epsilon, plan.delta_spent, f"{query.name}:start",
-                            pins=query.pins(), where=self._where("dynamic", query))
+                            pins=query.pins(), where=self._where("dynamic", query), loss=dynamic_loss(query.epsilon))
 
     def _where(self, kind: str, query) -> Optional[str]:
         """The query's config path (``queries[0]``), to name a setting a refusal is about."""
@@ -90,10 +92,10 @@ class BudgetGate:
         return f"{kind}[{listed.index(query)}]" if query in listed else None
 
     def _charge(self, principal: str, epsilon: float, delta: float, charge_id: str, at_ms: Optional[int] = None,
-                pins: Optional[dict] = None, where: Optional[str] = None) -> bool:
+                pins: Optional[dict] = None, where: Optional[str] = None, loss=None) -> bool:
         try:
             result = self.ledger.charge(principal, epsilon, delta, charge_id, self.clock() if at_ms is None else at_ms,
-                                        plan=None if pins is None else pins[PLAN], pins=pins)
+                                        plan=None if pins is None else pins[PLAN], pins=pins, loss=loss)
         except ChargePlanError as exc:
             if where is None:
                 raise
