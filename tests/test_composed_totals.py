@@ -355,3 +355,63 @@ def test_window_loss_round_trips_through_json():
     assert WindowLoss.from_dict(json.loads(json.dumps(loss.to_dict()))) == loss
     blt = query_loss(_blt_plans())
     assert WindowLoss.from_dict(json.loads(json.dumps(blt.to_dict()))) == blt
+
+
+REPLAY_CONFIG = """budget:
+  principal: tenant
+  accounting: {accounting}
+  principals:
+    acme: {{max_epsilon: 13, max_delta: 1.0e-8}}
+queries:
+  - name: clicks
+    tenant: acme
+    window: 1h
+    triggers: 4
+    allowed_lateness: 0s
+    contribution_bound: 4
+    epsilon: 6
+    delta: 1.0e-9
+"""
+
+
+def test_a_replay_charges_the_same_windows_and_refuses_where_the_composed_total_passes_the_cap(tmp_path):
+    import io
+
+    from dpstream.processor.adapters.replay import ReplayRunner
+    from dpstream.processor.config import level_plans_for
+    from tests.conftest import TEST_SECRET
+
+    events = tmp_path / "e.jsonl"
+    hours = 8
+    events.write_text("".join(json.dumps({"user_id": f"u{i}", "key": "k", "ts": h * 3_600_000 + i * 1000}) + "\n"
+                              for h in range(hours) for i in range(300)))
+    admitted = {}
+    for accounting in ("basic", "zcdp"):
+        cfg = tmp_path / f"{accounting}.yaml"
+        cfg.write_text(REPLAY_CONFIG.format(accounting=accounting))
+        config = load_config(cfg)
+        runner = ReplayRunner(config, TEST_SECRET, str(tmp_path / accounting), log=io.StringIO(), start_ms=0)
+        try:
+            runner.run(str(events), io.StringIO(), until_ms=hours * 3_600_000)
+            entry = runner.ledger.get("acme", 0)
+            dropped = runner.pipelines[0].stats.dropped["budget"]
+        finally:
+            runner.close()
+        admitted[accounting] = entry.charges
+        assert entry.charges + entry.refusals == hours  # the same schedule: every window asked for, once
+        assert dropped == 300 * entry.refusals
+        assert entry.accounting == accounting
+        if accounting == "zcdp":
+            loss = query_loss(level_plans_for(config.queries[0]))
+            # exactly as many windows as fit when composed; one more would not
+            n = entry.charges
+            assert total_epsilon(compose([(loss, n)]), "zcdp", 1e-8) <= 13.0
+            assert n == hours or total_epsilon(compose([(loss, n + 1)]), "zcdp", 1e-8) > 13.0
+            assert entry.spent_composed_epsilon == pytest.approx(total_epsilon(compose([(loss, n)]), "zcdp", 1e-8), rel=1e-9)
+            shown = json.loads(subprocess.run([sys.executable, "-m", "dpstream.processor.cli", "budget", "--config", str(cfg),
+                                               "--state-dir", str(tmp_path / accounting), "--json"], cwd=ROOT,
+                                              capture_output=True, text=True, check=True).stdout)["principals"][0]
+            assert shown["accounting"] == "zcdp"
+            assert shown["spent_composed_epsilon"] == pytest.approx(entry.spent_composed_epsilon)
+    assert admitted["basic"] == 2  # 6 + 6 <= 13 < 18
+    assert admitted["zcdp"] > admitted["basic"]
