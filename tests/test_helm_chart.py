@@ -1144,6 +1144,9 @@ INVALID_CONFIGS = [  # (config, the chart's message): the worker's loader refuse
     ({"queries": [one_query(window="1 hour")]}, "queries[0].window: must be a positive duration"),
     ({"queries": [one_query(max_skew="0s")]}, "queries[0].max_skew: must be a duration like '1d', '15m', '30s' (positive)"),
     ({"queries": [one_query(contribution_bound=0)]}, "queries[0].contribution_bound: must be an integer >= 1, got 0"),
+    ({"queries": [one_query(per_key_bound=0)]}, "queries[0].per_key_bound: must be an integer from 1 to contribution_bound (C = 32), got 0"),
+    ({"queries": [one_query(contribution_bound=4, per_key_bound=5)]},
+     "queries[0].per_key_bound: must be an integer from 1 to contribution_bound (C = 4), got 5"),
     ({"queries": [{"epsilon": 1.0, "delta": 1e-9}]}, "queries[0].name: required"),
     ({"queries": [one_query(name="page clicks")]}, "queries[0].name: required"),
     ({"queries": [one_query(epsilonn=2)]}, "queries[0].epsilonn: unknown field"),
@@ -1187,6 +1190,7 @@ def test_invalid_queries_mapping_fails_to_render(config, message):
 
 @pytest.mark.parametrize("config", [
     {"queries": [one_query(triggers=7)]},
+    {"queries": [one_query(contribution_bound=4, per_key_bound=5)]},
     {"queries": [one_query(aggregate="sum")]},
     {"queries": [one_query(), one_query()]},
 ])

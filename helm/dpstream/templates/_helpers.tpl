@@ -218,6 +218,13 @@ types of `queries` too): the messages name the field as the loader does.
 {{- fail (printf "%s.contribution_bound: must be an integer >= 1, got %v" $at $c) }}
 {{- end }}
 {{- end }}
+{{- if and (hasKey $q "per_key_bound") (not (kindIs "invalid" $q.per_key_bound)) }}
+{{- $k := $q.per_key_bound }}
+{{- $cb := ternary $q.contribution_bound 32 (hasKey $q "contribution_bound") }}
+{{- if not (and (or (kindIs "float64" $k) (kindIs "int64" $k)) (eq (float64 $k) (floor $k)) (ge (float64 $k) 1.0) (le (float64 $k) (float64 $cb))) }}
+{{- fail (printf "%s.per_key_bound: must be an integer from 1 to contribution_bound (C = %v), got %v" $at $cb $k) }}
+{{- end }}
+{{- end }}
 {{- $window := ternary $q.window "1d" (hasKey $q "window") }}
 {{- $windowMs := include "dpstream.durationMs" $window }}
 {{- if or (not $windowMs) (eq $windowMs "0") }}
