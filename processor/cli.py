@@ -596,7 +596,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_dpsqlp(args: argparse.Namespace) -> int:
-    from dpstream.processor.bench.dpsqlp import run_dpsqlp_bench, run_dpsqlp_compare, run_dpsqlp_per_key, run_dpsqlp_public
+    from dpstream.processor.bench.dpsqlp import (
+        run_dpsqlp_bench,
+        run_dpsqlp_compare,
+        run_dpsqlp_kernels,
+        run_dpsqlp_per_key,
+        run_dpsqlp_public,
+    )
 
     counters = [c.strip() for c in args.counter.split(",") if c.strip()]
     bad = [c for c in counters if c not in ("tree", "blt")]
@@ -605,7 +611,14 @@ def cmd_bench_dpsqlp(args: argparse.Namespace) -> int:
     common = dict(users=args.users, keys=args.keys, seed=args.seed, state=args.state, processes=args.processes, runs=args.runs,
                   composition=args.composition, per_key_bound=args.per_key_bound, key_selection_share=args.key_selection_share,
                   perturbation_steps=args.perturbation_steps, selection_weights=args.selection_weights)
-    if args.per_key_bounds is not None:
+    names = [k.strip() for k in (args.kernels or "").split(",") if k.strip()]
+    if args.kernels is not None:
+        if not names or len(set(names)) < len(names) or any(k not in ("numba", "numpy") for k in names):
+            raise ConfigError(f"--kernels: numba, numpy or both, comma-separated, got {args.kernels!r}")
+        if len(counters) > 1 or args.public_keys_top is not None or args.per_key_bounds is not None:
+            raise ConfigError("--kernels: with one --counter, and without --per-key-bounds or --public-keys-top")
+        run_dpsqlp_kernels(names, args.triggers, json_path=args.json, counter=counters[0], **common)
+    elif args.per_key_bounds is not None:
         try:
             bounds = [None if b.strip() == "none" else int(b) for b in args.per_key_bounds.split(",") if b.strip()]
         except ValueError:
@@ -1081,6 +1094,11 @@ def build_parser() -> argparse.ArgumentParser:
     dpsqlp.add_argument("--per-key-bounds", default=None, metavar="LIST",
                         help="run the workload once per per-key bound, comma-separated (none: the default, up to C), e.g. "
                              "none,1,2,4, and compare them side by side (same data, secret and budget)")
+    dpsqlp.add_argument("--kernels", default=None, metavar="LIST",
+                        help="run the workload once per kernel set, comma-separated: numba (the compiled trigger kernels, "
+                             "the default) and numpy (the versions they replace), e.g. numba,numpy: identical releases, times "
+                             "compared in one run (docs/architecture.md, \"Kernels\"); DPSTREAM_KERNELS=numpy selects numpy "
+                             "everywhere")
     dpsqlp.add_argument("--key-selection-share", type=float, default=0.5,
                         help="share of the Gaussian budget (mu^2 or rho) for key selection (default 0.5)")
     dpsqlp.add_argument("--selection-weights", type=lambda t: [int(x) for x in t.split(",")], default=None,

@@ -51,3 +51,23 @@ def test_per_key_bounds_run_side_by_side_on_the_same_data(tmp_path, capsys):
     assert report["rows"]["2"]["dropped_per_key_bound"] >= report["rows"]["4"]["dropped_per_key_bound"]
     for bad in (["--per-key-bounds", "2,x"], ["--per-key-bounds", "2,2"], ["--per-key-bounds", "2", "--per-key-bound", "1"]):
         assert main(["bench", "dpsqlp", "--users", "100", "--keys", "10", "--triggers", "2", *bad]) == 2
+
+
+def test_kernel_sets_release_the_same_values_and_a_numpy_simulation_is_timed_beside_them(tmp_path, capsys):
+    """--kernels numba,numpy runs the workload once per kernel set: identical releases (the run
+    refuses to report otherwise), both timed; each run also times the same mechanism in plain
+    numpy, whose keys and error (another draw of the same noise) are close to the pipeline's."""
+    out = tmp_path / "k.json"
+    assert main(["bench", "dpsqlp", "--users", "200000", "--keys", "20000", "--triggers", "24", "--processes", "1",
+                 "--state", "memory", "--kernels", "numba,numpy", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "kernels compared" in text and "releases identical" in text and "pipeline / numpy =" in text
+    report = json.loads(out.read_text())
+    numba, numpy = report["runs"]["numba"], report["runs"]["numpy"]
+    assert numba["kernels"] == "numba" and numpy["kernels"] == "numpy"
+    assert numba["results"] == numpy["results"]
+    sim, ours = numba["numpy_simulation"], numba["results"]["DP-SQLP"]
+    assert sim["seconds"] > 0
+    # the same mechanism, another draw: released keys within 15%, l_2 within 20%
+    assert abs(sim["keys"] - ours["keys"]) <= 0.15 * ours["keys"]
+    assert abs(sim["l2"] - ours["l2"]) <= 0.2 * ours["l2"]

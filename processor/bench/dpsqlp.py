@@ -40,9 +40,11 @@ from scipy.stats import norm
 
 from dpstream.accountant.calibration import cks_rho
 from dpstream.processor.bench.report import machine, pss_gb, summary
+from dpstream.processor.bench.simulation import simulate
 from dpstream.processor.config import QueryConfig
 from dpstream.processor.engine.pipeline import EventColumns, QueryPipeline
 from dpstream.processor.engine.runner import QueryRunner
+from dpstream.processor.mechanisms import kernels
 from dpstream.processor.mechanisms.noise import NodeNoise, Pseudonymizer
 from dpstream.processor.synthetic import generate
 from dpstream.state.store import MemoryStore, RocksDBStore, WriteBatch
@@ -268,10 +270,16 @@ def _dpsqlp_once(users: int, keys: int, triggers: int, seed: int, epsilon: float
     peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 ** 2
     if feeder:
         peak_gb += child_rss  # two processes: report their sum
+    simulated = None
+    if not public_keys and selection_weights is None and per_key_bound is None:
+        # the speed baseline: the same mechanism in plain numpy, no state, no persistence
+        sim = simulate(stream.users, stream.keys, bounds, keys, pipe.plan, kept, seed + 2)
+        simulated = {"seconds": sim["seconds"], **_errors(truth, sim["estimate"], sim["released"])}
     report = {
         "users": users, "records": n, "keys": keys, "triggers": triggers, "contribution_bound": contribution_bound,
         "epsilon": epsilon, "delta": delta, "seed": seed, "state": state, "processes": processes, "counter": counter, "composition": composition,
         "per_key_bound": per_key_bound, "key_selection_share": key_selection_share, "perturbation_steps": perturbation_steps,
+        "kernels": kernels.active(),
         "selection_weights": selection_weights, "top_keys": top_keys, "public_keys": public_keys, "results": results,
         "paper": {m: dict(zip(("keys", "linf", "l1", "l2"), v)) for m, v in PAPER.get(triggers, {}).items()},
         "pipeline_seconds": t_pipe, "fire_seconds_median": float(np.median(fire_seconds)), "fire_seconds_max": float(np.max(fire_seconds)),
@@ -279,6 +287,7 @@ def _dpsqlp_once(users: int, keys: int, triggers: int, seed: int, epsilon: float
         "dropped": dict(stats.dropped), "releases": stats.releases,
         "sigma_perturbation": pipe.plan.sigma_perturbation, "perturbation_l2_sensitivity": pipe.plan.perturbation_l2_sensitivity,
         "baseline_sigma": sigma_q, "baseline_threshold": threshold_q, "curve": curve,
+        "numpy_simulation": simulated,
     }
     p(f"\n{'metric':<8}" + "".join(f"{m:>26}" for m in results if m != "top"))
     for metric in ("keys", "linf", "l1", "l2"):
@@ -302,6 +311,9 @@ def _dpsqlp_once(users: int, keys: int, triggers: int, seed: int, epsilon: float
       f"once); dropped {dict(stats.dropped)}")
     if feeder:
         p(f"stage 2 waited {waited:.1f} s of the pipeline's {t_pipe:.1f} s for stage 1's micro-batches")
+    if simulated is not None:
+        p(f"the same mechanism in plain numpy (no state, no persistence, float noise): {simulated['seconds']:.1f} s, "
+          f"{simulated['keys']:,} keys, l_2 {simulated['l2']:,.0f}; pipeline / numpy = {t_pipe / simulated['seconds']:.2f}x")
     store.close()
     tmp.cleanup()
     return report
@@ -444,6 +456,48 @@ def run_dpsqlp_per_key(bounds: list, triggers: int, json_path: str | None = None
         p(f"{name(b):>14}" + "".join(f"{res[m]:>14,.0f}" for m in columns) + f"{row['perturbation_l2_sensitivity']:>13.4g}"
           f"{row['sigma_perturbation']:>10.1f}{row['dropped_per_key_bound']:>13,}{row['dropped_contribution_bound']:>11,}")
     comparison = {"triggers": triggers, "per_key_bounds": bounds, "rows": rows, "runs": {name(b): r for b, r in reports.items()}}
+    if json_path:
+        with open(json_path, "w") as fh:
+            json.dump(comparison, fh, indent=2)
+    return comparison
+
+
+def run_dpsqlp_kernels(names: list, triggers: int, json_path: str | None = None, out=None, **kwargs) -> dict:
+    """The workload once per kernel set (dpstream.processor.mechanisms.kernels: ``numba``, the
+    compiled kernels, and ``numpy``, the versions they replace), on the same data, secret and
+    budget (issue 35): the releases must be identical, and the times are compared in one run."""
+    out = sys.stdout if out is None else out
+    p = lambda s="": print(s, file=out, flush=True)  # noqa: E731
+    before = os.environ.get("DPSTREAM_KERNELS")
+    reports = {}
+    try:
+        for name in names:
+            os.environ["DPSTREAM_KERNELS"] = name  # a run in a fresh interpreter reads it
+            kernels.use(name)
+            p(f"kernels {name}:")
+            reports[name] = run_dpsqlp_bench(triggers=triggers, out=out, **kwargs)
+    finally:
+        if before is None:
+            os.environ.pop("DPSTREAM_KERNELS", None)
+        else:
+            os.environ["DPSTREAM_KERNELS"] = before
+        kernels.use(before or "numba")
+    first = reports[names[0]]
+    if any(r["results"] != first["results"] for r in reports.values()):
+        raise RuntimeError("bench dpsqlp: the kernel sets released different values")
+    p(f"\nkernels compared (T={triggers}, {first['users']:,} users; releases identical):")
+    p(f"{'kernels':>10}{'pipeline s':>12}{'median trigger s':>18}{'wall s':>9}")
+    rows = {}
+    for name, r in reports.items():
+        rows[name] = {"kernels": r["kernels"], "pipeline_seconds": r["pipeline_seconds"], "fire_seconds_median": r["fire_seconds_median"],
+                      "wall_seconds": r["wall_seconds"]}
+        p(f"{r['kernels']:>10}{r['pipeline_seconds']:>12.1f}{r['fire_seconds_median']:>18.3f}{r['wall_seconds']:>9.1f}")
+    if len(names) > 1:
+        base = rows[names[-1]]
+        for name in names[:-1]:
+            p(f"{name} / {names[-1]}: pipeline {rows[name]['pipeline_seconds'] / base['pipeline_seconds']:.2f}x, median trigger "
+              f"{rows[name]['fire_seconds_median'] / base['fire_seconds_median']:.2f}x")
+    comparison = {"triggers": triggers, "kernels": names, "rows": rows, "runs": reports}
     if json_path:
         with open(json_path, "w") as fh:
             json.dump(comparison, fh, indent=2)

@@ -33,6 +33,7 @@ from dpstream.accountant.counters import (
     blt_parameters,
     lattice_scale,
 )
+from dpstream.processor.mechanisms import kernels
 from dpstream.processor.mechanisms.noise import NodeNoise, discrete_gaussian, node_ids
 from dpstream.processor.mechanisms.tree import HonakerForest
 
@@ -121,7 +122,8 @@ class BinaryTreeCounter:
         return self._forest.empty_cache(n)
 
     def prepare(self) -> None:
-        """Nothing left: the forest's sampler table was built with it."""
+        """The forest's sampler table was built with it; the sampler's compiled lookup is made now."""
+        kernels.prepare()
 
     def walk(self, streams, done, upto, state) -> CounterWalk:
         return _TreeWalk(self._forest.walk(streams, done, upto, state))
@@ -189,23 +191,9 @@ class _BLTWalk:
         step = self.done[stream] + 1 + (np.arange(total) - self._offsets[stream])
         z = counter.noise.sample_indexed(counter.sampler, streams, stream, node_ids(np.full(total, BLT_NODE_LEVEL), step - 1))
         z = z.astype(np.int64)
-        # longest walks first: the streams still walking at offset j are a prefix of this order
-        order = np.argsort(-count, kind="stable")
-        sorted_count = count[order]
-        buf = state[order, :d].copy()
-        W = state[order, d].copy()
-        first = self._offsets[order]
-        for j in range(int(sorted_count[0]) if n else 0):
-            m = int(np.searchsorted(-sorted_count, -j, side="left"))  # streams with count > j
-            if m == 0:
-                break
-            pos = first[:m] + j
-            w = z[pos] - counter.feedback(buf[:m])
-            W[:m] += w
-            b = counter.advance(buf[:m], w)
-            buf[:m] = b
-            self._W[pos] = W[:m]
-            self._buffers[pos] = b
+        # the recurrence over every (stream, step): compiled, or numpy one step at a time
+        self._W, self._buffers = kernels.blt_walk(z, self._offsets, state, counter.theta_int, counter.omega_int, counter.bits,
+                                                  counter.fine_bits, counter.feedback, counter.advance)
 
     def _index(self, stream: np.ndarray, step: np.ndarray) -> np.ndarray:
         return self._offsets[stream] + (step - self.done[stream] - 1)
@@ -287,6 +275,7 @@ class BLTCounter:
 
     def prepare(self) -> None:
         self.sampler
+        kernels.prepare()
 
     def empty_state(self, n: int) -> np.ndarray:
         return np.zeros((n, self.state_width), dtype=np.int64)

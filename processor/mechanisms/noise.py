@@ -287,7 +287,13 @@ class DiscreteGaussian:
 
     def from_uniform(self, hi: np.ndarray, lo: np.ndarray) -> np.ndarray:
         """Map 128-bit uniforms (hi, lo words) to samples, with integer comparisons only. The
-        sample is ``x_k`` with ``k = #{j : cum[j] <= u}``, however the guide table is sized."""
+        sample is ``x_k`` with ``k = #{j : cum[j] <= u}``, however the guide table is sized
+        (compiled: dpstream.processor.mechanisms.kernels.table_lookup, the same count)."""
+        from dpstream.processor.mechanisms import kernels
+
+        compiled = kernels.table_lookup(hi, lo, self._hi, self._lo, self._guide, self._guide_next, self._guide_bits)
+        if compiled is not None:
+            return compiled - self.bound
         bucket = (hi >> np.uint64(64 - self._guide_bits)).astype(np.int64)
         index = self._guide[bucket].astype(np.int64)
         open_ = np.nonzero(self._guide_next[bucket] != index)[0]

@@ -1,0 +1,182 @@
+"""Compiled kernels for the trigger's hot loops, with the numpy versions they replace
+(docs/architecture.md, "Kernels").
+
+A kernel computes exactly what its numpy twin computes, in the same int64 arithmetic (products
+wrap alike, ``>>`` is arithmetic on both), so outputs are byte-identical whichever runs
+(tests/test_kernels.py checks them against each other, and the gold replays are unchanged). The
+compiled ones come from numba, a PyPI wheel (no compiler at install time); they are compiled on
+first use in a process (:func:`prepare`, which a worker calls at start) and cached on disk where
+numba finds a writable place (the package's ``__pycache__``, or ``NUMBA_CACHE_DIR``); a
+read-only install without one compiles in each process instead (about a second).
+
+``DPSTREAM_KERNELS=numpy`` (or :func:`use`) selects the numpy versions: the baseline
+``dpstream bench dpsqlp --kernels numpy,numba`` measures in one run.
+
+Kernels:
+
+* :func:`blt_walk`: the BLT counter's noise recurrence over every (stream, step) of a walk
+  (dpstream.processor.mechanisms.counters.BLTCounter). numpy advances all streams one step at a
+  time (a Python loop over the steps); the kernel runs each stream's steps in one compiled loop.
+* :func:`table_lookup`: the discrete Gaussian table sampler's map from 128-bit uniforms to
+  samples (dpstream.processor.mechanisms.noise.DiscreteGaussian.from_uniform): a guide-table
+  bucket, then a binary search of the bucket's entries on the high and low words.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable, Optional
+
+import numpy as np
+
+KERNEL_NAMES = ("numba", "numpy")
+_INT_GUARD = 1 << 61
+
+_choice = os.environ.get("DPSTREAM_KERNELS", "numba")
+_compiled: Optional[dict] = None
+
+
+def use(name: str) -> None:
+    """Select the kernels: ``numba`` (compiled; numpy if numba is not installed) or ``numpy``."""
+    global _choice
+    if name not in KERNEL_NAMES:
+        raise ValueError(f"kernels: must be one of {', '.join(KERNEL_NAMES)}, got {name!r}")
+    _choice = name
+
+
+def active() -> str:
+    """The kernels in use: ``numba`` or ``numpy``."""
+    return "numba" if _choice == "numba" and _numba() is not None else "numpy"
+
+
+def prepare() -> None:
+    """Compile the kernels now (a worker calls this off its event loop at start)."""
+    if active() == "numba":
+        kernels = _numba()
+        kernels["blt_walk"](np.zeros(1, dtype=np.int64), np.zeros(2, dtype=np.int64), np.zeros((1, 4), dtype=np.int64),
+                            np.zeros(3, dtype=np.int64), np.zeros(3, dtype=np.int64), 1, 1, 1,
+                            np.zeros(0, dtype=np.int64), np.zeros((0, 3), dtype=np.int64))
+        kernels["table_lookup"](np.zeros(1, dtype=np.uint64), np.zeros(1, dtype=np.uint64), np.zeros(1, dtype=np.uint64),
+                                np.zeros(1, dtype=np.uint64), np.zeros(2, dtype=np.int64), np.zeros(2, dtype=np.int64), 1)
+
+
+def _numba() -> Optional[dict]:
+    global _compiled
+    if _compiled is None:
+        try:
+            import numba
+        except ImportError:
+            _compiled = {}
+        else:
+            _compiled = _compile(numba)
+    return _compiled or None
+
+
+def _compile(numba) -> dict:
+    try:
+        return _kernels(numba, cache=True)
+    except RuntimeError:  # numba finds no writable cache directory: compile in each process
+        return _kernels(numba, cache=False)
+
+
+def _kernels(numba, cache: bool) -> dict:
+    @numba.njit(cache=cache, nogil=True)
+    def blt_walk(z, offsets, state, theta, omega, bits, fine_bits, shift, W_out, buf_out):
+        n, d = state.shape[0], theta.shape[0]
+        buf = np.empty(d, dtype=np.int64)
+        limit = (1 << 61) >> bits
+        worst = 0
+        half_shift = np.int64(1) << (shift - 1)
+        half_bits = np.int64(1) << (bits - 1)
+        for s in range(n):
+            for k in range(d):
+                buf[k] = state[s, k]
+            W = state[s, d]
+            for pos in range(offsets[s], offsets[s + 1]):
+                acc = np.int64(0)
+                for k in range(d):
+                    acc += buf[k] * omega[k]
+                w = z[pos] - ((acc + half_shift) >> shift)
+                W += w
+                for k in range(d):
+                    b = ((buf[k] * theta[k] + half_bits) >> bits) + (w << fine_bits)
+                    buf[k] = b
+                    buf_out[pos, k] = b
+                    a = -b if b < 0 else b
+                    if a > worst:
+                        worst = a
+                W_out[pos] = W
+        return worst >= limit
+
+    @numba.njit(cache=cache, nogil=True)
+    def table_lookup(hi, lo, table_hi, table_lo, guide, guide_next, guide_bits):
+        out = np.empty(hi.shape[0], dtype=np.int64)
+        drop = 64 - guide_bits
+        for i in range(hi.shape[0]):
+            h = hi[i]
+            b = np.int64(h >> np.uint64(drop))
+            left, right = guide[b], guide_next[b]
+            # k = #{j : (hi_j, lo_j) <= (h, l)}: entries before the bucket are all below, after it above
+            while left < right:
+                mid = (left + right) >> 1
+                th = table_hi[mid]
+                if th < h or (th == h and table_lo[mid] <= lo[i]):
+                    left = mid + 1
+                else:
+                    right = mid
+            out[i] = left
+        return out
+
+    return {"blt_walk": blt_walk, "table_lookup": table_lookup}
+
+
+# ------------------------------------------------------------------------- the BLT recurrence
+
+def blt_walk(z: np.ndarray, offsets: np.ndarray, state: np.ndarray, theta: np.ndarray, omega: np.ndarray, bits: int,
+             fine_bits: int, feedback: Callable, advance: Callable) -> tuple[np.ndarray, np.ndarray]:
+    """(W, buffers) after every (stream, step) of a walk: stream s's steps are the entries
+    ``offsets[s]:offsets[s+1]`` of ``z`` (its noise draws, in step order), its state before them
+    ``state[s]`` (d buffers, then W). ``feedback``/``advance``: the counter's own one-step
+    functions, which the numpy version calls (the kernel inlines the same arithmetic)."""
+    n, d = state.shape[0], len(theta)
+    total = int(offsets[-1])
+    W_out = np.empty(total, dtype=np.int64)
+    buf_out = np.empty((total, d), dtype=np.int64)
+    if not total:
+        return W_out, buf_out
+    kernels = _numba() if _choice == "numba" else None
+    if kernels is not None:
+        beyond = kernels["blt_walk"](z, offsets, state, theta, omega, bits, fine_bits, fine_bits + bits, W_out, buf_out)
+        if beyond:
+            raise AssertionError("BLT buffer beyond its proven bound")
+        return W_out, buf_out
+    count = np.diff(offsets)
+    # longest walks first: the streams still walking at offset j are a prefix of this order
+    order = np.argsort(-count, kind="stable")
+    sorted_count = count[order]
+    buf = state[order, :d].copy()
+    W = state[order, d].copy()
+    first = offsets[:-1][order]
+    for j in range(int(sorted_count[0]) if n else 0):
+        m = int(np.searchsorted(-sorted_count, -j, side="left"))  # streams with count > j
+        if m == 0:
+            break
+        pos = first[:m] + j
+        w = z[pos] - feedback(buf[:m])
+        W[:m] += w
+        b = advance(buf[:m], w)
+        buf[:m] = b
+        W_out[pos] = W[:m]
+        buf_out[pos] = b
+    return W_out, buf_out
+
+
+# ------------------------------------------------------------------------- the table sampler
+
+def table_lookup(hi: np.ndarray, lo: np.ndarray, table_hi: np.ndarray, table_lo: np.ndarray, guide: np.ndarray,
+                 guide_next: np.ndarray, guide_bits: int) -> Optional[np.ndarray]:
+    """``#{j : (table_hi_j, table_lo_j) <= (hi, lo)}`` per uniform, compiled; None when the numpy
+    version is in use (the sampler then runs its own)."""
+    kernels = _numba() if _choice == "numba" else None
+    if kernels is None:
+        return None
+    return kernels["table_lookup"](hi, lo, table_hi, table_lo, guide, guide_next, guide_bits)

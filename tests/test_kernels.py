@@ -1,0 +1,87 @@
+"""The compiled kernels compute exactly what their numpy twins compute
+(dpstream.processor.mechanisms.kernels; docs/architecture.md, "Kernels")."""
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dpstream.processor.mechanisms import kernels
+from dpstream.processor.mechanisms.counters import BLTCounter
+from dpstream.processor.mechanisms.noise import NodeNoise, discrete_gaussian
+from tests.conftest import TEST_SECRET
+
+pytestmark = pytest.mark.skipif(kernels._numba() is None, reason="numba is not installed")
+
+
+@pytest.fixture
+def numpy_kernels():
+    before = kernels._choice
+    yield lambda name: kernels.use(name)
+    kernels.use(before)
+
+
+def _walk(counter, streams, done, upto, state, name):
+    kernels.use(name)
+    w = counter.walk(streams, done, upto, state)
+    stream, step = w.future()
+    return w.prefix(stream, step).W, w.state_at(np.asarray(upto))
+
+
+@settings(max_examples=30, deadline=None)
+@given(steps=st.sampled_from([24, 100, 1000]), n=st.integers(1, 40), seed=st.integers(0, 2**32 - 1),
+       sigma=st.sampled_from([0.7, 13.2, 74.7, 4096.0]))
+def test_the_blt_walk_kernel_equals_numpy(steps, n, seed, sigma):
+    rng = np.random.default_rng(seed)
+    counter = BLTCounter(steps, sigma, NodeNoise(TEST_SECRET, "kernels"))
+    streams = np.array([rng.bytes(16) for _ in range(n)], dtype="S16")
+    done = rng.integers(0, steps, n)
+    upto = np.minimum(steps, done + rng.integers(0, steps, n))
+    # states reached by walking from the start (a real state, not random buffers)
+    start = counter.walk(streams, np.zeros(n, dtype=np.int64), done, counter.empty_state(n))
+    state = start.state_at(done)
+    before = kernels._choice
+    try:
+        a = _walk(counter, streams, done, upto, state, "numpy")
+        b = _walk(counter, streams, done, upto, state, "numba")
+    finally:
+        kernels.use(before)
+    assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+
+
+@settings(max_examples=20, deadline=None)
+@given(sigma=st.sampled_from([0.3, 5.0, 22.9, 1000.0, 131072.0]), seed=st.integers(0, 2**32 - 1))
+def test_the_table_lookup_kernel_equals_numpy(sigma, seed):
+    table = discrete_gaussian(sigma)
+    rng = np.random.default_rng(seed)
+    hi = rng.integers(0, 2**63, 5000, dtype=np.uint64) * np.uint64(2) + rng.integers(0, 2, 5000, dtype=np.uint64)
+    lo = rng.integers(0, 2**63, 5000, dtype=np.uint64) * np.uint64(2)
+    # uniforms on table words and one below: the low word decides there
+    pick = rng.integers(0, len(table._hi), 200)
+    hi[:200], lo[:200] = table._hi[pick], table._lo[pick]
+    hi[200:400], lo[200:400] = table._hi[pick], table._lo[pick] - np.uint64(1)
+    hi[400], lo[400] = np.uint64(2**64 - 1), np.uint64(2**64 - 1)
+    hi[401], lo[401] = np.uint64(0), np.uint64(0)
+    before = kernels._choice
+    try:
+        kernels.use("numpy")
+        a = table.from_uniform(hi, lo)
+        kernels.use("numba")
+        b = table.from_uniform(hi, lo)
+    finally:
+        kernels.use(before)
+    assert np.array_equal(a, b)
+
+
+def test_a_buffer_beyond_its_bound_is_refused_by_both(numpy_kernels):
+    counter = BLTCounter(100, 74.7, NodeNoise(TEST_SECRET, "kernels"))
+    state = counter.empty_state(1)
+    state[0, :counter.buffers] = 1 << 58  # far past the proven bound
+    for name in ("numpy", "numba"):
+        numpy_kernels(name)
+        with pytest.raises(AssertionError, match="beyond its proven bound"):
+            counter.walk(np.array([b"x" * 16], dtype="S16"), np.array([0]), np.array([3]), state)
+
+
+def test_the_choice_is_named_and_checked():
+    with pytest.raises(ValueError, match="kernels: must be one of numba, numpy"):
+        kernels.use("cython")
