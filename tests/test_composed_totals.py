@@ -36,6 +36,7 @@ from dpstream.processor.config import ConfigError, config_from_mapping, load_con
 from dpstream.processor.planning import plan_document
 from dpstream.state.store import MemoryStore
 from tests.conftest import ROOT
+from tests.test_ledger import CONFIG as LEDGER_CONFIG
 
 PAPER = dict(epsilon=6.0, delta=1e-9, contribution_bound=32, clamp=1.0, triggers=100)
 
@@ -357,21 +358,9 @@ def test_window_loss_round_trips_through_json():
     assert WindowLoss.from_dict(json.loads(json.dumps(blt.to_dict()))) == blt
 
 
-REPLAY_CONFIG = """budget:
-  principal: tenant
-  accounting: {accounting}
-  principals:
-    acme: {{max_epsilon: 13, max_delta: 1.0e-8}}
-queries:
-  - name: clicks
-    tenant: acme
-    window: 1h
-    triggers: 4
-    allowed_lateness: 0s
-    contribution_bound: 4
-    epsilon: 6
-    delta: 1.0e-9
-"""
+#: test_ledger's replay config (a tenant's cap of epsilon 13, four-trigger hourly windows at epsilon 6),
+#: composed by an accounting instead of added
+REPLAY_CONFIG = LEDGER_CONFIG.replace("  shadow: {shadow}\n", "  accounting: {accounting}\n")
 
 
 def test_a_replay_charges_the_same_windows_and_refuses_where_the_composed_total_passes_the_cap(tmp_path):
