@@ -99,11 +99,12 @@ class WindowLoss:
 def selection_failure(plans: Sequence) -> float:
     """The probability, over one window of a query, that key selection releases one of a user's
     keys at a trigger where only the user's own records could have put it above the threshold:
-    per (key, round) tree and trigger i, the noise exceeds ``z lambda_i - d`` with ``d = max(0,
-    w - mu)`` (w the user's largest selection weight, 1 without weights; mu the key threshold);
-    the noise is ``lambda_i^2``-subgaussian (CKS Corollary 23), so each tree fails with
-    probability at most ``sum_i exp(-(z - d / lambda_i)^2 / 2)``, and a user reaches C trees per
-    level. With ``d = 0`` that is the per-window ``C beta`` (docs/privacy.md, "Totals over time")."""
+    per (key, round) tree and trigger i, the noise exceeds ``z lambda_i - w`` (w the user's
+    largest selection weight, 1 without weights: while the key's gate is still closed without
+    the user, the others have given at most mu, so the count is at most ``mu + w``); the noise
+    is ``lambda_i^2``-subgaussian (CKS Corollary 23), so each tree fails with probability at most
+    ``sum_i exp(-(z - w / lambda_i)^2 / 2)``, and a user reaches C trees per level. The per-window
+    ``C beta`` is the same sum at ``w = 0`` (docs/privacy.md, "Totals over time")."""
     total = 0.0
     for p in plans:
         if p.public_keys or p.sigma_key_selection == 0:
@@ -111,9 +112,8 @@ def selection_failure(plans: Sequence) -> float:
         counter = BINARY_TREE if p.counter is None else counter_calibration(p.counter)
         T = p.triggers
         lam = p.sigma_key_selection * np.sqrt(np.array([counter.step_variance(r, T) for r in range(1, T + 1)]))
-        weight = max(p.selection_weights) if p.selection_weights else 1
-        d = max(0.0, float(weight) - p.key_threshold)
-        margin = np.maximum(0.0, p.tail_multiplier - d / lam)
+        weight = float(max(p.selection_weights) if p.selection_weights else 1)
+        margin = np.maximum(0.0, p.tail_multiplier - weight / lam)
         per_tree = min(1.0, float(np.sum(np.exp(-margin * margin / 2.0))))
         total += p.contribution_bound * per_tree
     return min(1.0, total)

@@ -165,11 +165,18 @@ def test_totals_grow_with_windows_and_pld_is_below_zcdp(windows, more, exp):
 
 # --------------------------------------------------------------------------- the terms added once
 
-def test_failure_with_a_threshold_above_the_users_weight_is_c_beta_per_level():
-    ps = plan_levels(QueryBudget(**{**PAPER, "key_threshold": 1.0}))
-    assert selection_failure(ps) == pytest.approx(sum(p.contribution_bound * p.beta for p in ps), rel=1e-9)
+def test_failure_is_the_tail_at_tau_minus_the_users_weight_whatever_the_threshold():
+    # with a key threshold mu, the others may have given up to mu while the gate is closed
+    # without the user: the count is at most mu + w, so the tail is at tau - w still
+    for mu in (0.0, 1.0, 5.0):
+        ps = plan_levels(QueryBudget(**{**PAPER, "key_threshold": mu}))
+        p = ps[0]
+        lam = [tau / p.tail_multiplier for tau in p.thresholds]
+        expected = p.contribution_bound * sum(math.exp(-max(0.0, p.tail_multiplier - 1.0 / l) ** 2 / 2) for l in lam)
+        assert selection_failure(ps) == pytest.approx(expected, rel=1e-9)
+        assert selection_failure(ps) > p.contribution_bound * p.beta  # never the per-window C beta
     h = plan_levels(QueryBudget(**{**PAPER, "key_threshold": 2.0, "hierarchy_depth": 3}))
-    assert selection_failure(h) == pytest.approx(3 * 32 * h[0].beta, rel=1e-9)
+    assert selection_failure(h) == pytest.approx(sum(selection_failure([p]) for p in h), rel=1e-12)
 
 
 def test_failure_at_threshold_zero_counts_the_users_own_count_against_the_noise():
