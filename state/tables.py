@@ -76,6 +76,28 @@ def key_row_dtype(tree_levels: int, columns: int = 1) -> np.dtype:
     return np.dtype(fields)
 
 
+def _records(rows: np.ndarray) -> np.ndarray:
+    """Fixed rows seen as opaque records of their width (a view; rows must be contiguous)."""
+    return rows.view(np.dtype((np.void, rows.dtype.itemsize)))
+
+
+def take_rows(rows: np.ndarray, index) -> np.ndarray:
+    """``rows[index]`` (integer positions or a mask), copied record by record. numpy moves a
+    structured row field by field: 5x slower to take and up to 30x slower to put (43k key rows
+    of 168 bytes: 30 ms against 1 ms), which was a sixth of a trigger at 1M users."""
+    if rows.dtype.names is None or not rows.flags.c_contiguous:
+        return rows[index]
+    return _records(rows)[index].view(rows.dtype)
+
+
+def put_rows(rows: np.ndarray, index, values: np.ndarray) -> None:
+    """``rows[index] = values`` record by record (:func:`take_rows`); ``values`` may be one row."""
+    if rows.dtype.names is None or not rows.flags.c_contiguous:
+        rows[index] = values
+        return
+    _records(rows)[index] = _records(np.ascontiguousarray(values, dtype=rows.dtype))
+
+
 class _SortedIds:
     """64-bit ids kept sorted, each with the slot that holds its values in append-only arrays
     elsewhere: a batch of ids is found with one ``searchsorted``.
@@ -168,7 +190,7 @@ class _WindowRows:
         if self.names is not None:
             self.names[slots] = names
         if self.rows is not None:
-            self.rows[slots] = rows
+            put_rows(self.rows, slots, rows)
         self.used += n
         self.index.add(ids, slots)
 
@@ -215,7 +237,7 @@ class CommittedCache:
         slots = slots[hit]
         self.hits += len(slots)
         self.misses += len(ids) - len(slots)
-        return hit, None if cached.rows is None else cached.rows[slots], None if cached.names is None else cached.names[slots]
+        return hit, None if cached.rows is None else take_rows(cached.rows, slots), None if cached.names is None else cached.names[slots]
 
     def holds(self, window: int) -> bool:
         """Whether the cache has the window (it may have dropped it over its bound)."""
@@ -248,7 +270,7 @@ class CommittedCache:
         if self.parts:
             cached.names[slots[known]] = names[known]
         if rows is not None:
-            cached.rows[slots[known]] = rows[known]
+            put_rows(cached.rows, slots[known], take_rows(rows, known))
         new = np.nonzero(~known)[0]
         room = self.capacity - len(self)
         if len(new) > room:
@@ -262,7 +284,7 @@ class CommittedCache:
         else:
             declined = new[:0]
         if len(new):
-            cached.append(ids[new], None if rows is None else rows[new], names[new] if self.parts else None)
+            cached.append(ids[new], None if rows is None else take_rows(rows, new), names[new] if self.parts else None)
         return declined
 
     def read_through(self, store: Store, prefix: bytes, window: int, ids: np.ndarray,
@@ -280,7 +302,7 @@ class CommittedCache:
         if self.parts:
             parts[hit] = cached_parts
         if rows is not None:
-            rows[hit] = cached_rows
+            put_rows(rows, hit, cached_rows)
         found = hit.copy()
         miss = np.nonzero(~hit)[0]
         if len(miss) and not complete:
@@ -387,7 +409,7 @@ class _WindowLog:
         rows = None if self.cache.dtype is None else np.zeros(len(ids), dtype=self.cache.dtype)
         parts = np.full(len(ids), None, dtype=object)
         if rows is not None:
-            rows[hit] = cached_rows
+            put_rows(rows, hit, cached_rows)
         if self.cache.parts:
             parts[hit] = cached_parts
         found = hit.copy()
@@ -662,7 +684,7 @@ class KeyRows:
     def load(self, window: int, ids: np.ndarray, blank: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Rows of ``ids`` (``blank``, a one-row array, for a key not stored) and whether each was stored."""
         found, rows, _ = self.log.read(window, ids)
-        rows[~found] = np.asarray(blank, dtype=self.dtype).reshape(1)
+        put_rows(rows, ~found, np.asarray(blank, dtype=self.dtype).reshape(1))
         return rows, found
 
     def write(self, batch: WriteBatch, window: int, ids: np.ndarray, rows: np.ndarray) -> None:

@@ -85,3 +85,29 @@ def test_a_buffer_beyond_its_bound_is_refused_by_both(numpy_kernels):
 def test_the_choice_is_named_and_checked():
     with pytest.raises(ValueError, match="kernels: must be one of numba, numpy"):
         kernels.use("cython")
+
+
+@settings(max_examples=20, deadline=None)
+@given(trees=st.integers(1, 50), draws=st.integers(0, 400), seed=st.integers(0, 2**32 - 1))
+def test_the_noise_prfs_blocks_are_the_same_with_either_kernels(trees, draws, seed):
+    """The second AES blocks laid out by the kernel give the same uniforms, hence the same noise,
+    as numpy's gather and XOR, for node ids across all 32 bits (the level in the high ones)."""
+    rng = np.random.default_rng(seed)
+    noise = NodeNoise(TEST_SECRET, "kernels")
+    ids = np.array([rng.bytes(16) for _ in range(trees)], dtype="S16")
+    tree_of = rng.integers(0, trees, draws)
+    nodes = rng.integers(0, 2**32, draws, dtype=np.uint64).astype(np.uint32)
+    table = discrete_gaussian(13.2)
+    before = kernels._choice
+    try:
+        out = {}
+        for name in ("numpy", "numba"):
+            kernels.use(name)
+            out[name] = (*noise.uniforms_indexed(ids, tree_of, nodes), noise.sample_indexed(table, ids, tree_of, nodes))
+    finally:
+        kernels.use(before)
+    assert all(np.array_equal(a, b) for a, b in zip(out["numpy"], out["numba"]))
+    # and the same as the PRF's definition, draw by draw: AES(AES(tree id) XOR node block)
+    for i in range(min(draws, 20)):
+        hi, lo = noise.uniforms(ids[tree_of[i]:tree_of[i] + 1], nodes[i:i + 1])
+        assert (hi[0], lo[0]) == (out["numba"][0][i], out["numba"][1][i])

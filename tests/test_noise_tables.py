@@ -95,7 +95,7 @@ def test_a_table_two_threads_ask_for_at_once_is_built_once():
 def same_table(a: DiscreteGaussian, b: DiscreteGaussian) -> bool:
     return (a.sigma, a.bound, a.variance, a.truncation_mass, a.tv_bound, a._guide_bits) == \
         (b.sigma, b.bound, b.variance, b.truncation_mass, b.tv_bound, b._guide_bits) and \
-        all(np.array_equal(getattr(a, k), getattr(b, k)) for k in ("_hi", "_lo", "_guide", "_guide_next"))
+        all(np.array_equal(getattr(a, k), getattr(b, k)) for k in ("_hi", "_lo", "_bucket_edges"))
 
 
 @pytest.fixture

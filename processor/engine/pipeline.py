@@ -79,6 +79,8 @@ from dpstream.state.tables import (
     EpochMarks,
     QueryTables,
     ViewEntry,
+    put_rows,
+    take_rows,
 )
 from dpstream.topics.records import (
     encode_json,
@@ -380,6 +382,46 @@ def prepare_noise_tables(query: QueryConfig, noise: NodeNoise) -> None:
             KeySelector(plan, noise, query.name, 0).counter.prepare()
         for c, column in enumerate(aggregate_named(query.aggregate).columns):
             HierarchicalPerturber(plan, noise, query.name, 0, column.name, c).counter.prepare()
+
+
+class KeyTexts(Sequence):
+    """The texts of a trigger's keys, in key order, read only where one is needed.
+
+    A trigger looks at tens of thousands of keys but needs the text of few: those it releases
+    and those whose tree id is not cached (a new key or a new round). Reading every text from the
+    key-text table cost a tenth of a trigger at 1M users. ``resolve`` maps key ids to their
+    texts; views made by :meth:`take` share what was read."""
+
+    __slots__ = ("_ids", "_resolve", "_memo")
+
+    def __init__(self, ids: np.ndarray, resolve: Callable[[np.ndarray], list], memo: Optional[dict] = None):
+        self._ids = np.asarray(ids, dtype=np.uint64)
+        self._resolve = resolve
+        self._memo = {} if memo is None else memo
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __getitem__(self, j):
+        if isinstance(j, slice):
+            return self.texts(np.arange(len(self._ids))[j])
+        return self.texts(np.array([j], dtype=np.int64))[0]
+
+    def __iter__(self):
+        return iter(self.texts(np.arange(len(self._ids))))
+
+    def take(self, idx) -> "KeyTexts":
+        """The texts at positions ``idx``, still unread."""
+        return KeyTexts(self._ids[np.asarray(idx, dtype=np.int64)], self._resolve, self._memo)
+
+    def texts(self, idx) -> list:
+        """The texts at positions ``idx``, read now (each id once)."""
+        ids = self._ids[np.asarray(idx, dtype=np.int64)].tolist()
+        memo = self._memo
+        missing = [i for i in dict.fromkeys(ids) if i not in memo]
+        if missing:
+            memo.update(zip(missing, self._resolve(np.asarray(missing, dtype=np.uint64))))
+        return [memo[i] for i in ids]
 
 
 class QueryPipeline:
@@ -863,10 +905,10 @@ class QueryPipeline:
         else:
             for level in levels:
                 idx = np.nonzero(rows["level"] == level)[0]
-                sub = rows[idx]
-                released += self._fire_level(self.plans[level - 1], window, trigger, all_ids[idx], sub, [names[j] for j in idx],
+                sub = take_rows(rows, idx)
+                released += self._fire_level(self.plans[level - 1], window, trigger, all_ids[idx], sub, names.take(idx),
                                              has_data[idx], new_users[idx], batch)
-                rows[idx] = sub
+                put_rows(rows, idx, sub)
         if self.hierarchy_depth > 1 and released:
             started = time.perf_counter()
             released = self._consistent(window, trigger, released, batch)
@@ -950,8 +992,8 @@ class QueryPipeline:
 
     def _release(self, plan, window, trigger, all_ids, rows, names, selected) -> list[tuple[int, int, dict]]:
         sidx = np.nonzero(selected)[0]
-        sub = rows[sidx]
-        sel_names = [names[j] for j in sidx]
+        sub = take_rows(rows, sidx)
+        sel_names = names.texts(sidx)
         values, stddevs, intervals = {}, {}, {}
         done = sub["pdone"].astype(np.int64)
         # one perturbation tree per aggregate column (all released at the same triggers)
@@ -980,14 +1022,14 @@ class QueryPipeline:
                                                    {name: v[i] for name, v in intervals.items()})
             record = release_record(
                 query=self.query.name, window_start=window, window_end=window + self.schedule.window_ms, trigger=trigger,
-                trigger_time=self.schedule.trigger_time(window, trigger), key=key_for_output(names[j], self.query.key_fields),
+                trigger_time=self.schedule.trigger_time(window, trigger), key=key_for_output(sel_names[i], self.query.key_fields),
                 fields=fields, epsilon=plan.epsilon, delta=plan.delta,
             )
             if self.hierarchy_depth > 1:
                 record["level"] = plan.level
             releases.append((int(all_ids[j]), int(rows["root"][j]), record))
         self.stats.releases += len(sidx)
-        self.stats.keys_released.update((self.query.name, window, names[j]) for j in sidx.tolist())
+        self.stats.keys_released.update((self.query.name, window, name) for name in sel_names)
         return releases
 
     def _consistent(self, window: int, trigger: int, released: list, batch: WriteBatch) -> list[tuple[int, int, dict]]:
@@ -1089,17 +1131,21 @@ class QueryPipeline:
         missing = np.nonzero(ids == b"")[0]
         if len(missing):
             rounds = rows["round"][missing].tolist() if kind == "select" else [0] * len(missing)
-            ids[missing] = self.noise.tree_ids_for(self.query.name, window, kind, [names[j] for j in missing], rounds)
+            texts = names.texts(missing) if isinstance(names, KeyTexts) else [names[j] for j in missing]
+            ids[missing] = self.noise.tree_ids_for(self.query.name, window, kind, texts, rounds)
         return ids.copy()
 
-    def _load_keys(self, window: int, ids: np.ndarray, texts: dict):
-        """Key states (fixed rows) and key texts; new keys get a fresh row. Every key's text was
-        registered by :meth:`accumulate` in the batch that wrote its records (``texts``: those a pending blob carried, if any)."""
+    def _load_keys(self, window: int, ids: np.ndarray, texts: dict) -> tuple[np.ndarray, KeyTexts]:
+        """Key states (fixed rows) and key texts (read when needed); new keys get a fresh row.
+        Every key's text was registered by :meth:`accumulate` in the batch that wrote its records
+        (``texts``: those a pending blob carried, if any)."""
         rows, stored = self.tables.keys.load(window, ids, self._blank_row)
         self.stats.keys_tracked += int(len(stored) - stored.sum())
-        owners = self.tables.names.owners(window, ids.tolist())
-        names = [texts[i] if name is None else name for i, name in zip(ids.tolist(), owners)]
-        return rows, names
+
+        def resolve(some: np.ndarray) -> list:
+            owners = self.tables.names.owners(window, some.tolist())
+            return [texts[i] if name is None else name for i, name in zip(some.tolist(), owners)]
+        return rows, KeyTexts(ids, resolve)
 
     def _plan_visits(self, window, trigger, all_ids, rows, has_data, selector, sel, batch) -> None:
         """Prediction-index entries of these keys (their own level's selector)."""

@@ -20,6 +20,9 @@ Kernels:
 * :func:`table_lookup`: the discrete Gaussian table sampler's map from 128-bit uniforms to
   samples (dpstream.processor.mechanisms.noise.DiscreteGaussian.from_uniform): a guide-table
   bucket, then a binary search of the bucket's entries on the high and low words.
+* :func:`node_blocks`: the second AES blocks of the noise PRF, ``AES(tree_id) XOR node_id``
+  per draw (dpstream.processor.mechanisms.noise.NodeNoise), laid out in one pass where numpy
+  gathers, copies and XORs in three.
 """
 from __future__ import annotations
 
@@ -55,8 +58,11 @@ def prepare() -> None:
         kernels["blt_walk"](np.zeros(1, dtype=np.int64), np.zeros(2, dtype=np.int64), np.zeros((1, 4), dtype=np.int64),
                             np.zeros(3, dtype=np.int64), np.zeros(3, dtype=np.int64), 1, 1, 1,
                             np.zeros(0, dtype=np.int64), np.zeros((0, 3), dtype=np.int64))
-        kernels["table_lookup"](np.zeros(1, dtype=np.uint64), np.zeros(1, dtype=np.uint64), np.zeros(1, dtype=np.uint64),
-                                np.zeros(1, dtype=np.uint64), np.zeros(2, dtype=np.int64), np.zeros(2, dtype=np.int64), 1)
+        words = np.zeros((1, 2), dtype=np.uint64)
+        for edges in (np.zeros(3, dtype=np.int32), np.zeros(3, dtype=np.int64)):
+            for hi, lo in ((words[:, 0], words[:, 1]), (np.zeros(1, dtype=np.uint64), np.zeros(1, dtype=np.uint64))):
+                kernels["table_lookup"](hi, lo, np.zeros(1, dtype=np.uint64), np.zeros(1, dtype=np.uint64), edges, 1)
+        kernels["node_blocks"](words, np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.uint32), np.empty((1, 2), dtype=np.uint64))
 
 
 def _numba() -> Optional[dict]:
@@ -108,13 +114,13 @@ def _kernels(numba, cache: bool) -> dict:
         return worst >= limit
 
     @numba.njit(cache=cache, nogil=True)
-    def table_lookup(hi, lo, table_hi, table_lo, guide, guide_next, guide_bits):
+    def table_lookup(hi, lo, table_hi, table_lo, edges, guide_bits):
         out = np.empty(hi.shape[0], dtype=np.int64)
         drop = 64 - guide_bits
         for i in range(hi.shape[0]):
             h = hi[i]
             b = np.int64(h >> np.uint64(drop))
-            left, right = guide[b], guide_next[b]
+            left, right = np.int64(edges[b]), np.int64(edges[b + 1])
             # k = #{j : (hi_j, lo_j) <= (h, l)}: entries before the bucket are all below, after it above
             while left < right:
                 mid = (left + right) >> 1
@@ -126,7 +132,14 @@ def _kernels(numba, cache: bool) -> dict:
             out[i] = left
         return out
 
-    return {"blt_walk": blt_walk, "table_lookup": table_lookup}
+    @numba.njit(cache=cache, nogil=True)
+    def node_blocks(first, tree_of, nodes, out):
+        for i in range(tree_of.shape[0]):
+            t = tree_of[i]
+            out[i, 0] = first[t, 0] ^ np.uint64(nodes[i])
+            out[i, 1] = first[t, 1]
+
+    return {"blt_walk": blt_walk, "table_lookup": table_lookup, "node_blocks": node_blocks}
 
 
 # ------------------------------------------------------------------------- the BLT recurrence
@@ -172,11 +185,27 @@ def blt_walk(z: np.ndarray, offsets: np.ndarray, state: np.ndarray, theta: np.nd
 
 # ------------------------------------------------------------------------- the table sampler
 
-def table_lookup(hi: np.ndarray, lo: np.ndarray, table_hi: np.ndarray, table_lo: np.ndarray, guide: np.ndarray,
-                 guide_next: np.ndarray, guide_bits: int) -> Optional[np.ndarray]:
-    """``#{j : (table_hi_j, table_lo_j) <= (hi, lo)}`` per uniform, compiled; None when the numpy
-    version is in use (the sampler then runs its own)."""
+def table_lookup(hi: np.ndarray, lo: np.ndarray, table_hi: np.ndarray, table_lo: np.ndarray, edges: np.ndarray,
+                 guide_bits: int) -> Optional[np.ndarray]:
+    """``#{j : (table_hi_j, table_lo_j) <= (hi, lo)}`` per uniform, compiled (bucket b of the
+    guide holds entries ``edges[b]:edges[b+1]``); None when the numpy version is in use (the
+    sampler then runs its own)."""
     kernels = _numba() if _choice == "numba" else None
     if kernels is None:
         return None
-    return kernels["table_lookup"](hi, lo, table_hi, table_lo, guide, guide_next, guide_bits)
+    return kernels["table_lookup"](hi, lo, table_hi, table_lo, edges, guide_bits)
+
+
+# ------------------------------------------------------------------------- the noise PRF's blocks
+
+def node_blocks(first: np.ndarray, tree_of: np.ndarray, nodes: np.ndarray) -> np.ndarray:
+    """The (n, 2) uint64 blocks ``first[tree_of[i]]`` with ``nodes[i]`` XORed into word 0 (the
+    node id in the block's first 4 bytes, little-endian)."""
+    kernels = _numba() if _choice == "numba" else None
+    if kernels is not None:
+        out = np.empty((len(tree_of), 2), dtype=np.uint64)
+        kernels["node_blocks"](first, tree_of, nodes, out)
+        return out
+    out = first[tree_of]
+    out[:, 0] ^= nodes.astype(np.uint64)
+    return out

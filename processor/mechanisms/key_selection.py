@@ -37,11 +37,18 @@ SELECT_KIND = "select"
 PREDICTION_CHUNK = 1 << 21
 
 
+def _subset(keys: Sequence[str], idx: np.ndarray) -> Sequence[str]:
+    """The keys at positions ``idx``. A lazy sequence of keys (one with ``take``: the pipeline's
+    key texts, read only when needed) stays lazy."""
+    take = getattr(keys, "take", None)
+    return take(idx) if take is not None else [keys[j] for j in idx]
+
+
 @dataclass
 class SelectionBatch:
     """Key-selection state of a batch of keys, column-wise (one row per key)."""
 
-    keys: list
+    keys: Sequence[str]
     round: np.ndarray
     start: np.ndarray  # trigger of the round's leaf 1
     done: np.ndarray  # leaves of the round tree already processed
@@ -71,7 +78,7 @@ class SelectionBatch:
     def take(self, idx: np.ndarray) -> "SelectionBatch":
         """A copy of some rows (tree ids kept)."""
         ids = None if self._tree_ids is None else self._tree_ids[idx].copy()
-        return SelectionBatch([self.keys[j] for j in idx], self.round[idx], self.start[idx], self.done[idx], self.count[idx],
+        return SelectionBatch(_subset(self.keys, idx), self.round[idx], self.start[idx], self.done[idx], self.count[idx],
                               self.participations[idx], self.cache[idx], ids, self.noise_max[idx].copy())
 
 
@@ -116,7 +123,7 @@ class KeySelector:
         missing = np.nonzero(batch._tree_ids == b"")[0]
         if len(missing):
             batch._tree_ids[missing] = self.noise.tree_ids_for(
-                self.query, self.window_start, SELECT_KIND, [batch.keys[j] for j in missing], batch.round[missing].tolist())
+                self.query, self.window_start, SELECT_KIND, list(_subset(batch.keys, missing)), batch.round[missing].tolist())
         return batch._tree_ids
 
     def step(self, batch: SelectionBatch, trigger: int, new_users: np.ndarray) -> SelectionStep:

@@ -278,12 +278,13 @@ class DiscreteGaussian:
         # GUIDE_BITS, and about twice as many buckets as entries for large tables (the lattice
         # counters' scales), so that most draws still take the lookup (at most 2^22 buckets).
         self._guide_bits = min(22, max(GUIDE_BITS, len(self._hi).bit_length() + 1))
-        # first[b] = #{j : hi_j < b 2^(64 - bits)} = #{j : bucket of hi_j < b}: counts, summed
+        # edges[b] = #{j : hi_j < b 2^(64 - bits)} = #{j : bucket of hi_j < b}: counts, summed.
+        # Bucket b's entries are edges[b]:edges[b+1], read side by side (one cache line, where
+        # two tables of starts and ends cost two misses per draw)
         buckets = (self._hi >> np.uint64(64 - self._guide_bits)).astype(np.int64)
         through = np.cumsum(np.bincount(buckets, minlength=1 << self._guide_bits))
         dtype = np.int64 if len(self._hi) >= 1 << 31 else np.int32
-        self._guide = np.concatenate(([0], through[:-1])).astype(dtype)  # the first entry of each bucket
-        self._guide_next = through.astype(dtype)  # the first entry of the next bucket
+        self._bucket_edges = np.concatenate(([0], through)).astype(dtype)
 
     def from_uniform(self, hi: np.ndarray, lo: np.ndarray) -> np.ndarray:
         """Map 128-bit uniforms (hi, lo words) to samples, with integer comparisons only. The
@@ -291,12 +292,12 @@ class DiscreteGaussian:
         (compiled: dpstream.processor.mechanisms.kernels.table_lookup, the same count)."""
         from dpstream.processor.mechanisms import kernels
 
-        compiled = kernels.table_lookup(hi, lo, self._hi, self._lo, self._guide, self._guide_next, self._guide_bits)
+        compiled = kernels.table_lookup(hi, lo, self._hi, self._lo, self._bucket_edges, self._guide_bits)
         if compiled is not None:
             return compiled - self.bound
         bucket = (hi >> np.uint64(64 - self._guide_bits)).astype(np.int64)
-        index = self._guide[bucket].astype(np.int64)
-        open_ = np.nonzero(self._guide_next[bucket] != index)[0]
+        index = self._bucket_edges[bucket].astype(np.int64)
+        open_ = np.nonzero(self._bucket_edges[bucket + 1] != index)[0]
         if len(open_):
             h = hi[open_]
             left = np.searchsorted(self._hi, h, side="left")
@@ -501,12 +502,19 @@ class NodeNoise:
     def uniforms_indexed(self, trees: np.ndarray, tree_of: np.ndarray, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """128-bit PRF outputs for each (``trees[tree_of[i]]``, ``nodes[i]``), as (hi, lo) uint64
         words: the CBC-MAC ``AES(AES(tree_id) XOR node_block)``, first block once per tree."""
+        words = self._node_words(trees, tree_of, nodes)
+        return np.ascontiguousarray(words[:, 0]), np.ascontiguousarray(words[:, 1])
+
+    def _node_words(self, trees: np.ndarray, tree_of: np.ndarray, nodes: np.ndarray) -> np.ndarray:
+        """:meth:`uniforms_indexed` as one (n, 2) array of (hi, lo) words. The second blocks are
+        laid out by a kernel (dpstream.processor.mechanisms.kernels.node_blocks): AES itself is
+        a twentieth of a draw's cost, numpy's gather and copies around it were most of the rest."""
+        from dpstream.processor.mechanisms import kernels
+
         trees = np.ascontiguousarray(np.asarray(trees, dtype=TREE_ID_DTYPE))
         first = self._encrypt(trees.tobytes())
-        second = first[np.asarray(tree_of, dtype=np.int64)].copy()
-        second[:, 0] ^= np.asarray(nodes, dtype=np.uint32).astype(np.uint64)  # node id in the first 4 bytes
-        words = self._encrypt(second.tobytes())
-        return np.ascontiguousarray(words[:, 0]), np.ascontiguousarray(words[:, 1])
+        second = kernels.node_blocks(first, np.asarray(tree_of, dtype=np.int64), np.asarray(nodes, dtype=np.uint32))
+        return self._encrypt(second.tobytes())
 
     def uniforms(self, trees: np.ndarray, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """128-bit PRF outputs for each (tree id, node id) pair, as (hi, lo) uint64 words."""
@@ -529,5 +537,5 @@ class NodeNoise:
         """:meth:`sample` for nodes of ``trees[tree_of[i]]`` (no de-duplication of tree ids)."""
         if len(nodes) == 0:
             return np.zeros(0, dtype=np.int64)
-        hi, lo = self.uniforms_indexed(trees, tree_of, nodes)
-        return sampler.from_uniform(hi, lo)
+        words = self._node_words(trees, tree_of, nodes)
+        return sampler.from_uniform(words[:, 0], words[:, 1])
