@@ -184,7 +184,7 @@ class _WindowRows:
                 self.names = grown_names
             if self.rows is not None:
                 grown = np.zeros(size, dtype=self.rows.dtype)
-                grown[:self.used] = self.rows[:self.used]
+                put_rows(grown, slice(0, self.used), self.rows[:self.used])
                 self.rows = grown
         slots = np.arange(self.used, self.used + n, dtype=np.int64)
         if self.names is not None:

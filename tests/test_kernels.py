@@ -111,3 +111,36 @@ def test_the_noise_prfs_blocks_are_the_same_with_either_kernels(trees, draws, se
     for i in range(min(draws, 20)):
         hi, lo = noise.uniforms(ids[tree_of[i]:tree_of[i] + 1], nodes[i:i + 1])
         assert (hi[0], lo[0]) == (out["numba"][0][i], out["numba"][1][i])
+
+
+@settings(max_examples=30, deadline=None)
+@given(steps=st.sampled_from([24, 100, 1000]), n=st.integers(1, 30), seed=st.integers(0, 2**32 - 1),
+       sigma=st.sampled_from([0.7, 13.2, 4096.0]), huge=st.booleans())
+def test_the_prediction_scan_kernel_equals_numpy(steps, n, seed, sigma, huge):
+    """Release prediction's pass over the future (first step above the threshold, largest
+    margin) is the same compiled as in numpy, including streams whose integers outgrow floats
+    (``huge``: counts near 2^53 / K, decided exactly) and thresholds the noise straddles."""
+    from dpstream.processor.mechanisms.counters import scan_future
+
+    rng = np.random.default_rng(seed)
+    counter = BLTCounter(steps, sigma, NodeNoise(TEST_SECRET, "kernels"))
+    streams = np.array([rng.bytes(16) for _ in range(n)], dtype="S16")
+    done = rng.integers(0, steps, n)
+    upto = np.full(n, steps)
+    state = counter.walk(streams, np.zeros(n, dtype=np.int64), done, counter.empty_state(n)).state_at(done)
+    if huge:
+        base = (np.int64(1) << 53) // counter.scale + rng.integers(-3, 3, n)
+        release_at = (base.max() + rng.normal(0, 3 * sigma, steps)).astype(np.float64)
+    else:
+        base = rng.integers(0, 50, n)
+        release_at = 25 + rng.normal(0, 2 * sigma, steps)
+    before = kernels._choice
+    try:
+        kernels.use("numba")
+        walk = counter.walk(streams, done, upto, state)
+        compiled = walk.scan(base, release_at)
+        kernels.use("numpy")
+        reference = scan_future(counter.walk(streams, done, upto, state), base, release_at)
+    finally:
+        kernels.use(before)
+    assert np.array_equal(compiled[0], reference[0]) and np.array_equal(compiled[1], reference[1])

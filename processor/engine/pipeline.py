@@ -933,18 +933,20 @@ class QueryPipeline:
         if self.public_share is not None:
             return self._release(plan, window, trigger, ids, rows, names, np.ones(len(ids), dtype=bool))
         selector = KeySelector(plan, self.noise, self.query.name, window)
+        # tree ids cached in the rows; the selector derives missing ones (a new key, a new round)
+        # for the keys it walks, and they are stored with the rows
         sel = SelectionBatch(names, rows["round"].astype(np.int64), rows["start"].astype(np.int64), rows["done"].astype(np.int64),
                              rows["count"].copy(), rows["participations"].copy(), rows["sel_cache"].copy(),
-                             self._tree_ids(window, rows, "sel_tree", names, "select"), rows["noise_max"].copy())
+                             rows["sel_tree"].copy(), rows["noise_max"].copy())
         step = selector.step(sel, trigger, new_users)
         selected = step.selected
         releases = self._release(plan, window, trigger, ids, rows, names, selected) if selected.any() else []
         for f in ("round", "start", "done", "count", "participations"):
             rows[f] = getattr(sel, f)
         rows["sel_cache"] = sel.cache
-        rows["sel_tree"][selected] = b""  # a new round, a new tree: its id is derived on first use
         self._plan_visits(window, trigger, ids, rows, has_data, selector, sel, batch)
         rows["noise_max"] = sel.noise_max  # prediction may have learnt it
+        rows["sel_tree"] = sel.tree_ids_known  # a new round's is empty until first derived
         return releases
 
     def _take_pending(self, window: int, trigger: int, batch: WriteBatch) -> "MicroBatch":
@@ -1162,6 +1164,7 @@ class QueryPipeline:
                 sub = sel.take(idle)
                 nxt[idle] = selector.predict(sub)
                 sel.noise_max[idle] = sub.noise_max
+                sel.tree_ids_known[idle] = sub.tree_ids_known
         self.tables.predictions.move(batch, window, all_ids, old, nxt, trigger)
         rows["predicted"] = nxt
 

@@ -58,10 +58,15 @@ class CounterWalk(Protocol):
         """Noisy prefixes for (stream, step) pairs with done <= step <= upto of that stream."""
 
     def state_at(self, step: np.ndarray) -> np.ndarray:
-        """Each stream's state (n, state_width) once ``step`` is processed."""
+        """Each stream's state (n, state_width) once ``step`` is processed: ``upto``, or ``done``
+        for a stream that did not move (a walk need keep no other)."""
 
     def future(self) -> tuple[np.ndarray, np.ndarray]:
         """Every (stream, step) with done < step <= upto, stream-major, steps ascending."""
+
+    def scan(self, base: np.ndarray, release_at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per stream, the first future step whose noisy prefix exceeds its threshold (0: none)
+        and the largest float margin over the future steps (:func:`scan_future`)."""
 
 
 class ContinualCounter(Protocol):
@@ -94,6 +99,9 @@ class _TreeWalk:
 
     def future(self):
         return self._walk.future()
+
+    def scan(self, base, release_at):
+        return scan_future(self, base, release_at)
 
 
 class BinaryTreeCounter:
@@ -169,10 +177,10 @@ class LatticePrefix:
 
 
 class _BLTWalk:
-    """Streams advanced step by step through the BLT noise recurrence (see :class:`BLTCounter`)."""
+    """Streams advanced step by step through the BLT noise recurrence (see :class:`BLTCounter`):
+    W after every step, the buffers only at each stream's end (``upto``)."""
 
     def __init__(self, counter: "BLTCounter", streams, done, upto, state):
-        d = counter.buffers
         self._scale = counter.scale
         self.done = np.asarray(done, dtype=np.int64)
         self.upto = np.asarray(upto, dtype=np.int64)
@@ -184,16 +192,15 @@ class _BLTWalk:
         total = int(self._offsets[-1])
         self._state = state
         self._W = np.empty(total, dtype=np.int64)
-        self._buffers = np.empty((total, d), dtype=np.int64)
+        self._final = state
         if not total:
             return
-        stream = np.repeat(np.arange(n), count)
-        step = self.done[stream] + 1 + (np.arange(total) - self._offsets[stream])
+        stream, step = kernels.stream_steps(self._offsets, self.done)
         z = counter.noise.sample_indexed(counter.sampler, streams, stream, node_ids(np.full(total, BLT_NODE_LEVEL), step - 1))
         z = z.astype(np.int64)
         # the recurrence over every (stream, step): compiled, or numpy one step at a time
-        self._W, self._buffers = kernels.blt_walk(z, self._offsets, state, counter.theta_int, counter.omega_int, counter.bits,
-                                                  counter.fine_bits, counter.feedback, counter.advance)
+        self._W, self._final = kernels.blt_walk(z, self._offsets, state, counter.theta_int, counter.omega_int, counter.bits,
+                                                counter.fine_bits, counter.feedback, counter.advance)
 
     def _index(self, stream: np.ndarray, step: np.ndarray) -> np.ndarray:
         return self._offsets[stream] + (step - self.done[stream] - 1)
@@ -209,20 +216,52 @@ class _BLTWalk:
         return LatticePrefix(W, self._scale)
 
     def state_at(self, step) -> np.ndarray:
+        """Each stream's state at ``step``: its end (``upto``), or ``done`` where it did not move."""
         step = np.asarray(step, dtype=np.int64)
-        stream = np.arange(len(step))
+        walked = step > self.done
+        if (step[walked] != self.upto[walked]).any():
+            raise ValueError("a BLT walk keeps the state at its end only (upto)")
         out = self._state.copy()
-        walked = np.nonzero(step > self.done)[0]
-        idx = self._index(stream[walked], step[walked])
-        out[walked, :-1] = self._buffers[idx]
-        out[walked, -1] = self._W[idx]
+        out[walked] = self._final[walked]
         return out
 
     def future(self) -> tuple[np.ndarray, np.ndarray]:
-        count = np.maximum(self.upto - self.done, 0)
-        stream = np.repeat(np.arange(len(count)), count)
-        step = self.done[stream] + 1 + (np.arange(len(stream)) - self._offsets[stream])
-        return stream, step
+        if not len(self._W):
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        return kernels.stream_steps(self._offsets, self.done)
+
+    def scan(self, base: np.ndarray, release_at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:func:`scan_future`, in one compiled pass over W where the kernels are compiled (a
+        stream whose integers outgrow floats before its first hit is decided exactly, as
+        :meth:`LatticePrefix.exceeds` does)."""
+        compiled = kernels.lattice_scan(self._W, self._offsets, self.done, base, release_at, self._scale)
+        if compiled is None:
+            return scan_future(self, base, release_at)
+        first_hit, max_margin, unsure = compiled
+        for s in np.nonzero(unsure)[0].tolist():
+            steps = np.arange(self.done[s] + 1, self.upto[s] + 1)
+            hit = self.prefix(np.full(len(steps), s), steps).exceeds(np.full(len(steps), base[s]), release_at[steps - 1])
+            first_hit[s] = steps[np.argmax(hit)] if hit.any() else 0
+        return first_hit, max_margin
+
+
+def scan_future(walk: CounterWalk, base: np.ndarray, release_at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Release prediction's pass over every stream's future steps (Algorithm 4): per stream, the
+    first step s > done whose noisy prefix ``base + noise_s`` exceeds ``release_at[s-1]``,
+    decided exactly (0: none), and the largest ``noise_s - release_at[s-1]`` in floats (-inf for
+    a stream with no future step): a bound that lets later predictions skip the scan."""
+    stream, step = walk.future()
+    n = len(base)
+    first_hit, max_margin = np.zeros(n, dtype=np.int64), np.full(n, -np.inf)
+    if not len(stream):
+        return first_hit, max_margin
+    prefix = walk.prefix(stream, step)
+    threshold = release_at[step - 1]
+    hit = prefix.exceeds(np.asarray(base)[stream], threshold)
+    hit_stream, first = np.unique(stream[hit], return_index=True)
+    first_hit[hit_stream] = step[hit][first]
+    np.maximum.at(max_margin, stream, prefix.approx() - threshold)
+    return first_hit, max_margin
 
 
 class BLTCounter:

@@ -20,6 +20,9 @@ Kernels:
 * :func:`table_lookup`: the discrete Gaussian table sampler's map from 128-bit uniforms to
   samples (dpstream.processor.mechanisms.noise.DiscreteGaussian.from_uniform): a guide-table
   bucket, then a binary search of the bucket's entries on the high and low words.
+* :func:`stream_steps`, :func:`lattice_scan`: the (stream, step) entries of a walk, and release
+  prediction's pass over a lattice counter's future steps (first step above the threshold,
+  largest margin), in one loop each where numpy materializes several arrays per step.
 * :func:`node_blocks`: the second AES blocks of the noise PRF, ``AES(tree_id) XOR node_id``
   per draw (dpstream.processor.mechanisms.noise.NodeNoise), laid out in one pass where numpy
   gathers, copies and XORs in three.
@@ -57,7 +60,10 @@ def prepare() -> None:
         kernels = _numba()
         kernels["blt_walk"](np.zeros(1, dtype=np.int64), np.zeros(2, dtype=np.int64), np.zeros((1, 4), dtype=np.int64),
                             np.zeros(3, dtype=np.int64), np.zeros(3, dtype=np.int64), 1, 1, 1,
-                            np.zeros(0, dtype=np.int64), np.zeros((0, 3), dtype=np.int64))
+                            np.zeros(1, dtype=np.int64), np.zeros((1, 4), dtype=np.int64))
+        one = np.zeros(1, dtype=np.int64)
+        kernels["stream_steps"](np.array([0, 1]), one, one.copy(), one.copy())
+        kernels["lattice_scan"](one, np.array([0, 1]), one, one, np.zeros(1), 1, one.copy(), np.zeros(1), np.zeros(1, dtype=np.bool_))
         words = np.zeros((1, 2), dtype=np.uint64)
         for edges in (np.zeros(3, dtype=np.int32), np.zeros(3, dtype=np.int64)):
             for hi, lo in ((words[:, 0], words[:, 1]), (np.zeros(1, dtype=np.uint64), np.zeros(1, dtype=np.uint64))):
@@ -86,7 +92,7 @@ def _compile(numba) -> dict:
 
 def _kernels(numba, cache: bool) -> dict:
     @numba.njit(cache=cache, nogil=True)
-    def blt_walk(z, offsets, state, theta, omega, bits, fine_bits, shift, W_out, buf_out):
+    def blt_walk(z, offsets, state, theta, omega, bits, fine_bits, shift, W_out, final):
         n, d = state.shape[0], theta.shape[0]
         buf = np.empty(d, dtype=np.int64)
         limit = (1 << 61) >> bits
@@ -106,12 +112,46 @@ def _kernels(numba, cache: bool) -> dict:
                 for k in range(d):
                     b = ((buf[k] * theta[k] + half_bits) >> bits) + (w << fine_bits)
                     buf[k] = b
-                    buf_out[pos, k] = b
                     a = -b if b < 0 else b
                     if a > worst:
                         worst = a
                 W_out[pos] = W
+            for k in range(d):
+                final[s, k] = buf[k]
+            final[s, d] = W
         return worst >= limit
+
+    @numba.njit(cache=cache, nogil=True)
+    def stream_steps(offsets, done, stream, step):
+        for s in range(offsets.shape[0] - 1):
+            first = offsets[s]
+            for pos in range(first, offsets[s + 1]):
+                stream[pos] = s
+                step[pos] = done[s] + 1 + (pos - first)
+
+    @numba.njit(cache=cache, nogil=True)
+    def lattice_scan(W, offsets, done, base, release_at, scale, first_hit, max_margin, unsure):
+        exact = np.int64(1) << 53
+        scale_f = np.float64(scale)
+        for s in range(offsets.shape[0] - 1):
+            found = 0
+            best = -np.inf
+            doubt = False
+            for pos in range(offsets[s], offsets[s + 1]):
+                step = done[s] + 1 + (pos - offsets[s])
+                threshold = release_at[step - 1]
+                margin = np.float64(W[pos]) / scale_f - threshold
+                if margin > best:
+                    best = margin
+                if found == 0 and not doubt:
+                    x = base[s] * scale + W[pos]
+                    if (-x if x < 0 else x) >= exact:
+                        doubt = True
+                    elif np.float64(x) > threshold * scale_f:
+                        found = step
+            first_hit[s] = found
+            max_margin[s] = best
+            unsure[s] = doubt
 
     @numba.njit(cache=cache, nogil=True)
     def table_lookup(hi, lo, table_hi, table_lo, edges, guide_bits):
@@ -139,29 +179,32 @@ def _kernels(numba, cache: bool) -> dict:
             out[i, 0] = first[t, 0] ^ np.uint64(nodes[i])
             out[i, 1] = first[t, 1]
 
-    return {"blt_walk": blt_walk, "table_lookup": table_lookup, "node_blocks": node_blocks}
+    return {"blt_walk": blt_walk, "table_lookup": table_lookup, "node_blocks": node_blocks, "stream_steps": stream_steps,
+            "lattice_scan": lattice_scan}
 
 
 # ------------------------------------------------------------------------- the BLT recurrence
 
 def blt_walk(z: np.ndarray, offsets: np.ndarray, state: np.ndarray, theta: np.ndarray, omega: np.ndarray, bits: int,
              fine_bits: int, feedback: Callable, advance: Callable) -> tuple[np.ndarray, np.ndarray]:
-    """(W, buffers) after every (stream, step) of a walk: stream s's steps are the entries
-    ``offsets[s]:offsets[s+1]`` of ``z`` (its noise draws, in step order), its state before them
-    ``state[s]`` (d buffers, then W). ``feedback``/``advance``: the counter's own one-step
-    functions, which the numpy version calls (the kernel inlines the same arithmetic)."""
+    """(W after every (stream, step) of a walk, each stream's state after its last step):
+    stream s's steps are the entries ``offsets[s]:offsets[s+1]`` of ``z`` (its noise draws, in
+    step order), its state before them ``state[s]`` (d buffers, then W; a stream with no steps
+    keeps it). ``feedback``/``advance``: the counter's own one-step functions, which the numpy
+    version calls (the kernel inlines the same arithmetic). The buffers of steps before the last
+    are not kept: no caller reads a state but the walk's end."""
     n, d = state.shape[0], len(theta)
     total = int(offsets[-1])
     W_out = np.empty(total, dtype=np.int64)
-    buf_out = np.empty((total, d), dtype=np.int64)
+    final = np.array(state, dtype=np.int64)
     if not total:
-        return W_out, buf_out
+        return W_out, final
     kernels = _numba() if _choice == "numba" else None
     if kernels is not None:
-        beyond = kernels["blt_walk"](z, offsets, state, theta, omega, bits, fine_bits, fine_bits + bits, W_out, buf_out)
+        beyond = kernels["blt_walk"](z, offsets, state, theta, omega, bits, fine_bits, fine_bits + bits, W_out, final)
         if beyond:
             raise AssertionError("BLT buffer beyond its proven bound")
-        return W_out, buf_out
+        return W_out, final
     count = np.diff(offsets)
     # longest walks first: the streams still walking at offset j are a prefix of this order
     order = np.argsort(-count, kind="stable")
@@ -176,11 +219,42 @@ def blt_walk(z: np.ndarray, offsets: np.ndarray, state: np.ndarray, theta: np.nd
         pos = first[:m] + j
         w = z[pos] - feedback(buf[:m])
         W[:m] += w
-        b = advance(buf[:m], w)
-        buf[:m] = b
+        buf[:m] = advance(buf[:m], w)
         W_out[pos] = W[:m]
-        buf_out[pos] = b
-    return W_out, buf_out
+    final[order, :d] = buf
+    final[order, d] = W
+    return W_out, final
+
+
+def stream_steps(offsets: np.ndarray, done: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(stream, step) of every entry of a walk: stream s walks steps ``done[s]+1`` on, one entry
+    per step, in ``offsets[s]:offsets[s+1]``."""
+    total = int(offsets[-1])
+    kernels = _numba() if _choice == "numba" else None
+    if kernels is not None:
+        stream, step = np.empty(total, dtype=np.int64), np.empty(total, dtype=np.int64)
+        kernels["stream_steps"](offsets, done, stream, step)
+        return stream, step
+    stream = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
+    return stream, done[stream] + 1 + (np.arange(total) - offsets[stream])
+
+
+def lattice_scan(W: np.ndarray, offsets: np.ndarray, done: np.ndarray, base: np.ndarray, release_at: np.ndarray, scale: int
+                 ) -> Optional[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Release prediction's scan of a lattice counter's future (Algorithm 4), compiled: per
+    stream, the first step whose noisy prefix ``base + W / scale`` exceeds ``release_at[step-1]``
+    (0: none) by the exact comparison of dpstream.processor.mechanisms.counters.LatticePrefix,
+    the largest margin ``W / scale - release_at[step-1]`` in floats, and whether an integer too
+    large for floats came before the first hit (then the caller decides that stream exactly).
+    None when the numpy version is in use."""
+    kernels = _numba() if _choice == "numba" else None
+    if kernels is None:
+        return None
+    n = len(offsets) - 1
+    first_hit, max_margin, unsure = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.float64), np.empty(n, dtype=np.bool_)
+    kernels["lattice_scan"](W, offsets, np.asarray(done, dtype=np.int64), np.asarray(base, dtype=np.int64),
+                            np.asarray(release_at, dtype=np.float64), int(scale), first_hit, max_margin, unsure)
+    return first_hit, max_margin, unsure
 
 
 # ------------------------------------------------------------------------- the table sampler

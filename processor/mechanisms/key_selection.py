@@ -75,6 +75,14 @@ class SelectionBatch:
     def __len__(self) -> int:
         return len(self.keys)
 
+    @property
+    def tree_ids_known(self) -> np.ndarray:
+        """Each key's round tree id as far as derived (empty: not yet): what a caller keeps
+        between triggers (:meth:`KeySelector.tree_ids` derives the missing ones it needs)."""
+        if self._tree_ids is None:
+            self._tree_ids = np.zeros(len(self.keys), dtype=TREE_ID_DTYPE)
+        return self._tree_ids
+
     def take(self, idx: np.ndarray) -> "SelectionBatch":
         """A copy of some rows (tree ids kept)."""
         ids = None if self._tree_ids is None else self._tree_ids[idx].copy()
@@ -103,6 +111,9 @@ class KeySelector:
         self.triggers = plan.triggers
         self.mu = plan.key_threshold
         self.release_at = plan.key_threshold + np.asarray(plan.thresholds)  # mu + tau_r, index r-1
+        # added to a scan's largest margin: far above the float error of a margin (the guard is
+        # public: the plan's thresholds only)
+        self._guard = 1e-6 * (1.0 + np.abs(self.release_at).max(initial=0.0) + abs(self.mu))
         # one counter stream per (key, round), fed with users new to the round (sensitivity 1)
         self.counter = counter_for(plan.counter or BINARY_TREE.name, plan.triggers, plan.sigma_key_selection, noise)
         self.noise = noise
@@ -116,15 +127,17 @@ class KeySelector:
         batch.cache = self.counter.empty_state(len(batch))
         return batch
 
-    def tree_ids(self, batch: SelectionBatch) -> np.ndarray:
-        """Ids of each key's current round tree (entries left empty are derived now)."""
+    def tree_ids(self, batch: SelectionBatch, idx: np.ndarray | None = None) -> np.ndarray:
+        """Ids of each key's current round tree, or of the keys at ``idx``: empty entries among
+        them are derived now (and kept in the batch). Keys behind the gate are never walked, so
+        their ids are left underived: most keys of a trigger, each a keyed hash of its text."""
         if batch._tree_ids is None:
             batch._tree_ids = np.zeros(len(batch), dtype=TREE_ID_DTYPE)
-        missing = np.nonzero(batch._tree_ids == b"")[0]
+        missing = np.nonzero(batch._tree_ids == b"")[0] if idx is None else idx[batch._tree_ids[idx] == b""]
         if len(missing):
             batch._tree_ids[missing] = self.noise.tree_ids_for(
                 self.query, self.window_start, SELECT_KIND, list(_subset(batch.keys, missing)), batch.round[missing].tolist())
-        return batch._tree_ids
+        return batch._tree_ids if idx is None else batch._tree_ids[idx]
 
     def step(self, batch: SelectionBatch, trigger: int, new_users: np.ndarray) -> SelectionStep:
         """Run trigger ``trigger`` (1..T) for every key in ``batch``; mutates ``batch``.
@@ -146,7 +159,7 @@ class KeySelector:
         selected = np.zeros(len(batch), dtype=bool)
         noisy = np.full(len(batch), np.nan)
         if len(idx):
-            ids = self.tree_ids(batch)[idx]
+            ids = self.tree_ids(batch, idx)
             walk = self.counter.walk(ids, batch.done[idx], leaf[idx], batch.cache[idx])
             # q_hat = count + N, compared with mu + tau exactly (dpstream.processor.mechanisms.tree)
             prefix = walk.prefix(np.arange(len(idx)), leaf[idx])
@@ -195,7 +208,8 @@ class KeySelector:
         candidates = np.nonzero((batch.participations > self.mu) & (last_leaf > batch.done) & ~hopeless)[0]
         if not len(candidates):
             return out
-        ids = self.tree_ids(batch)
+        ids = np.zeros(n, dtype=TREE_ID_DTYPE)
+        ids[candidates] = self.tree_ids(batch, candidates)
         remaining = (last_leaf - batch.done)[candidates]
         # chunk so that at most PREDICTION_CHUNK future leaves are materialized at once
         cumulative = np.cumsum(remaining)
@@ -205,15 +219,9 @@ class KeySelector:
             hi = max(int(np.searchsorted(cumulative, base + PREDICTION_CHUNK, side="right")), lo + 1)
             part = candidates[lo:hi]
             walk = self.counter.walk(ids[part], batch.done[part], last_leaf[part], batch.cache[part])
-            tree, leaf = walk.future()
-            prefix = walk.prefix(tree, leaf)
-            threshold = self.release_at[leaf - 1]
-            hit = prefix.exceeds(batch.count[part][tree], threshold)
-            hit_tree, first = np.unique(tree[hit], return_index=True)
-            out[part[hit_tree]] = batch.start[part[hit_tree]] + leaf[hit][first] - 1
-            starts = np.concatenate([[0], np.cumsum(remaining[lo:hi])[:-1]])  # every part scans >= 1 leaf
-            margin = prefix.approx() - threshold
-            guard = 1e-6 * (1.0 + np.abs(threshold).max(initial=0.0) + abs(self.mu))  # >> float error of margin
-            batch.noise_max[part] = np.maximum.reduceat(margin, starts) + guard + self.mu
+            first_leaf, max_margin = walk.scan(batch.count[part], self.release_at)  # every part scans >= 1 leaf
+            hit = first_leaf > 0
+            out[part[hit]] = batch.start[part[hit]] + first_leaf[hit] - 1
+            batch.noise_max[part] = max_margin + self._guard + self.mu
             lo = hi
         return out
