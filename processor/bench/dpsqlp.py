@@ -193,20 +193,22 @@ def _dpsqlp_once(users: int, keys: int, triggers: int, seed: int, epsilon: float
     b2_sum = np.zeros(keys)
     b2_released = np.zeros(keys, dtype=bool)
     curve = {"trigger": [], "DP-SQLP": [], "Baseline 1": [], "Baseline 2": []}
-    fire_seconds = []
+    fire_seconds, stage_one_seconds = [], []
     t_pipe = 0.0
     peak_pss = 0.0  # sampled after every trigger, both processes together
     waited = 0.0
 
     def bound_trigger(stage1: QueryRunner, stage1_store, i):
-        """Stage 1 (by user) for micro-batch i: what the repartition topic would carry."""
+        """Stage 1 (by user) for micro-batch i: what the repartition topic would carry, and the
+        seconds stage 1 took (its own store's write included)."""
         sl = slice(bounds[i - 1], bounds[i])
         kk = stream.keys[sl]
         events = EventColumns(user_ids[sl], key_text[kk], key_ids[kk], np.ones(len(kk)), stream.ts[sl])
+        started = time.perf_counter()
         batch = WriteBatch()
         records = stage1.stage_one(events, stream.ts[sl], batch).records  # each event arrives at its own time
         stage1_store.write(batch)
-        return records
+        return records, time.perf_counter() - started
 
     # fork stage 1 before this process opens RocksDB: RocksDB's background threads do not survive
     # a fork, and a child that inherited them could never flush or close its own database
@@ -219,7 +221,8 @@ def _dpsqlp_once(users: int, keys: int, triggers: int, seed: int, epsilon: float
         sl = slice(bounds[i - 1], bounds[i])
         kk = stream.keys[sl]
         t0 = time.perf_counter()
-        records = feeder.next() if feeder else bound_trigger(runner, store, i)
+        records, seconds = feeder.next() if feeder else bound_trigger(runner, store, i)
+        stage_one_seconds.append(seconds)
         waited += time.perf_counter() - t0  # with two processes: stage 2 idle, waiting for stage 1
         batch = WriteBatch()
         runner.stage_two(records, i, batch)
@@ -270,6 +273,14 @@ def _dpsqlp_once(users: int, keys: int, triggers: int, seed: int, epsilon: float
     peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 ** 2
     if feeder:
         peak_gb += child_rss  # two processes: report their sum
+    # stage 1's cost per record, over the whole run and over its first and last tenths of
+    # micro-batches: the users it has seen grow through the window, and its state with them
+    tenth = max(1, triggers // 10)
+    per_batch = np.diff(bounds)
+    stage_one = {"seconds": float(sum(stage_one_seconds)),
+                 "us_per_record": 1e6 * sum(stage_one_seconds) / max(n, 1),
+                 "us_per_record_first_tenth": 1e6 * sum(stage_one_seconds[:tenth]) / max(int(per_batch[:tenth].sum()), 1),
+                 "us_per_record_last_tenth": 1e6 * sum(stage_one_seconds[-tenth:]) / max(int(per_batch[-tenth:].sum()), 1)}
     simulated = None
     if not public_keys and selection_weights is None and per_key_bound is None:
         # the speed baseline: the same mechanism in plain numpy, no state, no persistence
@@ -284,6 +295,7 @@ def _dpsqlp_once(users: int, keys: int, triggers: int, seed: int, epsilon: float
         "paper": {m: dict(zip(("keys", "linf", "l1", "l2"), v)) for m, v in PAPER.get(triggers, {}).items()},
         "pipeline_seconds": t_pipe, "fire_seconds_median": float(np.median(fire_seconds)), "fire_seconds_max": float(np.max(fire_seconds)),
         "wall_seconds": time.perf_counter() - t_start, "peak_rss_gb": peak_gb, "peak_pss_gb": peak_pss, "stage_one_wait_seconds": waited if feeder else None,
+        "stage_one": stage_one,
         "dropped": dict(stats.dropped), "releases": stats.releases,
         "sigma_perturbation": pipe.plan.sigma_perturbation, "perturbation_l2_sensitivity": pipe.plan.perturbation_l2_sensitivity,
         "baseline_sigma": sigma_q, "baseline_threshold": threshold_q, "curve": curve,
@@ -309,6 +321,8 @@ def _dpsqlp_once(users: int, keys: int, triggers: int, seed: int, epsilon: float
     p(f"pipeline {t_pipe:.1f} s with {processes} process(es) (median trigger {report['fire_seconds_median']:.2f} s), wall {report['wall_seconds']:.1f} s, "
       f"peak RSS {peak_gb:.2f} GB (summed over processes; proportional set size {peak_pss:.2f} GB, copy-on-write pages counted "
       f"once); dropped {dict(stats.dropped)}")
+    p(f"stage 1: {stage_one['seconds']:.1f} s, {stage_one['us_per_record']:.2f} us per record ({stage_one['us_per_record_first_tenth']:.2f} "
+      f"in the first tenth of micro-batches, {stage_one['us_per_record_last_tenth']:.2f} in the last, with every user of the day seen)")
     if feeder:
         p(f"stage 2 waited {waited:.1f} s of the pipeline's {t_pipe:.1f} s for stage 1's micro-batches")
     if simulated is not None:
