@@ -28,6 +28,7 @@ from typing import Iterator, Optional
 
 import numpy as np
 
+from dpstream.state import kernels
 from dpstream.state import keys as sk
 from dpstream.state.store import Store, WriteBatch
 
@@ -98,51 +99,153 @@ def put_rows(rows: np.ndarray, index, values: np.ndarray) -> None:
     _records(rows)[index] = _records(np.ascontiguousarray(values, dtype=rows.dtype))
 
 
+class Ragged:
+    """Variable parts of many ids back to back, in items of one fixed-width type: part j is
+    ``data[offsets[j]:offsets[j+1]]``. A user state's key history is such a part (entries of
+    :data:`USER_ENTRY`): kept, read and written this way, a batch of states costs whole-array
+    operations, never a Python object per user (which was a third of stage 1 at 10^7 users)."""
+
+    __slots__ = ("offsets", "data")
+
+    def __init__(self, offsets: np.ndarray, data: np.ndarray):
+        self.offsets = np.asarray(offsets, dtype=np.int64)
+        self.data = data
+
+    @classmethod
+    def of_lengths(cls, lengths: np.ndarray, data: np.ndarray) -> "Ragged":
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        return cls(offsets, data)
+
+    @classmethod
+    def empty(cls, n: int, item: np.dtype) -> "Ragged":
+        return cls(np.zeros(n + 1, dtype=np.int64), np.zeros(0, dtype=item))
+
+    @classmethod
+    def of_bytes(cls, parts: list, item: np.dtype) -> "Ragged":
+        """From one bytes object per part (a whole number of items each)."""
+        lengths = np.fromiter(map(len, parts), dtype=np.int64, count=len(parts))
+        if (lengths % item.itemsize).any():
+            raise ValueError(f"a stored part is not a whole number of {item.itemsize}-byte items")
+        return cls.of_lengths(lengths // item.itemsize, np.frombuffer(b"".join(parts), dtype=item).copy())
+
+    @classmethod
+    def concat(cls, pieces: list) -> "Ragged":
+        lengths = np.concatenate([p.lengths for p in pieces])
+        return cls.of_lengths(lengths, np.concatenate([p.data for p in pieces]))
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def take(self, index) -> "Ragged":
+        """The parts at ``index`` (positions or a mask), in that order."""
+        index = np.arange(len(self))[index] if np.asarray(index).dtype == bool else np.asarray(index, dtype=np.int64)
+        starts, lengths = self.offsets[index], self.offsets[index + 1] - self.offsets[index]
+        return Ragged.of_lengths(lengths, kernels.gather_spans(self.data, starts, lengths))
+
+    def placed(self, n: int, at: np.ndarray) -> "Ragged":
+        """These parts at positions ``at`` (ascending) of ``n`` parts, the others empty."""
+        lengths = np.zeros(n, dtype=np.int64)
+        lengths[at] = self.lengths
+        return Ragged.of_lengths(lengths, self.data)
+
+    def part_bytes(self, j: int) -> bytes:
+        return self.data[self.offsets[j]:self.offsets[j + 1]].tobytes()
+
+
+class _Arena:
+    """One window's ragged parts by slot, in blocks of one growing array: a part of n items sits
+    in a block of 2^c items (c the least with 2^c >= n, its class). A rewritten part that still
+    fits its block is written in place; one that outgrows it moves to a block of its new class
+    and frees the old one, which the next part of that class takes (a free list per class). So
+    nothing is ever compacted, a block is at most twice its part, and the array grows in place
+    (``resize``: no copy of what it holds). Rewriting each touched user's whole history into
+    fresh space instead, and collecting the stale copies, copied the live histories about ten
+    times a day at 10^7 users."""
+
+    def __init__(self, item: np.dtype, size: int = 1024):
+        self.data = np.zeros(size, dtype=item)
+        self.used = 0  # items below this are in blocks (in use or free)
+        self.free: dict[int, np.ndarray] = {}  # class -> starts of its free blocks
+        self.start = np.zeros(0, dtype=np.int64)
+        self.length = np.zeros(0, dtype=np.int64)
+        self.cls = np.zeros(0, dtype=np.int64)  # -1: no block (an empty part)
+
+    def grow(self, size: int) -> None:
+        for name, fill in (("start", 0), ("length", 0), ("cls", -1)):
+            grown = np.full(size, fill, dtype=np.int64)
+            old = getattr(self, name)
+            grown[:len(old)] = old
+            setattr(self, name, grown)
+
+    def get(self, slots: np.ndarray) -> Ragged:
+        lengths = self.length[slots]
+        return Ragged.of_lengths(lengths, kernels.gather_spans(self.data, self.start[slots], lengths))
+
+    def set(self, slots: np.ndarray, parts: Ragged) -> None:
+        """Parts of ``slots`` (distinct), replacing what they held."""
+        slots = np.asarray(slots, dtype=np.int64)
+        lengths = parts.lengths
+        new_cls = np.full(len(lengths), -1, dtype=np.int64)
+        some = lengths > 0
+        new_cls[some] = np.ceil(np.log2(lengths[some])).astype(np.int64)  # exact for these small integers
+        old_cls = self.cls[slots]
+        moving = np.nonzero(new_cls != old_cls)[0]
+        if len(moving):
+            freed = moving[old_cls[moving] >= 0]
+            for c in np.unique(old_cls[freed]).tolist():
+                self.free[c] = np.concatenate([self.free.get(c, np.zeros(0, dtype=np.int64)), self.start[slots[freed[old_cls[freed] == c]]]])
+            starts = np.zeros(len(moving), dtype=np.int64)
+            for c in np.unique(new_cls[moving]).tolist():
+                if c >= 0:
+                    at = np.nonzero(new_cls[moving] == c)[0]
+                    starts[at] = self._blocks(c, len(at))
+            self.start[slots[moving]] = starts
+            self.cls[slots[moving]] = new_cls[moving]
+        self.length[slots] = lengths
+        kernels.scatter_spans(self.data, self.start[slots], parts.data, parts.offsets)
+
+    def _blocks(self, c: int, n: int) -> np.ndarray:
+        """Starts of ``n`` blocks of class ``c``: free ones first, then new ones at the end."""
+        free = self.free.get(c, np.zeros(0, dtype=np.int64))
+        taken, self.free[c] = free[:n], free[n:]
+        more = n - len(taken)
+        size = 1 << c
+        if self.used + more * size > len(self.data):
+            self.data.resize(max(2 * len(self.data), self.used + more * size), refcheck=False)  # in place: no copy
+        fresh = self.used + size * np.arange(more, dtype=np.int64)
+        self.used += more * size
+        return np.concatenate([taken, fresh])
+
+
 class _SortedIds:
     """64-bit ids kept sorted, each with the slot that holds its values in append-only arrays
-    elsewhere: a batch of ids is found with one ``searchsorted``.
-
-    Ids are keyed hashes, spread evenly over 64 bits. Past :data:`_DIRECTORY_FROM` ids a
-    directory of where each value of the top 16 bits starts narrows every search to a bucket of
-    a few hundred ids first: a plain binary search over 10^7 ids misses the CPU cache at almost
-    every step (1.3 us per id in random order against 0.1 us over 10^5 ids), which made stage 1's
-    per-record cost grow with the users seen in the window."""
+    elsewhere: a batch of ids is found with one search (:mod:`dpstream.state.kernels`: a directory
+    of the ids' top bits narrows each search to a few ids first; a plain binary search over 10^7
+    ids misses the CPU cache at almost every step, which made stage 1's per-record cost grow with
+    the users seen in the window). The directory is kept up to date as ids are added."""
 
     def __init__(self) -> None:
         self.ids = np.zeros(0, dtype=np.uint64)
         self.slots = np.zeros(0, dtype=np.int64)
-        self._directory: Optional[np.ndarray] = None  # rebuilt on first find after a change
+        self._bits = 0
+        self._directory: Optional[np.ndarray] = None  # built on first find
 
     def find(self, ids: np.ndarray) -> np.ndarray:
         """The slot of each id, -1 where absent."""
         if not len(self.ids):
             return np.full(len(ids), -1, dtype=np.int64)
         ids = np.asarray(ids, dtype=np.uint64)
-        if len(self.ids) < _DIRECTORY_FROM:
-            pos = np.searchsorted(self.ids, ids)
-        else:
-            pos = self._bucketed(ids)
+        if self._directory is None:
+            self._bits = kernels.directory_bits(len(self.ids))
+            self._directory = kernels.directory(self.ids, self._bits)
+        pos = kernels.positions(self.ids, self._directory, self._bits, ids)
         pos = np.minimum(pos, len(self.ids) - 1)
         return np.where(self.ids[pos] == ids, self.slots[pos], -1)
-
-    def _bucketed(self, ids: np.ndarray) -> np.ndarray:
-        """``searchsorted(self.ids, ids)``: a lookup in the directory, then a binary search
-        within each id's bucket, vectorized over the ids (one step per halving of the largest
-        bucket)."""
-        if self._directory is None:
-            tops = np.arange(1 << _DIRECTORY_BITS, dtype=np.uint64) << np.uint64(64 - _DIRECTORY_BITS)
-            self._directory = np.append(np.searchsorted(self.ids, tops), len(self.ids)).astype(np.int64)
-        bucket = (ids >> np.uint64(64 - _DIRECTORY_BITS)).astype(np.int64)
-        lo, hi = self._directory[bucket], self._directory[bucket + 1]
-        last = len(self.ids) - 1
-        while True:
-            open_ = lo < hi
-            if not open_.any():
-                return lo
-            mid = (lo + hi) >> 1
-            right = open_ & (self.ids[np.minimum(mid, last)] < ids)
-            lo = np.where(right, mid + 1, lo)
-            hi = np.where(open_ & ~right, mid, hi)
 
     def add(self, ids: np.ndarray, slots: np.ndarray) -> None:
         """Index ids not present yet (distinct) under their slots."""
@@ -150,12 +253,11 @@ class _SortedIds:
         pos = np.searchsorted(self.ids, ids[order])
         self.ids = np.insert(self.ids, pos, ids[order])
         self.slots = np.insert(self.slots, pos, slots[order])
-        self._directory = None
-
-
-#: a sorted-id index this large searches a bucket directory first (:class:`_SortedIds`)
-_DIRECTORY_FROM = 1 << 20
-_DIRECTORY_BITS = 16
+        if self._directory is not None:
+            if kernels.directory_bits(len(self.ids)) == self._bits:
+                self._directory = kernels.added(self._directory, self._bits, np.asarray(ids, dtype=np.uint64))
+            else:  # grown past its size: rebuilt on the next find
+                self._directory = None
 
 
 class _WindowRows:
@@ -163,12 +265,24 @@ class _WindowRows:
     append-only arrays, found through a :class:`_SortedIds` (a new key appends; a known key is
     overwritten in place)."""
 
-    def __init__(self, dtype: Optional[np.dtype], parts: bool = True):
+    def __init__(self, dtype: Optional[np.dtype], parts: bool = True, part_item: Optional[np.dtype] = None):
         self.index = _SortedIds()
         self.rows = None if dtype is None else np.zeros(0, dtype=dtype)
-        self.names = np.zeros(0, dtype=object) if parts else None
+        self.names = np.zeros(0, dtype=object) if parts and part_item is None else None
+        self.arena = _Arena(part_item) if parts and part_item is not None else None
         self.used = 0
         self.size = 0
+
+    def get_parts(self, slots: np.ndarray):
+        if self.arena is not None:
+            return self.arena.get(slots)
+        return None if self.names is None else self.names[slots]
+
+    def set_parts(self, slots: np.ndarray, parts) -> None:
+        if self.arena is not None:
+            self.arena.set(slots, parts)
+        elif self.names is not None:
+            self.names[slots] = parts
 
     def find(self, ids: np.ndarray) -> np.ndarray:
         return self.index.find(ids)
@@ -186,13 +300,19 @@ class _WindowRows:
                 grown = np.zeros(size, dtype=self.rows.dtype)
                 put_rows(grown, slice(0, self.used), self.rows[:self.used])
                 self.rows = grown
+            if self.arena is not None:
+                self.arena.grow(size)
         slots = np.arange(self.used, self.used + n, dtype=np.int64)
-        if self.names is not None:
-            self.names[slots] = names
+        self.set_parts(slots, names)
         if self.rows is not None:
             put_rows(self.rows, slots, rows)
         self.used += n
         self.index.add(ids, slots)
+
+
+def _take_parts(parts, index):
+    """Variable parts at ``index``: of a :class:`Ragged`, or of an object array."""
+    return parts.take(index) if isinstance(parts, Ragged) else parts[index]
 
 
 class CommittedCache:
@@ -214,10 +334,12 @@ class CommittedCache:
     which would otherwise cost a RocksDB miss.
     """
 
-    def __init__(self, dtype: Optional[np.dtype], capacity: int, parts: bool = True):
-        """``parts``: whether values have a variable part after the row (False: rows only)."""
+    def __init__(self, dtype: Optional[np.dtype], capacity: int, parts: bool = True, part_item: Optional[np.dtype] = None):
+        """``parts``: whether values have a variable part after the row (False: rows only);
+        ``part_item``: parts are :class:`Ragged` of this item type (None: Python objects)."""
         self.dtype = dtype
         self.parts = parts
+        self.part_item = part_item
         self.capacity = int(capacity)
         self._windows: dict[int, _WindowRows] = {}
         self._complete: set[int] = set()
@@ -231,13 +353,13 @@ class CommittedCache:
         """(hit mask, their rows (``None`` without a row type), their texts) for ``ids``."""
         cached = self._windows.get(window)
         if cached is None:
-            cached = _WindowRows(self.dtype, self.parts)
+            cached = _WindowRows(self.dtype, self.parts, self.part_item)
         slots = cached.find(ids)
         hit = slots >= 0
         slots = slots[hit]
         self.hits += len(slots)
         self.misses += len(ids) - len(slots)
-        return hit, None if cached.rows is None else take_rows(cached.rows, slots), None if cached.names is None else cached.names[slots]
+        return hit, None if cached.rows is None else take_rows(cached.rows, slots), cached.get_parts(slots)
 
     def holds(self, window: int) -> bool:
         """Whether the cache has the window (it may have dropped it over its bound)."""
@@ -245,17 +367,21 @@ class CommittedCache:
 
     def hold(self, window: int) -> None:
         """Start caching a window (empty)."""
-        self._windows.setdefault(window, _WindowRows(self.dtype, self.parts))
+        self._windows.setdefault(window, _WindowRows(self.dtype, self.parts, self.part_item))
 
     def window_values(self, window: int) -> tuple[np.ndarray, Optional[np.ndarray], np.ndarray]:
         """(ids, rows, parts) of every id cached for the window, in slot order."""
         cached = self._windows.get(window)
         if cached is None:
-            return np.zeros(0, dtype=np.uint64), None if self.dtype is None else np.zeros(0, dtype=self.dtype), np.zeros(0, dtype=object)
+            parts = np.zeros(0, dtype=object) if self.part_item is None else Ragged.empty(0, self.part_item)
+            return np.zeros(0, dtype=np.uint64), None if self.dtype is None else np.zeros(0, dtype=self.dtype), parts
         ids = np.empty(cached.used, dtype=np.uint64)
         ids[cached.index.slots] = cached.index.ids
         rows = None if cached.rows is None else cached.rows[:cached.used].copy()
-        parts = np.full(cached.used, None, dtype=object) if cached.names is None else cached.names[:cached.used].copy()
+        if cached.arena is not None:
+            parts = cached.arena.get(np.arange(cached.used))
+        else:
+            parts = np.full(cached.used, None, dtype=object) if cached.names is None else cached.names[:cached.used].copy()
         return ids, rows, parts
 
     def upsert(self, window: int, ids: np.ndarray, rows: Optional[np.ndarray], names: Optional[np.ndarray]) -> np.ndarray:
@@ -264,11 +390,11 @@ class CommittedCache:
         the keys it declined (new keys of a window alone over the bound)."""
         cached = self._windows.get(window)
         if cached is None:
-            cached = self._windows[window] = _WindowRows(self.dtype, self.parts)
+            cached = self._windows[window] = _WindowRows(self.dtype, self.parts, self.part_item)
         slots = cached.find(ids)
         known = slots >= 0
         if self.parts:
-            cached.names[slots[known]] = names[known]
+            cached.set_parts(slots[known], _take_parts(names, known))
         if rows is not None:
             put_rows(cached.rows, slots[known], take_rows(rows, known))
         new = np.nonzero(~known)[0]
@@ -284,7 +410,7 @@ class CommittedCache:
         else:
             declined = new[:0]
         if len(new):
-            cached.append(ids[new], None if rows is None else take_rows(rows, new), names[new] if self.parts else None)
+            cached.append(ids[new], None if rows is None else take_rows(rows, new), _take_parts(names, new) if self.parts else None)
         return declined
 
     def read_through(self, store: Store, prefix: bytes, window: int, ids: np.ndarray,
@@ -330,7 +456,7 @@ class CommittedCache:
         if next(iter(store.scan_prefix(prefix)), None) is not None:
             return False
         # the store has nothing of the window: from here on, every committed id comes through upsert
-        self._windows[window] = _WindowRows(self.dtype, self.parts)
+        self._windows[window] = _WindowRows(self.dtype, self.parts, self.part_item)
         self._complete.add(window)
         return True
 
@@ -374,6 +500,8 @@ class _WindowLog:
     row's bytes, then the part."""
 
     def __init__(self, store: Store, qid: bytes, log: bytes, spill: bytes, cache: CommittedCache):
+        if cache.parts and cache.part_item is None:
+            raise ValueError("a changelog's variable parts are ragged arrays: give the cache a part item type")
         self.store, self.qid, self.log, self.spill, self.cache = store, qid, log, spill, cache
         self._spilled: dict[int, bool] = {}  # window -> it has values under the spill table (loaded windows only)
         self._next_seq: dict[int, int] = {}  # window -> sequence number of its next blob
@@ -407,12 +535,10 @@ class _WindowLog:
         ids = np.asarray(ids, dtype=np.uint64)
         hit, cached_rows, cached_parts = self.cache.lookup(window, ids)
         rows = None if self.cache.dtype is None else np.zeros(len(ids), dtype=self.cache.dtype)
-        parts = np.full(len(ids), None, dtype=object)
         if rows is not None:
             put_rows(rows, hit, cached_rows)
-        if self.cache.parts:
-            parts[hit] = cached_parts
         found = hit.copy()
+        at_hit = np.nonzero(hit)[0]
         miss = np.nonzero(~hit)[0]
         if len(miss) and self._spilled[window]:
             stored = self.store.get_many(sk.fixed_keys(sk.window_prefix(self.spill, self.qid, window), ids[miss]))
@@ -422,9 +548,13 @@ class _WindowLog:
                 spilled_rows, spilled_parts = self._split([stored[j] for j in present])
                 if rows is not None:
                     rows[at] = spilled_rows
-                if self.cache.parts:
-                    parts[at] = spilled_parts
+                if self.cache.parts:  # both sets of parts in position order
+                    positions = np.concatenate([at_hit, at])
+                    order = np.argsort(positions, kind="stable")
+                    cached_parts = Ragged.concat([cached_parts, spilled_parts]).take(order)
+                    at_hit = positions[order]
                 found[at] = True
+        parts = cached_parts.placed(len(ids), at_hit) if self.cache.parts else None
         return found, rows, parts
 
     def scan(self, window: int) -> tuple[np.ndarray, Optional[np.ndarray], np.ndarray]:
@@ -443,11 +573,11 @@ class _WindowLog:
                 spilled_rows, spilled_parts = self._split([values[j] for j in extra.tolist()])
                 ids = np.concatenate([ids, spilled_ids[extra]])
                 rows = None if rows is None else np.concatenate([rows, spilled_rows])
-                parts = np.concatenate([parts, spilled_parts])
+                parts = Ragged.concat([parts, spilled_parts]) if self.cache.parts else None
         order = np.argsort(ids)
-        return ids[order], None if rows is None else rows[order], parts[order]
+        return ids[order], None if rows is None else rows[order], None if parts is None else _take_parts(parts, order)
 
-    def commit(self, batch: WriteBatch, window: int, ids: np.ndarray, rows: Optional[np.ndarray], parts: Optional[np.ndarray]) -> None:
+    def commit(self, batch: WriteBatch, window: int, ids: np.ndarray, rows: Optional[np.ndarray], parts: Optional[Ragged]) -> None:
         """Write new values of ``ids`` (distinct) in ``batch``; the cache learns them once it is written."""
         self.load(window)
         ids = np.asarray(ids, dtype=np.uint64)
@@ -457,26 +587,26 @@ class _WindowLog:
         if rows is not None:
             rows = np.array(rows, dtype=self.cache.dtype)  # a copy: the caller may change its rows after this
             pieces.append(rows.tobytes())
-        if parts is not None:
-            pieces.append(np.fromiter(map(len, parts), dtype="<u4", count=len(parts)).tobytes())
-            pieces += parts.tolist()
+        if parts is not None:  # lengths in bytes, then the parts back to back
+            pieces.append((parts.lengths * parts.data.dtype.itemsize).astype("<u4").tobytes())
+            pieces.append(parts.data.tobytes())
         batch.put(sk.window_prefix(self.log, self.qid, window) + int(seq).to_bytes(8, "big"), b"".join(pieces))
         batch.on_commit(functools.partial(self._committed, window, ids, rows, parts))
 
-    def _committed(self, window: int, ids: np.ndarray, rows: Optional[np.ndarray], parts: Optional[np.ndarray]) -> None:
+    def _committed(self, window: int, ids: np.ndarray, rows: Optional[np.ndarray], parts: Optional[Ragged]) -> None:
         if not self.cache.holds(window) or window not in self._next_seq:
             return  # the cache dropped the window meanwhile: its next use replays the log, this blob included
         if self._cache_or_spill(window, ids, rows, parts):
             self._spilled[window] = True
 
-    def _cache_or_spill(self, window: int, ids: np.ndarray, rows: Optional[np.ndarray], parts: Optional[np.ndarray]) -> bool:
+    def _cache_or_spill(self, window: int, ids: np.ndarray, rows: Optional[np.ndarray], parts: Optional[Ragged]) -> bool:
         """Committed values into the cache; those it declines under their ids' own keys. True if any was spilled."""
         declined = self.cache.upsert(window, ids, rows, parts)
         if not len(declined):
             return False
         width = 0 if rows is None else rows.dtype.itemsize
         raw = b"" if rows is None else rows[declined].tobytes()
-        values = [raw[j * width:(j + 1) * width] + (b"" if parts is None else parts[d]) for j, d in enumerate(declined.tolist())]
+        values = [raw[j * width:(j + 1) * width] + (b"" if parts is None else parts.part_bytes(d)) for j, d in enumerate(declined.tolist())]
         spill = WriteBatch()
         spill.put_many(sk.fixed_keys(sk.window_prefix(self.spill, self.qid, window), ids[declined]), values)
         self.store.write(spill)
@@ -492,19 +622,19 @@ class _WindowLog:
             pos += n * self.cache.dtype.itemsize
         parts = None
         if self.cache.parts:
+            item = self.cache.part_item
             lengths = np.frombuffer(blob, dtype="<u4", count=n, offset=pos).astype(np.int64)
-            ends = pos + 4 * n + np.cumsum(lengths)
-            parts = np.empty(n, dtype=object)
-            parts[:] = [blob[a:b] for a, b in zip((ends - lengths).tolist(), ends.tolist())]
+            if (lengths % item.itemsize).any():
+                raise ValueError(f"a changelog blob's part is not a whole number of {item.itemsize}-byte items")
+            lengths //= item.itemsize
+            parts = Ragged.of_lengths(lengths, np.frombuffer(blob, dtype=item, count=int(lengths.sum()), offset=pos + 4 * n).copy())
         return ids, rows, parts
 
-    def _split(self, values: list[bytes]) -> tuple[Optional[np.ndarray], np.ndarray]:
+    def _split(self, values: list[bytes]) -> tuple[Optional[np.ndarray], Optional[Ragged]]:
         """Spilled values as (rows, parts)."""
         width = 0 if self.cache.dtype is None else self.cache.dtype.itemsize
         rows = None if self.cache.dtype is None else np.frombuffer(b"".join(v[:width] for v in values), dtype=self.cache.dtype)
-        parts = np.full(len(values), None, dtype=object)
-        if self.cache.parts:
-            parts[:] = [v[width:] for v in values]
+        parts = Ragged.of_bytes([v[width:] for v in values], self.cache.part_item) if self.cache.parts else None
         return rows, parts
 
     def drop_window(self, window: int) -> None:
@@ -525,23 +655,21 @@ class UserStates:
 
     def __init__(self, store: Store, qid: bytes, cache_entries: int = USER_CACHE_ENTRIES):
         self.store, self.qid = store, qid
-        self.cache = CommittedCache(USER_COUNT, cache_entries)
+        self.cache = CommittedCache(USER_COUNT, cache_entries, part_item=USER_ENTRY)
         self.log = _WindowLog(store, qid, sk.USER_LOG, sk.USERS, self.cache)
 
     def read(self, windows: np.ndarray, users: np.ndarray) -> UserStateColumns:
         """States of the groups ``(windows[g], users[g])`` (absent: nothing admitted yet)."""
         counts = np.zeros(len(users), dtype=np.int64)
-        entries = np.full(len(users), b"", dtype=object)
         users = np.asarray(users, dtype=np.uint64)
+        pieces = []
         for w, lo, hi in _runs(windows):
             found, rows, parts = self.log.read(w, users[lo:hi])
             counts[lo:hi] = rows
-            entries[lo:hi][found] = parts[found]
-        # per state only C-level work (its length, one join); the rest is vectorized
-        per_user = np.fromiter(map(len, entries), dtype=np.int64, count=len(entries)) // USER_ENTRY.itemsize
-        flat = np.frombuffer(b"".join(entries), dtype=USER_ENTRY)
-        group = np.repeat(np.arange(len(users), dtype=np.int64), per_user)
-        return UserStateColumns(counts, group, flat["key"].astype(np.uint64), flat["trigger"].astype(np.int64))
+            pieces.append(parts)
+        entries = Ragged.concat(pieces) if len(pieces) > 1 else pieces[0] if pieces else Ragged.empty(0, USER_ENTRY)
+        group = np.repeat(np.arange(len(users), dtype=np.int64), entries.lengths)
+        return UserStateColumns(counts, group, entries.data["key"].astype(np.uint64), entries.data["trigger"].astype(np.int64))
 
     def write(self, batch: WriteBatch, windows: np.ndarray, users: np.ndarray, admitted: np.ndarray, changed: np.ndarray,
               full: np.ndarray, entry_group: np.ndarray, entry_key: np.ndarray, entry_trigger: np.ndarray) -> None:
@@ -549,21 +677,20 @@ class UserStates:
         group (ascending); a ``full`` group (at the bound: it admits nothing more) keeps only its count."""
         entry_group = np.asarray(entry_group, dtype=np.int64)
         full, changed = np.asarray(full, dtype=bool), np.asarray(changed, dtype=bool)
-        kept = ~full[entry_group]  # a full group keeps none of its entries
-        entries = np.empty(int(kept.sum()), dtype=USER_ENTRY)
-        entries["key"], entries["trigger"] = np.asarray(entry_key)[kept], np.asarray(entry_trigger)[kept]
-        buffer = entries.tobytes()  # every group's entries, back to back
-        size = np.bincount(entry_group[kept], minlength=len(users)) * USER_ENTRY.itemsize
-        hi = np.cumsum(size)
-        lo = hi - size
+        # the entries of changed groups, but none of a full one's (it admits nothing more)
+        kept = changed[entry_group] & ~full[entry_group]
+        entries = kernels.pack_words(entry_key, entry_trigger, kept).view(USER_ENTRY).reshape(-1)
+        size = np.bincount(entry_group[kept], minlength=len(users))
+        starts = np.cumsum(size) - size  # each group's first entry in ``entries`` (grouped, ascending)
         counts = np.asarray(admitted).astype(USER_COUNT)
         for w, first, last in _runs(windows):
             groups = first + np.nonzero(changed[first:last])[0]
             if not len(groups):
                 continue
-            values = np.empty(len(groups), dtype=object)
-            values[:] = [buffer[a:b] for a, b in zip(lo[groups].tolist(), hi[groups].tolist())]
-            self.log.commit(batch, w, np.asarray(users, dtype=np.uint64)[groups], counts[groups], values)
+            lo = int(starts[groups[0]])
+            hi = int(starts[groups[-1]] + size[groups[-1]])
+            self.log.commit(batch, w, np.asarray(users, dtype=np.uint64)[groups], counts[groups],
+                            Ragged.of_lengths(size[groups], entries[lo:hi]))
 
     def drop_window(self, window: int) -> None:
         self.log.drop_window(window)

@@ -144,3 +144,57 @@ def test_the_prediction_scan_kernel_equals_numpy(steps, n, seed, sigma, huge):
     finally:
         kernels.use(before)
     assert np.array_equal(compiled[0], reference[0]) and np.array_equal(compiled[1], reference[1])
+
+
+_U64 = st.sampled_from([0, 1, 2, 2**63 - 1, 2**63, 2**64 - 2, 2**64 - 1])  # few keys (collide often), at the u64 edges
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), distinct=st.booleans())
+def test_the_key_histories_kernel_equals_numpy(data, distinct):
+    """Stage 1's predecessors, amendments and new user states (sets, or multisets under a
+    per-key bound) are the same, entry order included, compiled and in numpy, for users with
+    prior state or none, repeated records and any event-time order."""
+    from dpstream.processor.mechanisms.bounding import key_histories
+
+    groups = data.draw(st.integers(1, 6))
+    triples = st.tuples(st.integers(0, groups - 1), _U64, st.integers(1, 20))
+    state = sorted(data.draw(st.lists(triples, max_size=30, unique=True)), key=lambda x: x[0])
+    batch = data.draw(st.lists(triples, max_size=40))
+    g = np.array([x[0] for x in batch], dtype=np.int64)
+    k = np.array([x[1] for x in batch], dtype=np.uint64)
+    t = np.array([x[2] for x in batch], dtype=np.int64)
+    sg = np.array([x[0] for x in state], dtype=np.int64)
+    sk = np.array([x[1] for x in state], dtype=np.uint64)
+    st_ = np.array([x[2] for x in state], dtype=np.int64)
+    before = kernels._choice
+    try:
+        out = {}
+        for name in ("numpy", "numba"):
+            kernels.use(name)
+            h = key_histories(g, k, t, sg, sk, st_, distinct=distinct)
+            out[name] = [np.asarray(a).tolist() for a in (h.previous, h.amend, h.group, h.key, h.trigger)]
+    finally:
+        kernels.use(before)
+    assert out["numpy"] == out["numba"]
+
+
+@settings(max_examples=100, deadline=None)
+@given(groups=st.lists(st.integers(0, 9), max_size=60), prior=st.lists(st.integers(0, 40), min_size=10, max_size=10))
+def test_contribution_slots_are_the_same_with_either_kernels(groups, prior):
+    """Each record's slot (its user's prior count plus its rank among the user's records of the
+    batch, in arrival order) and what is admitted under C, compiled and in numpy."""
+    from dpstream.processor.mechanisms.bounding import ContributionBounder
+
+    bounder = ContributionBounder(32, 1.0)
+    g = np.array(groups, dtype=np.int64)
+    before = kernels._choice
+    try:
+        out = {}
+        for name in ("numpy", "numba"):
+            kernels.use(name)
+            a = bounder.assign_slots(np.array(prior), g)
+            out[name] = (a.slots.tolist(), a.admitted.tolist(), a.counts.tolist())
+    finally:
+        kernels.use(before)
+    assert out["numpy"] == out["numba"]

@@ -248,15 +248,18 @@ _EDGE_IDS = st.one_of(st.integers(0, 2**64 - 1), st.sampled_from([0, 1, 2**48 - 
 
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.lists(_EDGE_IDS, max_size=30), min_size=1, max_size=6), st.lists(_EDGE_IDS, max_size=40),
-       st.sampled_from([0, 1, 5, 1 << 20]))
-def test_sorted_ids_find_what_was_added_with_or_without_the_bucket_directory(additions, probes, directory_from):
-    """The sorted-id index (a plain binary search, or the bucket directory large indexes use)
-    finds every added id at its slot and nothing else, in any order, ids at the 64-bit edges and
-    sharing their top bits included."""
+       st.sampled_from([0, 1, 5, 1 << 20]), st.sampled_from(["numba", "numpy"]))
+def test_sorted_ids_find_what_was_added_with_or_without_the_bucket_directory(additions, probes, directory_from, kernels):
+    """The sorted-id index (the compiled search through the bucket directory, or numpy's: a
+    plain binary search, or the directory vectorized) finds every added id at its slot and
+    nothing else, in any order, ids at the 64-bit edges and sharing their top bits included,
+    with the directory kept up to date through additions."""
     import dpstream.state.tables as tables
+    from dpstream.state import kernels as search
 
-    saved = tables._DIRECTORY_FROM
-    tables._DIRECTORY_FROM = directory_from
+    saved = search.NUMPY_DIRECTORY_FROM, search._choice
+    search.NUMPY_DIRECTORY_FROM = directory_from
+    search.use(kernels)
     try:
         index, reference = tables._SortedIds(), {}
         for ids in additions:
@@ -268,7 +271,7 @@ def test_sorted_ids_find_what_was_added_with_or_without_the_bucket_directory(add
             found = index.find(np.array(asked, dtype=np.uint64)).tolist()
             assert found == [reference.get(i, -1) for i in asked]
     finally:
-        tables._DIRECTORY_FROM = saved
+        search.NUMPY_DIRECTORY_FROM, search._choice = saved
 
 
 def test_a_window_the_cache_dropped_before_its_batch_committed_is_read_back_whole():
@@ -330,3 +333,96 @@ def test_a_window_over_the_key_cache_bound_still_scans_whole():
         assert scanned_ids.tolist() == ids.tolist() and scanned["count"].tolist() == list(range(10))
         assert reader.predictions.at(0, 5).tolist() == ids[0::2].tolist()
         assert reader.predictions.at(0, 6).tolist() == ids[1::2].tolist()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 40), min_size=1, max_size=12, unique=True),
+                          st.lists(st.integers(0, 6), min_size=12, max_size=12)), min_size=1, max_size=25),
+       st.sampled_from([4, 100]))
+def test_user_states_through_many_commits_read_as_a_model_does(batches, capacity):
+    """User states are kept as spans of one array per window, a rewritten state appended anew
+    and the stale spans collected when they outweigh the live ones: through any sequence of
+    commits (and a cache too small, whose overflow is spilled) every read, and a restart's
+    replay of the log, gives each user's latest state, entries in order."""
+    from dpstream.state.tables import USER_ENTRY
+
+    store = MemoryStore()
+    users = UserStates(store, b"qqqq", cache_entries=capacity)
+    model: dict[int, tuple[int, list]] = {}
+    for step, (ids, sizes) in enumerate(batches):
+        ids = sorted(ids)
+        entries = [[(1000 * u + j, step + j) for j in range(sizes[i])] for i, u in enumerate(ids)]
+        batch = WriteBatch()
+        _user_write(users, batch, 0, ids, [len(e) for e in entries], entries)
+        store.write(batch)
+        model.update({u: (len(e), e) for u, e in zip(ids, entries)})
+    every = np.arange(0, 41, dtype=np.uint64)
+    for reader in (users, UserStates(store, b"qqqq", cache_entries=capacity)):
+        state = reader.read(np.zeros(len(every), dtype=np.int64), every)
+        assert state.admitted.tolist() == [model.get(u, (0, []))[0] for u in range(41)]
+        got = [list(zip(state.key[state.group == g].tolist(), state.trigger[state.group == g].tolist())) for g in range(41)]
+        assert got == [model.get(u, (0, []))[1] for u in range(41)]
+    assert USER_ENTRY.itemsize == 12  # the blob's lengths are in bytes: 12 per entry, as before
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.dictionaries(st.integers(0, 19), st.integers(0, 5), min_size=1, max_size=8), min_size=1, max_size=40),
+       st.sampled_from(["numba", "numpy"]))
+def test_the_part_arena_keeps_each_slots_latest_part_through_growth_and_collection(writes, kernels):
+    """The spans behind ragged parts (user states' key histories): a tiny arena must grow and
+    collect its garbage often, and every slot still reads back its latest part (spans copied
+    compiled or by numpy)."""
+    from dpstream.state import kernels as state_kernels
+
+    saved = state_kernels._choice
+    state_kernels.use(kernels)
+    try:
+        _arena_through(writes)
+    finally:
+        state_kernels.use(saved)
+
+
+def _arena_through(writes):
+    from dpstream.state.tables import USER_ENTRY, Ragged, _Arena
+
+    arena = _Arena(USER_ENTRY, size=4)
+    arena.grow(20)
+    model = {}
+    for step, write in enumerate(writes):
+        slots = np.array(sorted(write), dtype=np.int64)
+        lengths = np.array([write[s] for s in sorted(write)], dtype=np.int64)
+        data = np.zeros(int(lengths.sum()), dtype=USER_ENTRY)
+        data["key"] = np.repeat(slots, lengths).astype(np.uint64)
+        data["trigger"] = step
+        arena.set(slots, Ragged.of_lengths(lengths, data))
+        model.update({int(s): (int(n), step) for s, n in zip(slots, lengths)})
+        got = arena.get(np.arange(20))
+        for s in range(20):
+            part = got.data[got.offsets[s]:got.offsets[s + 1]]
+            n, at = model.get(s, (0, None))
+            assert len(part) == n and (part["key"] == s).all() and (part["trigger"] == at).all()
+        assert arena.used <= len(arena.data)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2**64 - 1), st.integers(0, 2**32 - 1), st.booleans()), max_size=50))
+def test_user_entries_pack_alike_compiled_or_in_numpy(rows):
+    """A user state's entries, packed into 12-byte records, are the same bytes either way, and
+    read back as the (key, trigger) pairs they were."""
+    from dpstream.state import kernels as state_kernels
+    from dpstream.state.tables import USER_ENTRY
+
+    keys = np.array([r[0] for r in rows], dtype=np.uint64)
+    triggers = np.array([r[1] for r in rows], dtype=np.int64)
+    keep = np.array([r[2] for r in rows], dtype=bool)
+    saved = state_kernels._choice
+    try:
+        packed = {}
+        for name in ("numba", "numpy"):
+            state_kernels.use(name)
+            packed[name] = state_kernels.pack_words(keys, triggers, keep)
+    finally:
+        state_kernels.use(saved)
+    assert packed["numba"].tobytes() == packed["numpy"].tobytes()
+    entries = packed["numba"].view(USER_ENTRY).reshape(-1)
+    assert list(zip(entries["key"].tolist(), entries["trigger"].tolist())) == [(k, t) for k, t, kept in rows if kept]

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dpstream.processor.mechanisms import kernels
+
 
 @dataclass(frozen=True)
 class SlotAssignment:
@@ -43,13 +45,15 @@ class ContributionBounder:
         records in arrival order; ``prior[g]``: records group g admitted before this batch."""
         prior = np.asarray(prior, dtype=np.int64)
         group_of = np.asarray(group_of, dtype=np.int64)
-        order = np.argsort(group_of, kind="stable")
-        sorted_groups = group_of[order]
-        start = np.ones(len(order), dtype=bool)
-        start[1:] = sorted_groups[1:] != sorted_groups[:-1]
-        first = np.nonzero(start)[0]
-        rank = np.empty(len(order), dtype=np.int64)
-        rank[order] = np.arange(len(order)) - np.repeat(first, np.diff(np.append(first, len(order))))
+        rank = kernels.group_ranks(group_of, len(prior))  # compiled: one pass, no sort
+        if rank is None:
+            order = np.argsort(group_of, kind="stable")
+            sorted_groups = group_of[order]
+            start = np.ones(len(order), dtype=bool)
+            start[1:] = sorted_groups[1:] != sorted_groups[:-1]
+            first = np.nonzero(start)[0]
+            rank = np.empty(len(order), dtype=np.int64)
+            rank[order] = np.arange(len(order)) - np.repeat(first, np.diff(np.append(first, len(order))))
         slots = prior[group_of] + rank + 1
         admitted = slots <= self.contribution_bound
         counts = np.minimum(prior + np.bincount(group_of, minlength=len(prior)), np.maximum(prior, self.contribution_bound))
@@ -122,6 +126,9 @@ def key_histories(group_of: np.ndarray, key_ids: np.ndarray, triggers: np.ndarra
     known = np.zeros(n, dtype=bool)  # (user, key, trigger) already in the state or earlier in the batch
     if n == 0:
         return KeyHistory(previous, np.zeros(0, dtype=np.int64), sg, sk, st)
+    compiled = kernels.key_histories(g, k, t, sg, sk, st, distinct)  # the same answers, one user at a time
+    if compiled is not None:
+        return KeyHistory(*compiled)
 
     def fold(asking: np.ndarray, ta: np.ndarray, match: np.ndarray, starts: np.ndarray, askers: np.ndarray) -> None:
         """Fold pairs (earlier element, asking record), in runs per asker, into the answers."""

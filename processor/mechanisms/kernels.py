@@ -23,6 +23,8 @@ Kernels:
 * :func:`stream_steps`, :func:`lattice_scan`: the (stream, step) entries of a walk, and release
   prediction's pass over a lattice counter's future steps (first step above the threshold,
   largest margin), in one loop each where numpy materializes several arrays per step.
+* :func:`key_histories`, :func:`group_ranks`: stage 1's predecessors and new user states, one
+  user at a time, and each record's rank among its user's (its contribution slot).
 * :func:`node_blocks`: the second AES blocks of the noise PRF, ``AES(tree_id) XOR node_id``
   per draw (dpstream.processor.mechanisms.noise.NodeNoise), laid out in one pass where numpy
   gathers, copies and XORs in three.
@@ -33,6 +35,8 @@ import os
 from typing import Callable, Optional
 
 import numpy as np
+
+from dpstream.state import kernels as state_kernels
 
 KERNEL_NAMES = ("numba", "numpy")
 _INT_GUARD = 1 << 61
@@ -47,6 +51,7 @@ def use(name: str) -> None:
     if name not in KERNEL_NAMES:
         raise ValueError(f"kernels: must be one of {', '.join(KERNEL_NAMES)}, got {name!r}")
     _choice = name
+    state_kernels.use(name)  # the state caches' id search follows the same choice
 
 
 def active() -> str:
@@ -56,6 +61,7 @@ def active() -> str:
 
 def prepare() -> None:
     """Compile the kernels now (a worker calls this off its event loop at start)."""
+    state_kernels.prepare()
     if active() == "numba":
         kernels = _numba()
         kernels["blt_walk"](np.zeros(1, dtype=np.int64), np.zeros(2, dtype=np.int64), np.zeros((1, 4), dtype=np.int64),
@@ -63,6 +69,10 @@ def prepare() -> None:
                             np.zeros(1, dtype=np.int64), np.zeros((1, 4), dtype=np.int64))
         one = np.zeros(1, dtype=np.int64)
         kernels["stream_steps"](np.array([0, 1]), one, one.copy(), one.copy())
+        kernels["key_histories"](one, np.zeros(1, dtype=np.uint64), one, np.zeros(2, dtype=np.int64), np.zeros(0, dtype=np.uint64),
+                                 np.zeros(0, dtype=np.int64), True, one.copy(), one.copy(), np.zeros(1, dtype=np.int64),
+                                 np.zeros(1, dtype=np.uint64), np.zeros(1, dtype=np.int64))
+        kernels["group_ranks"](one, 1, one.copy())
         kernels["lattice_scan"](one, np.array([0, 1]), one, one, np.zeros(1), 1, one.copy(), np.zeros(1), np.zeros(1, dtype=np.bool_))
         words = np.zeros((1, 2), dtype=np.uint64)
         for edges in (np.zeros(3, dtype=np.int32), np.zeros(3, dtype=np.int64)):
@@ -179,8 +189,76 @@ def _kernels(numba, cache: bool) -> dict:
             out[i, 0] = first[t, 0] ^ np.uint64(nodes[i])
             out[i, 1] = first[t, 1]
 
+    @numba.njit(cache=cache, nogil=True)
+    def key_histories(g, k, t, bounds, sk, st, distinct, previous, amend, out_g, out_k, out_t):
+        n, groups = g.shape[0], bounds.shape[0] - 1
+        big = np.iinfo(np.int64).max
+        # the records of each group in arrival order (a counting sort: groups are dense)
+        start = np.zeros(groups + 1, dtype=np.int64)
+        for i in range(n):
+            start[g[i] + 1] += 1
+        for j in range(groups):
+            start[j + 1] += start[j]
+        order = np.empty(n, dtype=np.int64)
+        fill = start[:-1].copy()
+        for i in range(n):
+            order[fill[g[i]]] = i
+            fill[g[i]] += 1
+        fresh = np.empty(n, dtype=np.int64)
+        w = 0
+        for grp in range(groups):
+            a, b = start[grp], start[grp + 1]
+            e0, e1 = bounds[grp], bounds[grp + 1]
+            for e in range(e0, e1):  # the group's entries stay, in their order
+                out_g[w], out_k[w], out_t[w] = grp, sk[e], st[e]
+                w += 1
+            m = 0
+            for x in range(a, b):
+                i = order[x]
+                ki, ti = k[i], t[i]
+                prev, later, known = 0, big, False
+                for e in range(e0, e1):  # the user's state entries
+                    if sk[e] == ki:
+                        te = st[e]
+                        if te <= ti:
+                            prev = max(prev, te)
+                        else:
+                            later = min(later, te)
+                        known |= te == ti
+                for y in range(a, x):  # the user's earlier records of the batch
+                    j = order[y]
+                    if k[j] == ki:
+                        tj = t[j]
+                        if tj <= ti:
+                            prev = max(prev, tj)
+                        else:
+                            later = min(later, tj)
+                        known |= tj == ti
+                previous[i] = prev
+                amend[i] = 0 if later == big else later
+                if not distinct or not known:
+                    # new entries by (key, arrival): insertion into the group's sorted few
+                    p = m
+                    while p > 0 and k[fresh[p - 1]] > ki:
+                        fresh[p] = fresh[p - 1]
+                        p -= 1
+                    fresh[p] = i
+                    m += 1
+            for p in range(m):
+                i = fresh[p]
+                out_g[w], out_k[w], out_t[w] = grp, k[i], t[i]
+                w += 1
+        return w
+
+    @numba.njit(cache=cache, nogil=True)
+    def group_ranks(group_of, groups, out):
+        seen = np.zeros(groups, dtype=np.int64)
+        for i in range(group_of.shape[0]):
+            out[i] = seen[group_of[i]]
+            seen[group_of[i]] += 1
+
     return {"blt_walk": blt_walk, "table_lookup": table_lookup, "node_blocks": node_blocks, "stream_steps": stream_steps,
-            "lattice_scan": lattice_scan}
+            "lattice_scan": lattice_scan, "key_histories": key_histories, "group_ranks": group_ranks}
 
 
 # ------------------------------------------------------------------------- the BLT recurrence
@@ -255,6 +333,40 @@ def lattice_scan(W: np.ndarray, offsets: np.ndarray, done: np.ndarray, base: np.
     kernels["lattice_scan"](W, offsets, np.asarray(done, dtype=np.int64), np.asarray(base, dtype=np.int64),
                             np.asarray(release_at, dtype=np.float64), int(scale), first_hit, max_margin, unsure)
     return first_hit, max_margin, unsure
+
+
+# ------------------------------------------------------------------------- stage 1's key histories
+
+def key_histories(g: np.ndarray, k: np.ndarray, t: np.ndarray, sg: np.ndarray, sk: np.ndarray, st: np.ndarray, distinct: bool
+                  ) -> Optional[tuple]:
+    """dpstream.processor.mechanisms.bounding.key_histories, compiled: per group (user), each
+    record against the group's state entries and its earlier records of the batch, and the new
+    state (the group's entries, then its new ones by (key, arrival)), one group at a time in one
+    loop where numpy sorts the batch and expands every (record, entry) pair. (previous, amend,
+    state group, key, trigger), or None when the numpy version is in use."""
+    kernels = _numba() if _choice == "numba" else None
+    if kernels is None:
+        return None
+    n = len(g)
+    groups = max(int(g.max(initial=-1)), int(sg.max(initial=-1))) + 1
+    bounds = np.zeros(groups + 1, dtype=np.int64)
+    np.cumsum(np.bincount(sg, minlength=groups), out=bounds[1:])
+    previous, amend = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
+    size = len(sg) + n
+    out_g, out_k, out_t = np.empty(size, dtype=np.int64), np.empty(size, dtype=np.uint64), np.empty(size, dtype=np.int64)
+    w = kernels["key_histories"](g, k, t, bounds, sk, st, distinct, previous, amend, out_g, out_k, out_t)
+    return previous, amend, out_g[:w], out_k[:w], out_t[:w]
+
+
+def group_ranks(group_of: np.ndarray, groups: int) -> Optional[np.ndarray]:
+    """Each record's rank among its group's records in arrival order (0 for the first), compiled
+    (one pass with a counter per group, where numpy sorts); None when numpy is in use."""
+    kernels = _numba() if _choice == "numba" else None
+    if kernels is None:
+        return None
+    out = np.empty(len(group_of), dtype=np.int64)
+    kernels["group_ranks"](group_of, int(groups), out)
+    return out
 
 
 # ------------------------------------------------------------------------- the table sampler
