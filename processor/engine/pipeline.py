@@ -54,6 +54,7 @@ from dpstream.accountant.counters import BINARY_TREE
 from dpstream.accountant.intervals import CI_FIELD
 from dpstream.processor.config import QueryConfig, level_plans_for, parse_duration_ms
 from dpstream.processor.engine.public_keys import PublicKeyDomain
+from dpstream.processor.mechanisms import kernels
 from dpstream.processor.mechanisms.aggregates import aggregate_named
 from dpstream.processor.mechanisms.bounding import (
     ContributionBounder,
@@ -367,9 +368,12 @@ def _colliding(texts: np.ndarray, ids: np.ndarray) -> np.ndarray:
     pseudonym collision): the first text in arrival order keeps the id, later texts are refused."""
     if not len(ids):
         return np.zeros(0, dtype=bool)
-    _, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
-    owner = np.asarray(texts, dtype=object)[first][inverse.ravel()]
-    return np.asarray(owner != np.asarray(texts, dtype=object), dtype=bool)
+    texts = np.asarray(texts, dtype=object)
+    first = kernels.first_occurrences(ids)  # per record, the first record with its id
+    later = np.nonzero(first != np.arange(len(ids)))[0]  # a first record owns its id
+    collided = np.zeros(len(ids), dtype=bool)
+    collided[later] = texts[first[later]] != texts[later]
+    return collided
 
 
 def prepare_noise_tables(query: QueryConfig, noise: NodeNoise) -> None:

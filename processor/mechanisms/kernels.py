@@ -25,6 +25,7 @@ Kernels:
   largest margin), in one loop each where numpy materializes several arrays per step.
 * :func:`key_histories`, :func:`group_ranks`: stage 1's predecessors and new user states, one
   user at a time, and each record's rank among its user's (its contribution slot).
+* :func:`first_occurrences`: the first record of each key id in a batch (key id collisions).
 * :func:`node_blocks`: the second AES blocks of the noise PRF, ``AES(tree_id) XOR node_id``
   per draw (dpstream.processor.mechanisms.noise.NodeNoise), laid out in one pass where numpy
   gathers, copies and XORs in three.
@@ -73,6 +74,7 @@ def prepare() -> None:
                                  np.zeros(0, dtype=np.int64), True, one.copy(), one.copy(), np.zeros(1, dtype=np.int64),
                                  np.zeros(1, dtype=np.uint64), np.zeros(1, dtype=np.int64))
         kernels["group_ranks"](one, 1, one.copy())
+        kernels["first_occurrences"](np.zeros(1, dtype=np.uint64), 4, one.copy())
         kernels["lattice_scan"](one, np.array([0, 1]), one, one, np.zeros(1), 1, one.copy(), np.zeros(1), np.zeros(1, dtype=np.bool_))
         words = np.zeros((1, 2), dtype=np.uint64)
         for edges in (np.zeros(3, dtype=np.int32), np.zeros(3, dtype=np.int64)):
@@ -257,8 +259,25 @@ def _kernels(numba, cache: bool) -> dict:
             out[i] = seen[group_of[i]]
             seen[group_of[i]] += 1
 
+    @numba.njit(cache=cache, nogil=True)
+    def first_occurrences(ids, bits, out):
+        size = np.int64(1) << bits
+        mask = size - 1
+        table_ids = np.zeros(size, dtype=np.uint64)
+        table_at = np.full(size, -1, dtype=np.int64)
+        shift = np.uint64(64 - bits)
+        for i in range(ids.shape[0]):
+            x = ids[i]
+            h = np.int64((x * np.uint64(0x9E3779B97F4A7C15)) >> shift)  # Fibonacci hashing, open addressing
+            while table_at[h] >= 0 and table_ids[h] != x:
+                h = (h + 1) & mask
+            if table_at[h] < 0:
+                table_ids[h], table_at[h] = x, i
+            out[i] = table_at[h]
+
     return {"blt_walk": blt_walk, "table_lookup": table_lookup, "node_blocks": node_blocks, "stream_steps": stream_steps,
-            "lattice_scan": lattice_scan, "key_histories": key_histories, "group_ranks": group_ranks}
+            "lattice_scan": lattice_scan, "key_histories": key_histories, "group_ranks": group_ranks,
+            "first_occurrences": first_occurrences}
 
 
 # ------------------------------------------------------------------------- the BLT recurrence
@@ -367,6 +386,19 @@ def group_ranks(group_of: np.ndarray, groups: int) -> Optional[np.ndarray]:
     out = np.empty(len(group_of), dtype=np.int64)
     kernels["group_ranks"](group_of, int(groups), out)
     return out
+
+
+def first_occurrences(ids: np.ndarray) -> np.ndarray:
+    """Per entry, the index of the first entry with the same 64-bit id (a hash table, compiled;
+    numpy: a sort)."""
+    ids = np.asarray(ids, dtype=np.uint64)
+    kernels = _numba() if _choice == "numba" else None
+    if kernels is not None:
+        out = np.empty(len(ids), dtype=np.int64)
+        kernels["first_occurrences"](ids, max(4, (2 * len(ids)).bit_length()), out)
+        return out
+    _, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
+    return first[inverse.ravel()]
 
 
 # ------------------------------------------------------------------------- the table sampler
