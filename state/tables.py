@@ -157,13 +157,18 @@ class Ragged:
         return self.data[self.offsets[j]:self.offsets[j + 1]].tobytes()
 
 
+#: block sizes of the part arena: 1, 2, 3, 4, 6, 8, 12, ... (powers of two and 1.5 times them):
+#: a block holds at most 1.5 times its part
+_BLOCK_SIZES = np.unique(np.concatenate([1 << np.arange(40), 3 << np.arange(39)])).astype(np.int64)
+
+
 class _Arena:
     """One window's ragged parts by slot, in blocks of one growing array: a part of n items sits
-    in a block of 2^c items (c the least with 2^c >= n, its class). A rewritten part that still
-    fits its block is written in place; one that outgrows it moves to a block of its new class
-    and frees the old one, which the next part of that class takes (a free list per class). So
-    nothing is ever compacted, a block is at most twice its part, and the array grows in place
-    (``resize``: no copy of what it holds). Rewriting each touched user's whole history into
+    in the least block size of :data:`_BLOCK_SIZES` that holds it (its class). A rewritten part
+    that still fits its block is written in place; one that outgrows it moves to a block of its
+    new class and frees the old one, which the next part of that class takes (a free list per
+    class). So nothing is ever compacted, a block is at most 1.5 times its part, and the array
+    grows in place by a quarter at a time (``resize``: no copy of what it holds). Rewriting each touched user's whole history into
     fresh space instead, and collecting the stale copies, copied the live histories about ten
     times a day at 10^7 users."""
 
@@ -192,7 +197,7 @@ class _Arena:
         lengths = parts.lengths
         new_cls = np.full(len(lengths), -1, dtype=np.int64)
         some = lengths > 0
-        new_cls[some] = np.ceil(np.log2(lengths[some])).astype(np.int64)  # exact for these small integers
+        new_cls[some] = np.searchsorted(_BLOCK_SIZES, lengths[some])
         old_cls = self.cls[slots]
         moving = np.nonzero(new_cls != old_cls)[0]
         if len(moving):
@@ -214,9 +219,9 @@ class _Arena:
         free = self.free.get(c, np.zeros(0, dtype=np.int64))
         taken, self.free[c] = free[:n], free[n:]
         more = n - len(taken)
-        size = 1 << c
+        size = int(_BLOCK_SIZES[c])
         if self.used + more * size > len(self.data):
-            self.data.resize(max(2 * len(self.data), self.used + more * size), refcheck=False)  # in place: no copy
+            self.data.resize(max(len(self.data) * 5 // 4, self.used + more * size), refcheck=False)  # in place: no copy
         fresh = self.used + size * np.arange(more, dtype=np.int64)
         self.used += more * size
         return np.concatenate([taken, fresh])
