@@ -20,6 +20,20 @@ def numpy_kernels():
     kernels.use(before)
 
 
+def _with_each(compute):
+    """``compute()`` with the numpy kernels, then with the compiled ones (the choice restored
+    after): [numpy's result, numba's]."""
+    before = kernels._choice
+    try:
+        out = []
+        for name in ("numpy", "numba"):
+            kernels.use(name)
+            out.append(compute())
+        return out
+    finally:
+        kernels.use(before)
+
+
 def _walk(counter, streams, done, upto, state, name):
     kernels.use(name)
     w = counter.walk(streams, done, upto, state)
@@ -98,14 +112,8 @@ def test_the_noise_prfs_blocks_are_the_same_with_either_kernels(trees, draws, se
     tree_of = rng.integers(0, trees, draws)
     nodes = rng.integers(0, 2**32, draws, dtype=np.uint64).astype(np.uint32)
     table = discrete_gaussian(13.2)
-    before = kernels._choice
-    try:
-        out = {}
-        for name in ("numpy", "numba"):
-            kernels.use(name)
-            out[name] = (*noise.uniforms_indexed(ids, tree_of, nodes), noise.sample_indexed(table, ids, tree_of, nodes))
-    finally:
-        kernels.use(before)
+    out = dict(zip(("numpy", "numba"), _with_each(
+        lambda: (*noise.uniforms_indexed(ids, tree_of, nodes), noise.sample_indexed(table, ids, tree_of, nodes)))))
     assert all(np.array_equal(a, b) for a, b in zip(out["numpy"], out["numba"]))
     # and the same as the PRF's definition, draw by draw: AES(AES(tree id) XOR node block)
     for i in range(min(draws, 20)):
@@ -167,16 +175,11 @@ def test_the_key_histories_kernel_equals_numpy(data, distinct):
     sg = np.array([x[0] for x in state], dtype=np.int64)
     sk = np.array([x[1] for x in state], dtype=np.uint64)
     st_ = np.array([x[2] for x in state], dtype=np.int64)
-    before = kernels._choice
-    try:
-        out = {}
-        for name in ("numpy", "numba"):
-            kernels.use(name)
-            h = key_histories(g, k, t, sg, sk, st_, distinct=distinct)
-            out[name] = [np.asarray(a).tolist() for a in (h.previous, h.amend, h.group, h.key, h.trigger)]
-    finally:
-        kernels.use(before)
-    assert out["numpy"] == out["numba"]
+    def histories():
+        h = key_histories(g, k, t, sg, sk, st_, distinct=distinct)
+        return [np.asarray(a).tolist() for a in (h.previous, h.amend, h.group, h.key, h.trigger)]
+    in_numpy, compiled = _with_each(histories)
+    assert in_numpy == compiled
 
 
 @settings(max_examples=100, deadline=None)
@@ -188,16 +191,11 @@ def test_contribution_slots_are_the_same_with_either_kernels(groups, prior):
 
     bounder = ContributionBounder(32, 1.0)
     g = np.array(groups, dtype=np.int64)
-    before = kernels._choice
-    try:
-        out = {}
-        for name in ("numpy", "numba"):
-            kernels.use(name)
-            a = bounder.assign_slots(np.array(prior), g)
-            out[name] = (a.slots.tolist(), a.admitted.tolist(), a.counts.tolist())
-    finally:
-        kernels.use(before)
-    assert out["numpy"] == out["numba"]
+    def slots():
+        a = bounder.assign_slots(np.array(prior), g)
+        return a.slots.tolist(), a.admitted.tolist(), a.counts.tolist()
+    in_numpy, compiled = _with_each(slots)
+    assert in_numpy == compiled
 
 
 @settings(max_examples=60, deadline=None)
@@ -206,12 +204,5 @@ def test_the_first_record_of_each_key_id_is_the_same_with_either_kernels(ids):
     """Key id collisions are judged against each id's first record in the batch: the hash
     table finds the same first records as numpy's sort, ids at the 64-bit edges included."""
     arr = np.array(ids, dtype=np.uint64)
-    before = kernels._choice
-    try:
-        out = {}
-        for name in ("numpy", "numba"):
-            kernels.use(name)
-            out[name] = kernels.first_occurrences(arr).tolist()
-    finally:
-        kernels.use(before)
-    assert out["numpy"] == out["numba"] == [ids.index(i) for i in ids]
+    in_numpy, compiled = _with_each(lambda: kernels.first_occurrences(arr).tolist())
+    assert in_numpy == compiled == [ids.index(i) for i in ids]
