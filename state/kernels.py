@@ -4,6 +4,7 @@ results.
 
 * :func:`positions`: search of sorted 64-bit ids, the caches' index.
 * :func:`scatter_spans`: the reverse, parts written into their spans.
+* :func:`merged`: new ids merged into a cache's sorted index in one pass.
 * :func:`pack_words`: (u64, u32) pairs packed as 12-byte little-endian records (a user state's
   entries), where numpy writes the two fields of a packed record one slow pass each.
 * :func:`gather_spans`: ragged parts (user states' key histories) copied out of the spans of
@@ -85,14 +86,29 @@ def _build(numba, cache: bool):
                 w += 1
 
     @numba.njit(cache=cache, nogil=True)
-    def scatter_spans(data, starts, src, offsets):
+    def scatter_spans(data, starts, src, src_starts, lengths):
         for j in range(starts.shape[0]):
-            a = starts[j]
-            for i in range(offsets[j + 1] - offsets[j]):
+            a, s = starts[j], src_starts[j]
+            for i in range(lengths[j]):
                 for b in range(data.shape[1]):
-                    data[a + i, b] = src[offsets[j] + i, b]
+                    data[a + i, b] = src[s + i, b]
 
-    return {"positions": positions, "gather_spans": gather_spans, "pack_words": pack_words, "scatter_spans": scatter_spans}
+    @numba.njit(cache=cache, nogil=True)
+    def merged(ids, slots, new_ids, new_slots, out_ids, out_slots):
+        i = 0
+        j = 0
+        for w in range(out_ids.shape[0]):
+            if j < new_ids.shape[0] and (i == ids.shape[0] or new_ids[j] < ids[i]):
+                out_ids[w] = new_ids[j]
+                out_slots[w] = new_slots[j]
+                j += 1
+            else:
+                out_ids[w] = ids[i]
+                out_slots[w] = slots[i]
+                i += 1
+
+    return {"positions": positions, "gather_spans": gather_spans, "pack_words": pack_words, "scatter_spans": scatter_spans,
+            "merged": merged}
 
 
 def prepare() -> None:
@@ -103,7 +119,8 @@ def prepare() -> None:
         gather_spans(np.zeros(1, dtype=np.dtype([("a", "<u8"), ("b", "<u4")])), np.zeros(1, dtype=np.int64), np.ones(1, dtype=np.int64))
         pack_words(np.zeros(1, dtype=np.uint64), np.zeros(1, dtype=np.int64), np.ones(1, dtype=bool))
         item = np.zeros(1, dtype=np.dtype([("a", "<u8"), ("b", "<u4")]))
-        scatter_spans(item, np.zeros(1, dtype=np.int64), item.copy(), np.array([0, 1]))
+        scatter_spans(item, np.zeros(1, dtype=np.int64), item.copy(), np.zeros(1, dtype=np.int64), np.ones(1, dtype=np.int64))
+        merged(ids, np.zeros(1, dtype=np.int64), ids + np.uint64(1), np.ones(1, dtype=np.int64))
 
 
 def directory_bits(n: int) -> int:
@@ -155,8 +172,7 @@ def gather_spans(data: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> n
     kernel = _kernel() if _choice == "numba" else None
     if kernel is not None and data.flags.c_contiguous:
         out = np.empty(total, dtype=data.dtype)
-        width = data.dtype.itemsize
-        kernel["gather_spans"](data.view(np.uint8).reshape(-1, width), starts, lengths, out.view(np.uint8).reshape(-1, width))
+        kernel["gather_spans"](_words(data), starts, lengths, _words(out))
         return out
     if not total:
         return data[:0].copy()
@@ -182,20 +198,45 @@ def pack_words(keys: np.ndarray, triggers: np.ndarray, keep: np.ndarray) -> np.n
     return out
 
 
-def scatter_spans(data: np.ndarray, starts: np.ndarray, src: np.ndarray, offsets: np.ndarray) -> None:
-    """``data[starts[j]:starts[j]+n_j] = src[offsets[j]:offsets[j+1]]`` for every j (n_j the part's length)."""
-    starts, offsets = np.asarray(starts, dtype=np.int64), np.asarray(offsets, dtype=np.int64)
-    if not len(src):
+def scatter_spans(data: np.ndarray, starts: np.ndarray, src: np.ndarray, src_starts: np.ndarray, lengths: np.ndarray) -> None:
+    """``data[starts[j]:starts[j]+lengths[j]] = src[src_starts[j]:src_starts[j]+lengths[j]]`` for every j."""
+    starts, src_starts, lengths = (np.asarray(a, dtype=np.int64) for a in (starts, src_starts, lengths))
+    if not len(src) or not len(starts):
         return
     kernel = _kernel() if _choice == "numba" else None
     if kernel is not None and data.flags.c_contiguous and src.flags.c_contiguous:
-        width = data.dtype.itemsize
-        kernel["scatter_spans"](data.view(np.uint8).reshape(-1, width), starts, src.view(np.uint8).reshape(-1, width), offsets)
+        kernel["scatter_spans"](_words(data), starts, _words(src), src_starts, lengths)
         return
-    lengths = np.diff(offsets)
-    index = np.repeat(starts - offsets[:-1], lengths) + np.arange(len(src), dtype=np.int64)
+    first = np.cumsum(lengths) - lengths
+    total = int(lengths.sum())
+    index = np.repeat(starts - first, lengths) + np.arange(total, dtype=np.int64)
+    taken = np.repeat(src_starts - first, lengths) + np.arange(total, dtype=np.int64)
     if data.dtype.names is None:
-        data[index] = src
-    else:
+        data[index] = src[taken]
+    else:  # whole records: numpy moves the fields of a structured array one by one
         void = np.dtype((np.void, data.dtype.itemsize))
-        data.view(void)[index] = np.ascontiguousarray(src).view(void)
+        data.view(void)[index] = np.ascontiguousarray(src).view(void)[taken]
+
+
+def merged(ids: np.ndarray, slots: np.ndarray, new_ids: np.ndarray, new_slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted ``ids`` (with their ``slots``) and sorted ``new_ids`` (none of them in ``ids``; with
+    their slots) merged into one sorted pair of arrays: one pass, where ``np.insert`` makes
+    several over the whole index (tens of megabytes at 10^7 ids) for each batch of new ids."""
+    new_ids, new_slots = np.asarray(new_ids, dtype=np.uint64), np.asarray(new_slots, dtype=np.int64)
+    kernel = _kernel() if _choice == "numba" else None
+    if kernel is None:
+        pos = np.searchsorted(ids, new_ids)
+        return np.insert(ids, pos, new_ids), np.insert(slots, pos, new_slots)
+    out_ids = np.empty(len(ids) + len(new_ids), dtype=np.uint64)
+    out_slots = np.empty(len(out_ids), dtype=np.int64)
+    kernel["merged"](ids, slots, new_ids, new_slots, out_ids, out_slots)
+    return out_ids, out_slots
+
+
+def _words(items: np.ndarray) -> np.ndarray:
+    """Fixed-width items as rows of the widest machine words that tile them (a 12-byte user
+    entry: three 4-byte words), so the span kernels move words, not single bytes (half the time
+    of a byte loop for the key histories)."""
+    width = items.dtype.itemsize
+    word = next(w for w in (8, 4, 2, 1) if width % w == 0)
+    return items.view(np.dtype(f"<u{word}")).reshape(-1, width // word)

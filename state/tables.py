@@ -43,6 +43,8 @@ STATE_FORMAT = b"5"
 #: window status in the progress table
 WINDOW_OPEN, WINDOW_REFUSED = 1, 2
 
+#: the top bit of a changelog blob's count: its parts are appends (:class:`_WindowLog`)
+APPENDS = 1 << 31
 #: a user-state entry: one distinct (key, trigger) of the user's admitted records in the window
 USER_ENTRY = np.dtype([("key", "<u8"), ("trigger", "<u4")])
 #: a predecessor amendment (dpstream.processor.mechanisms.bounding.key_histories): raise the predecessor trigger of
@@ -191,28 +193,41 @@ class _Arena:
         lengths = self.length[slots]
         return Ragged.of_lengths(lengths, kernels.gather_spans(self.data, self.start[slots], lengths))
 
-    def set(self, slots: np.ndarray, parts: Ragged) -> None:
-        """Parts of ``slots`` (distinct), replacing what they held."""
+    def set(self, slots: np.ndarray, parts: Ragged, pick: Optional[np.ndarray] = None, at: Optional[np.ndarray] = None) -> None:
+        """Parts of ``slots`` (distinct): ``parts`` in order, or its parts at ``pick`` (positions),
+        read where they are (no copy of the picked parts first). ``at`` (per part; default 0):
+        the item of the slot's value the part starts at. 0 replaces the value; above 0 the part
+        follows the value's first ``at`` items, which must be all it holds (an append)."""
         slots = np.asarray(slots, dtype=np.int64)
-        lengths = parts.lengths
+        firsts = parts.offsets[:-1] if pick is None else parts.offsets[:-1][pick]
+        tails = parts.lengths if pick is None else parts.lengths[pick]
+        at = np.zeros(len(slots), dtype=np.int64) if at is None else np.asarray(at, dtype=np.int64)
+        if (at > 0).any() and (self.length[slots][at > 0] != at[at > 0]).any():
+            raise ValueError("an append to a stored part does not start at the part's end: the state's changelog is inconsistent")
+        lengths = at + tails
         new_cls = np.full(len(lengths), -1, dtype=np.int64)
         some = lengths > 0
         new_cls[some] = np.searchsorted(_BLOCK_SIZES, lengths[some])
         old_cls = self.cls[slots]
         moving = np.nonzero(new_cls != old_cls)[0]
         if len(moving):
-            freed = moving[old_cls[moving] >= 0]
-            for c in np.unique(old_cls[freed]).tolist():
-                self.free[c] = np.concatenate([self.free.get(c, np.zeros(0, dtype=np.int64)), self.start[slots[freed[old_cls[freed] == c]]]])
+            old_starts = self.start[slots[moving]]
             starts = np.zeros(len(moving), dtype=np.int64)
             for c in np.unique(new_cls[moving]).tolist():
                 if c >= 0:
-                    at = np.nonzero(new_cls[moving] == c)[0]
-                    starts[at] = self._blocks(c, len(at))
+                    here = np.nonzero(new_cls[moving] == c)[0]
+                    starts[here] = self._blocks(c, len(here))
+            kept = np.nonzero(at[moving] > 0)[0]  # an append that outgrew its block: its items so far move along
+            kernels.scatter_spans(self.data, starts[kept], self.data, old_starts[kept], at[moving][kept])
+            # freed only now: a block freed by this call is not handed to another part of it
+            freed = np.nonzero(old_cls[moving] >= 0)[0]
+            for c in np.unique(old_cls[moving][freed]).tolist():
+                these = old_starts[freed[old_cls[moving][freed] == c]]
+                self.free[c] = np.concatenate([self.free.get(c, np.zeros(0, dtype=np.int64)), these])
             self.start[slots[moving]] = starts
             self.cls[slots[moving]] = new_cls[moving]
         self.length[slots] = lengths
-        kernels.scatter_spans(self.data, self.start[slots], parts.data, parts.offsets)
+        kernels.scatter_spans(self.data, self.start[slots] + at, parts.data, firsts, tails)
 
     def _blocks(self, c: int, n: int) -> np.ndarray:
         """Starts of ``n`` blocks of class ``c``: free ones first, then new ones at the end."""
@@ -255,9 +270,7 @@ class _SortedIds:
     def add(self, ids: np.ndarray, slots: np.ndarray) -> None:
         """Index ids not present yet (distinct) under their slots."""
         order = np.argsort(ids, kind="stable")
-        pos = np.searchsorted(self.ids, ids[order])
-        self.ids = np.insert(self.ids, pos, ids[order])
-        self.slots = np.insert(self.slots, pos, slots[order])
+        self.ids, self.slots = kernels.merged(self.ids, self.slots, ids[order], np.asarray(slots, dtype=np.int64)[order])
         if self._directory is not None:
             if kernels.directory_bits(len(self.ids)) == self._bits:
                 self._directory = kernels.added(self._directory, self._bits, np.asarray(ids, dtype=np.uint64))
@@ -283,17 +296,18 @@ class _WindowRows:
             return self.arena.get(slots)
         return None if self.names is None else self.names[slots]
 
-    def set_parts(self, slots: np.ndarray, parts) -> None:
+    def set_parts(self, slots: np.ndarray, parts, pick: Optional[np.ndarray] = None, at: Optional[np.ndarray] = None) -> None:
+        """``parts`` (or its parts at positions ``pick``) into ``slots`` (from item ``at``: :meth:`_Arena.set`)."""
         if self.arena is not None:
-            self.arena.set(slots, parts)
+            self.arena.set(slots, parts, pick, at)
         elif self.names is not None:
-            self.names[slots] = parts
+            self.names[slots] = parts if pick is None else parts[pick]
 
     def find(self, ids: np.ndarray) -> np.ndarray:
         return self.index.find(ids)
 
-    def append(self, ids: np.ndarray, rows: np.ndarray, names: np.ndarray) -> None:
-        """Add keys not cached yet (``ids`` distinct)."""
+    def append(self, ids: np.ndarray, rows: np.ndarray, names: np.ndarray, pick: Optional[np.ndarray] = None) -> None:
+        """Add keys not cached yet (``ids`` distinct; their parts: ``names``, or its parts at ``pick``)."""
         n = len(ids)
         if self.used + n > self.size:  # grow by doubling: amortized O(1) per key
             size = self.size = max(2 * self.size, self.used + n, 1024)
@@ -308,7 +322,7 @@ class _WindowRows:
             if self.arena is not None:
                 self.arena.grow(size)
         slots = np.arange(self.used, self.used + n, dtype=np.int64)
-        self.set_parts(slots, names)
+        self.set_parts(slots, names, pick)
         if self.rows is not None:
             put_rows(self.rows, slots, rows)
         self.used += n
@@ -393,16 +407,27 @@ class CommittedCache:
         """Keys just committed or read from the store (``ids`` distinct; ``names``: their
         variable parts, ``None`` for a cache of rows only). Returns the positions in ``ids`` of
         the keys it declined (new keys of a window alone over the bound)."""
+        return self.appended(window, ids, rows, names, None)[0]
+
+    def appended(self, window: int, ids: np.ndarray, rows: Optional[np.ndarray], parts: Optional[Ragged],
+                 at: Optional[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`upsert`, where each id's part starts at item ``at`` of its value (0: the whole
+        value; above 0: an append to the cached value). Returns (positions declined, positions
+        of appends to ids not cached): the caller completes the latter from the store (their
+        earlier items are not here) and upserts them whole."""
         cached = self._windows.get(window)
         if cached is None:
             cached = self._windows[window] = _WindowRows(self.dtype, self.parts, self.part_item)
         slots = cached.find(ids)
         known = slots >= 0
         if self.parts:
-            cached.set_parts(slots[known], _take_parts(names, known))
+            cached.set_parts(slots[known], parts, np.nonzero(known)[0], None if at is None else at[known])
         if rows is not None:
             put_rows(cached.rows, slots[known], take_rows(rows, known))
         new = np.nonzero(~known)[0]
+        loose = new[:0]
+        if at is not None and len(new):
+            loose, new = new[at[new] > 0], new[at[new] == 0]
         room = self.capacity - len(self)
         if len(new) > room:
             for old in sorted(self._windows):  # oldest windows first, never this one
@@ -415,8 +440,8 @@ class CommittedCache:
         else:
             declined = new[:0]
         if len(new):
-            cached.append(ids[new], None if rows is None else take_rows(rows, new), _take_parts(names, new) if self.parts else None)
-        return declined
+            cached.append(ids[new], None if rows is None else take_rows(rows, new), parts if self.parts else None, new)
+        return declined, loose
 
     def read_through(self, store: Store, prefix: bytes, window: int, ids: np.ndarray,
                      text: bool) -> tuple[np.ndarray, Optional[np.ndarray], np.ndarray]:
@@ -479,6 +504,7 @@ class UserStateColumns:
     """Stage-1 states of a batch of (window, user) groups, parsed."""
 
     admitted: np.ndarray  # int64 per group: records admitted so far
+    entries: np.ndarray  # int64 per group: its entries
     group: np.ndarray  # int64 per entry: the group it belongs to (sorted)
     key: np.ndarray  # uint64 per entry
     trigger: np.ndarray  # int64 per entry
@@ -502,7 +528,17 @@ class _WindowLog:
 
     Blob: count n (u32), n ids (u64), n rows (the cache's row type, if any), and for values
     with a variable part n lengths (u32) and the parts back to back. A spilled value is the
-    row's bytes, then the part."""
+    row's bytes, then the part (always whole).
+
+    Ragged parts that only grow (user states' key histories) are written as appends: the blob's
+    count has its top bit set (:data:`APPENDS`), and n starts (u32, before the lengths) say at
+    which item of its value each part starts, 0 for a whole value. A touched user's history is
+    then written once per record rather than once per touch (whole histories made stage 1's
+    changelog several gigabytes a day at 10^7 users, most of its bytes rewritten unchanged).
+    Replayed in order, each append lands after the items the earlier blobs gave its id, in the
+    cache or under its spilled key (read back, appended, written whole); an append that does not
+    start where its value ends is refused as an inconsistent changelog. Blobs written before
+    appends existed (no top bit) read as whole values."""
 
     def __init__(self, store: Store, qid: bytes, log: bytes, spill: bytes, cache: CommittedCache):
         if cache.parts and cache.part_item is None:
@@ -582,31 +618,48 @@ class _WindowLog:
         order = np.argsort(ids)
         return ids[order], None if rows is None else rows[order], None if parts is None else _take_parts(parts, order)
 
-    def commit(self, batch: WriteBatch, window: int, ids: np.ndarray, rows: Optional[np.ndarray], parts: Optional[Ragged]) -> None:
-        """Write new values of ``ids`` (distinct) in ``batch``; the cache learns them once it is written."""
+    def commit(self, batch: WriteBatch, window: int, ids: np.ndarray, rows: Optional[np.ndarray], parts: Optional[Ragged],
+               at: Optional[np.ndarray] = None) -> None:
+        """Write new values of ``ids`` (distinct) in ``batch``; the cache learns them once it is
+        written. ``at`` (ragged parts only): where each part starts in its id's value (0: the
+        whole value; above 0: appended to the value's first ``at`` items, all it held)."""
         self.load(window)
         ids = np.asarray(ids, dtype=np.uint64)
         seq = self._next_seq[window]
         self._next_seq[window] = seq + 1
-        pieces = [np.array([len(ids)], dtype="<u4").tobytes(), ids.astype("<u8").tobytes()]
+        count = len(ids) | (APPENDS if at is not None else 0)
+        pieces = [np.array([count], dtype="<u4").tobytes(), ids.astype("<u8").tobytes()]
         if rows is not None:
             rows = np.array(rows, dtype=self.cache.dtype)  # a copy: the caller may change its rows after this
             pieces.append(rows.tobytes())
+        if at is not None:
+            at = np.asarray(at, dtype=np.int64)
+            pieces.append(at.astype("<u4").tobytes())
         if parts is not None:  # lengths in bytes, then the parts back to back
             pieces.append((parts.lengths * parts.data.dtype.itemsize).astype("<u4").tobytes())
             pieces.append(parts.data.tobytes())
         batch.put(sk.window_prefix(self.log, self.qid, window) + int(seq).to_bytes(8, "big"), b"".join(pieces))
-        batch.on_commit(functools.partial(self._committed, window, ids, rows, parts))
+        batch.on_commit(functools.partial(self._committed, window, ids, rows, parts, at))
 
-    def _committed(self, window: int, ids: np.ndarray, rows: Optional[np.ndarray], parts: Optional[Ragged]) -> None:
+    def _committed(self, window: int, ids: np.ndarray, rows: Optional[np.ndarray], parts: Optional[Ragged],
+                   at: Optional[np.ndarray]) -> None:
         if not self.cache.holds(window) or window not in self._next_seq:
             return  # the cache dropped the window meanwhile: its next use replays the log, this blob included
-        if self._cache_or_spill(window, ids, rows, parts):
+        if self._cache_or_spill(window, ids, rows, parts, at):
             self._spilled[window] = True
 
-    def _cache_or_spill(self, window: int, ids: np.ndarray, rows: Optional[np.ndarray], parts: Optional[Ragged]) -> bool:
+    def _cache_or_spill(self, window: int, ids: np.ndarray, rows: Optional[np.ndarray], parts: Optional[Ragged],
+                        at: Optional[np.ndarray] = None) -> bool:
         """Committed values into the cache; those it declines under their ids' own keys. True if any was spilled."""
-        declined = self.cache.upsert(window, ids, rows, parts)
+        declined, loose = self.cache.appended(window, ids, rows, parts, at)
+        spilled = self._spill(window, ids, rows, parts, declined)
+        if len(loose):  # appends to values that are not cached: completed from their spilled keys, then cached or spilled whole
+            ids, rows, parts = ids[loose], None if rows is None else rows[loose], self._completed(window, ids[loose], parts.take(loose), at[loose])
+            spilled |= self._spill(window, ids, rows, parts, self.cache.upsert(window, ids, rows, parts))
+        return spilled
+
+    def _spill(self, window: int, ids: np.ndarray, rows: Optional[np.ndarray], parts: Optional[Ragged], declined: np.ndarray) -> bool:
+        """Whole values at positions ``declined`` under their ids' own keys, written at once. True if any."""
         if not len(declined):
             return False
         width = 0 if rows is None else rows.dtype.itemsize
@@ -617,14 +670,34 @@ class _WindowLog:
         self.store.write(spill)
         return True
 
-    def _unpack(self, blob: bytes) -> tuple[np.ndarray, Optional[np.ndarray], Optional[np.ndarray]]:
+    def _completed(self, window: int, ids: np.ndarray, tails: Ragged, at: np.ndarray) -> Ragged:
+        """Whole values of ids whose ``tails`` are appended at ``at`` to what their spilled keys hold."""
+        stored = self.store.get_many(sk.fixed_keys(sk.window_prefix(self.spill, self.qid, window), ids))
+        if any(v is None for v in stored):
+            raise ValueError(f"window {window}: an append to a user state the changelog never wrote whole: the state is inconsistent")
+        _, heads = self._split(stored)
+        if (heads.lengths != at).any():
+            raise ValueError(f"window {window}: an append does not start where its stored state ends: the state is inconsistent")
+        # one array of the heads' items, then the tails'; value j is head j's span, then tail j's
+        data = np.concatenate([heads.data, tails.data])
+        firsts = np.stack([heads.offsets[:-1], len(heads.data) + tails.offsets[:-1]], axis=1).ravel()
+        spans = np.stack([heads.lengths, tails.lengths], axis=1).ravel()
+        return Ragged.of_lengths(heads.lengths + tails.lengths, kernels.gather_spans(data, firsts, spans))
+
+    def _unpack(self, blob: bytes) -> tuple[np.ndarray, Optional[np.ndarray], Optional[Ragged], Optional[np.ndarray]]:
         n = int.from_bytes(blob[:4], "little")
+        appends = bool(n & APPENDS)
+        n &= APPENDS - 1
         pos = 4 + 8 * n
         ids = np.frombuffer(blob, dtype="<u8", count=n, offset=4).astype(np.uint64)
         rows = None
         if self.cache.dtype is not None:
             rows = np.frombuffer(blob, dtype=self.cache.dtype, count=n, offset=pos).copy()
             pos += n * self.cache.dtype.itemsize
+        at = None
+        if appends:
+            at = np.frombuffer(blob, dtype="<u4", count=n, offset=pos).astype(np.int64)
+            pos += 4 * n
         parts = None
         if self.cache.parts:
             item = self.cache.part_item
@@ -633,7 +706,7 @@ class _WindowLog:
                 raise ValueError(f"a changelog blob's part is not a whole number of {item.itemsize}-byte items")
             lengths //= item.itemsize
             parts = Ragged.of_lengths(lengths, np.frombuffer(blob, dtype=item, count=int(lengths.sum()), offset=pos + 4 * n).copy())
-        return ids, rows, parts
+        return ids, rows, parts, at
 
     def _split(self, values: list[bytes]) -> tuple[Optional[np.ndarray], Optional[Ragged]]:
         """Spilled values as (rows, parts)."""
@@ -673,17 +746,28 @@ class UserStates:
             counts[lo:hi] = rows
             pieces.append(parts)
         entries = Ragged.concat(pieces) if len(pieces) > 1 else pieces[0] if pieces else Ragged.empty(0, USER_ENTRY)
-        group = np.repeat(np.arange(len(users), dtype=np.int64), entries.lengths)
-        return UserStateColumns(counts, group, entries.data["key"].astype(np.uint64), entries.data["trigger"].astype(np.int64))
+        lengths = entries.lengths
+        group = np.repeat(np.arange(len(users), dtype=np.int64), lengths)
+        return UserStateColumns(counts, lengths, group, entries.data["key"].astype(np.uint64), entries.data["trigger"].astype(np.int64))
 
     def write(self, batch: WriteBatch, windows: np.ndarray, users: np.ndarray, admitted: np.ndarray, changed: np.ndarray,
-              full: np.ndarray, entry_group: np.ndarray, entry_key: np.ndarray, entry_trigger: np.ndarray) -> None:
+              full: np.ndarray, entry_group: np.ndarray, entry_key: np.ndarray, entry_trigger: np.ndarray,
+              before: Optional[np.ndarray] = None) -> None:
         """New states of the ``changed`` groups (sorted by (window, user)). Entries are grouped by
-        group (ascending); a ``full`` group (at the bound: it admits nothing more) keeps only its count."""
+        group (ascending); a ``full`` group (at the bound: it admits nothing more) keeps only its
+        count. ``before`` (per group): the entries its stored state held, which its new entries
+        begin with (key_histories keeps a group's entries, then appends): only the entries after
+        them are written, as appends. ``None``: every changed group's state is written whole."""
         entry_group = np.asarray(entry_group, dtype=np.int64)
         full, changed = np.asarray(full, dtype=bool), np.asarray(changed, dtype=bool)
-        # the entries of changed groups, but none of a full one's (it admits nothing more)
-        kept = changed[entry_group] & ~full[entry_group]
+        size = np.bincount(entry_group, minlength=len(users))
+        # a full group's state is its count alone, written whole; another's entries past ``before``
+        at = np.zeros(len(users), dtype=np.int64) if before is None else np.where(full, 0, np.asarray(before, dtype=np.int64))
+        if (at > size).any():
+            raise ValueError("a user's new state does not keep its stored entries")
+        # the entries of changed groups past their ``at``, and none of a full one's (it admits nothing more)
+        rank = np.arange(len(entry_group), dtype=np.int64) - (np.cumsum(size) - size)[entry_group]
+        kept = changed[entry_group] & ~full[entry_group] & (rank >= at[entry_group])
         entries = kernels.pack_words(entry_key, entry_trigger, kept).view(USER_ENTRY).reshape(-1)
         size = np.bincount(entry_group[kept], minlength=len(users))
         starts = np.cumsum(size) - size  # each group's first entry in ``entries`` (grouped, ascending)
@@ -695,7 +779,7 @@ class UserStates:
             lo = int(starts[groups[0]])
             hi = int(starts[groups[-1]] + size[groups[-1]])
             self.log.commit(batch, w, np.asarray(users, dtype=np.uint64)[groups], counts[groups],
-                            Ragged.of_lengths(size[groups], entries[lo:hi]))
+                            Ragged.of_lengths(size[groups], entries[lo:hi]), None if before is None else at[groups])
 
     def drop_window(self, window: int) -> None:
         self.log.drop_window(window)

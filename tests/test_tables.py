@@ -371,7 +371,7 @@ def test_user_states_through_many_commits_read_as_a_model_does(batches, capacity
 def test_the_part_arena_keeps_each_slots_latest_part_through_growth_and_collection(writes, kernels):
     """The spans behind ragged parts (user states' key histories): a tiny arena must grow and
     collect its garbage often, and every slot still reads back its latest part (spans copied
-    compiled or by numpy)."""
+    compiled or by numpy; every other write picks its parts out of a larger batch in place)."""
     from dpstream.state import kernels as state_kernels
 
     saved = state_kernels._choice
@@ -394,7 +394,17 @@ def _arena_through(writes):
         data = np.zeros(int(lengths.sum()), dtype=USER_ENTRY)
         data["key"] = np.repeat(slots, lengths).astype(np.uint64)
         data["trigger"] = step
-        arena.set(slots, Ragged.of_lengths(lengths, data))
+        if step % 2:  # the parts picked out of a larger batch, each after a decoy part of another slot's
+            decoy = np.zeros(len(lengths), dtype=np.int64) + 1
+            both = np.stack([decoy, lengths], axis=1).ravel()
+            mixed = np.zeros(int(both.sum()), dtype=USER_ENTRY)
+            mixed["key"] = 999
+            real = Ragged.of_lengths(both, mixed)
+            for j in range(len(lengths)):
+                mixed[real.offsets[2 * j + 1]:real.offsets[2 * j + 2]] = data[lengths[:j].sum():lengths[:j + 1].sum()]
+            arena.set(slots, real, np.arange(1, 2 * len(lengths), 2))
+        else:
+            arena.set(slots, Ragged.of_lengths(lengths, data))
         model.update({int(s): (int(n), step) for s, n in zip(slots, lengths)})
         got = arena.get(np.arange(20))
         for s in range(20):
@@ -426,3 +436,134 @@ def test_user_entries_pack_alike_compiled_or_in_numpy(rows):
     assert packed["numba"].tobytes() == packed["numpy"].tobytes()
     entries = packed["numba"].view(USER_ENTRY).reshape(-1)
     assert list(zip(entries["key"].tolist(), entries["trigger"].tolist())) == [(k, t) for k, t, kept in rows if kept]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 4)), min_size=1, max_size=30), st.sampled_from([1, 3, 8, 12, 16]),
+       st.randoms(use_true_random=False))
+def test_span_copies_move_whole_items_of_any_width_alike_compiled_or_in_numpy(spans, width, rnd):
+    """Gathering spans out of an array and scattering parts into spans (picked parts, items of 1
+    to 16 bytes, copied as machine words where the width allows) give the same bytes either way."""
+    from dpstream.state import kernels as state_kernels
+
+    item = np.dtype((np.void, width))
+    source = np.frombuffer(bytes(rnd.getrandbits(8) for _ in range(64 * width)), dtype=item).copy()
+    starts = np.array([a for a, _ in spans], dtype=np.int64)
+    lengths = np.array([min(n, 64 - a) for a, n in spans], dtype=np.int64)
+    targets = np.cumsum(lengths) - lengths + 3  # disjoint spans of a second array
+    saved, out = state_kernels._choice, {}
+    try:
+        for name in ("numba", "numpy"):
+            state_kernels.use(name)
+            gathered = state_kernels.gather_spans(source, starts, lengths)
+            into = np.zeros(int(lengths.sum()) + 6, dtype=item)
+            state_kernels.scatter_spans(into, targets, source, starts, lengths)
+            out[name] = gathered.tobytes(), into.tobytes()
+    finally:
+        state_kernels.use(saved)
+    assert out["numba"] == out["numpy"]
+    assert out["numpy"][0] == b"".join(source[a:a + n].tobytes() for a, n in zip(starts, lengths))
+    assert out["numpy"][1] == b"\0" * 3 * width + out["numpy"][0] + b"\0" * 3 * width
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sets(st.integers(0, 2**64 - 1), max_size=60), st.sets(st.integers(0, 2**64 - 1), max_size=30))
+def test_new_ids_merge_into_a_sorted_index_alike_compiled_or_in_numpy(old, new):
+    """A cache's index after new ids are added: sorted, each id with its slot, either way."""
+    from dpstream.state import kernels as state_kernels
+
+    new = new - old
+    ids = np.array(sorted(old), dtype=np.uint64)
+    slots = np.arange(len(ids), dtype=np.int64)
+    new_ids = np.array(sorted(new), dtype=np.uint64)
+    new_slots = np.arange(len(ids), len(ids) + len(new_ids), dtype=np.int64)
+    saved, out = state_kernels._choice, {}
+    try:
+        for name in ("numba", "numpy"):
+            state_kernels.use(name)
+            merged_ids, merged_slots = state_kernels.merged(ids, slots, new_ids, new_slots)
+            out[name] = (merged_ids.tolist(), merged_slots.tolist())
+    finally:
+        state_kernels.use(saved)
+    assert out["numba"] == out["numpy"]
+    expected = sorted([(int(i), int(s)) for i, s in zip(ids, slots)] + [(int(i), int(s)) for i, s in zip(new_ids, new_slots)])
+    assert out["numpy"] == ([i for i, _ in expected], [s for _, s in expected])
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.dictionaries(st.integers(0, 30), st.integers(-1, 4), min_size=1, max_size=10),
+                          st.sampled_from(["go on", "restart", "drop"])), min_size=1, max_size=25),
+       st.sampled_from([3, 12, 100]), st.booleans())
+def test_user_states_written_as_appends_read_as_a_model_does_through_restarts(steps, capacity, whole_first):
+    """Stage 1 writes a touched user's new entries only (its state keeps its entries, then
+    appends): the changelog holds appends, replayed in order onto what the earlier blobs gave
+    each user, in the cache or, over its bound, under the user's spilled key (read back and
+    written whole). Through any sequence of appends, users reaching the bound (count only),
+    restarts (a replay of the whole log) and the cache dropping the window, every read gives
+    each user's latest state, entries in order. ``whole_first``: the window starts with a blob
+    of whole states as stages before appends wrote them, and appends follow it."""
+    store = MemoryStore()
+    users = UserStates(store, b"qqqq", cache_entries=capacity)
+    model: dict[int, tuple[int, list]] = {}
+    if whole_first:
+        start = {u: [(10_000 + u, 0)] for u in range(0, 31, 3)}
+        batch = WriteBatch()
+        _user_write(users, batch, 0, sorted(start), [1] * len(start), [start[u] for u in sorted(start)])
+        store.write(batch)
+        model.update({u: (1, e) for u, e in start.items()})
+    every = np.arange(0, 31, dtype=np.uint64)
+    for step, (touched, then) in enumerate(steps):
+        ids = np.array(sorted(touched), dtype=np.uint64)
+        state = users.read(np.zeros(len(ids), dtype=np.int64), ids)
+        counts, entries, full = [], [], []
+        for g, u in enumerate(ids.tolist()):
+            old = list(zip(state.key[state.group == g].tolist(), state.trigger[state.group == g].tolist()))
+            assert (int(state.admitted[g]), old) == model.get(u, (0, []))
+            grow = touched[u]  # -1: the user reaches the bound (its entries are never needed again)
+            new = old + [(1000 * u + step * 10 + j, step) for j in range(max(grow, 0))]
+            counts.append(int(state.admitted[g]) + max(grow, 1))
+            full.append(grow < 0)
+            entries.append(new)
+            model[u] = (counts[-1], [] if grow < 0 else new)
+        group = np.repeat(np.arange(len(ids)), [len(e) for e in entries])
+        flat = [x for e in entries for x in e]
+        batch = WriteBatch()
+        users.write(batch, np.zeros(len(ids), dtype=np.int64), ids, np.array(counts), np.ones(len(ids), dtype=bool), np.array(full),
+                    group, np.array([k for k, _ in flat], dtype=np.uint64), np.array([t for _, t in flat], dtype=np.int64),
+                    before=state.entries)
+        store.write(batch)
+        if then == "restart":
+            users = UserStates(store, b"qqqq", cache_entries=capacity)
+        elif then == "drop":
+            users.drop_window(0)
+    for reader in (users, UserStates(store, b"qqqq", cache_entries=capacity)):
+        state = reader.read(np.zeros(len(every), dtype=np.int64), every)
+        assert state.admitted.tolist() == [model.get(u, (0, []))[0] for u in range(31)]
+        got = [list(zip(state.key[state.group == g].tolist(), state.trigger[state.group == g].tolist())) for g in range(31)]
+        assert got == [model.get(u, (0, []))[1] for u in range(31)]
+
+
+def test_an_append_that_does_not_follow_the_stored_state_is_refused():
+    """A changelog whose append does not start where the user's stored state ends (a lost or
+    reordered blob) is refused on replay, never read as some other state."""
+    import pytest
+
+    from dpstream.state import keys as sk
+
+    store = MemoryStore()
+    users = UserStates(store, b"qqqq")
+    batch = WriteBatch()
+    _user_write(users, batch, 0, [5], [2], [[(1, 1), (2, 1)]])
+    store.write(batch)
+    state = users.read(np.zeros(1, dtype=np.int64), np.array([5], dtype=np.uint64))
+    batch = WriteBatch()
+    users.write(batch, np.zeros(1, dtype=np.int64), np.array([5], dtype=np.uint64), np.array([3]), np.ones(1, dtype=bool),
+                np.zeros(1, dtype=bool), np.zeros(3, dtype=np.int64), np.array([1, 2, 3], dtype=np.uint64), np.array([1, 1, 2]),
+                before=state.entries)
+    store.write(batch)
+    first = next(iter(store.scan_prefix(sk.window_prefix(sk.USER_LOG, b"qqqq", 0))))[0]
+    batch = WriteBatch()
+    batch.delete(first)  # the whole state's blob is gone: the append has nothing to follow
+    store.write(batch)
+    with pytest.raises(ValueError, match="inconsistent"):
+        UserStates(store, b"qqqq").read(np.zeros(1, dtype=np.int64), np.array([5], dtype=np.uint64))

@@ -718,7 +718,8 @@ class QueryPipeline:
                                 distinct=not self._per_key_counts)
         # a user at the bound admits nothing more: the per-key entries are never needed again
         self.tables.users.write(batch, gw, gu, assigned.counts, assigned.counts != before,
-                                assigned.counts >= self.plan.contribution_bound, history.group, history.key, history.trigger)
+                                assigned.counts >= self.plan.contribution_bound, history.group, history.key, history.trigger,
+                                before=state.entries)
         return BoundedRecords(rec_window, rec_trigger, rec_ids, rec_keys, rec_users, rec_slots, rec_units, history.previous,
                               history.amend, rec_levels, rec_roots.astype(np.uint64))
 
