@@ -167,7 +167,7 @@ def positions(sorted_ids: np.ndarray, directory_: Optional[np.ndarray], bits: in
 
 def gather_spans(data: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """``data[starts[j]:starts[j]+lengths[j]]`` for every j, back to back (items of any fixed width)."""
-    starts, lengths = np.asarray(starts, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+    starts, lengths = np.ascontiguousarray(starts, dtype=np.int64), np.ascontiguousarray(lengths, dtype=np.int64)
     total = int(lengths.sum())
     kernel = _kernel() if _choice == "numba" else None
     if kernel is not None and data.flags.c_contiguous:
@@ -200,7 +200,7 @@ def pack_words(keys: np.ndarray, triggers: np.ndarray, keep: np.ndarray) -> np.n
 
 def scatter_spans(data: np.ndarray, starts: np.ndarray, src: np.ndarray, src_starts: np.ndarray, lengths: np.ndarray) -> None:
     """``data[starts[j]:starts[j]+lengths[j]] = src[src_starts[j]:src_starts[j]+lengths[j]]`` for every j."""
-    starts, src_starts, lengths = (np.asarray(a, dtype=np.int64) for a in (starts, src_starts, lengths))
+    starts, src_starts, lengths = (np.ascontiguousarray(a, dtype=np.int64) for a in (starts, src_starts, lengths))
     if not len(src) or not len(starts):
         return
     kernel = _kernel() if _choice == "numba" else None

@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import json
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 import numpy as np
@@ -162,6 +162,8 @@ class Ragged:
 #: block sizes of the part arena: 1, 2, 3, 4, 6, 8, 12, ... (powers of two and 1.5 times them):
 #: a block holds at most 1.5 times its part
 _BLOCK_SIZES = np.unique(np.concatenate([1 << np.arange(40), 3 << np.arange(39)])).astype(np.int64)
+#: the columns of :attr:`_Arena.meta`
+_START, _LENGTH, _CLS = 0, 1, 2
 
 
 class _Arena:
@@ -178,20 +180,21 @@ class _Arena:
         self.data = np.zeros(size, dtype=item)
         self.used = 0  # items below this are in blocks (in use or free)
         self.free: dict[int, np.ndarray] = {}  # class -> starts of its free blocks
-        self.start = np.zeros(0, dtype=np.int64)
-        self.length = np.zeros(0, dtype=np.int64)
-        self.cls = np.zeros(0, dtype=np.int64)  # -1: no block (an empty part)
+        # per slot: its block's start, its part's length, the block's class (-1: no block, an
+        # empty part); one row per slot, so a batch of slots reads all three in one pass (at 10^7
+        # users each slot is a cache miss, three arrays were three)
+        self.meta = np.zeros((0, 3), dtype=np.int64)
 
     def grow(self, size: int) -> None:
-        for name, fill in (("start", 0), ("length", 0), ("cls", -1)):
-            grown = np.full(size, fill, dtype=np.int64)
-            old = getattr(self, name)
-            grown[:len(old)] = old
-            setattr(self, name, grown)
+        grown = np.zeros((size, 3), dtype=np.int64)
+        grown[:, _CLS] = -1
+        grown[:len(self.meta)] = self.meta
+        self.meta = grown
 
     def get(self, slots: np.ndarray) -> Ragged:
-        lengths = self.length[slots]
-        return Ragged.of_lengths(lengths, kernels.gather_spans(self.data, self.start[slots], lengths))
+        meta = self.meta[slots]
+        lengths = meta[:, _LENGTH]
+        return Ragged.of_lengths(lengths, kernels.gather_spans(self.data, meta[:, _START], lengths))
 
     def set(self, slots: np.ndarray, parts: Ragged, pick: Optional[np.ndarray] = None, at: Optional[np.ndarray] = None) -> None:
         """Parts of ``slots`` (distinct): ``parts`` in order, or its parts at ``pick`` (positions),
@@ -202,16 +205,17 @@ class _Arena:
         firsts = parts.offsets[:-1] if pick is None else parts.offsets[:-1][pick]
         tails = parts.lengths if pick is None else parts.lengths[pick]
         at = np.zeros(len(slots), dtype=np.int64) if at is None else np.asarray(at, dtype=np.int64)
-        if (at > 0).any() and (self.length[slots][at > 0] != at[at > 0]).any():
+        meta = self.meta[slots]
+        if (at > 0).any() and (meta[:, _LENGTH][at > 0] != at[at > 0]).any():
             raise ValueError("an append to a stored part does not start at the part's end: the state's changelog is inconsistent")
         lengths = at + tails
         new_cls = np.full(len(lengths), -1, dtype=np.int64)
         some = lengths > 0
         new_cls[some] = np.searchsorted(_BLOCK_SIZES, lengths[some])
-        old_cls = self.cls[slots]
+        old_cls = meta[:, _CLS].copy()
         moving = np.nonzero(new_cls != old_cls)[0]
         if len(moving):
-            old_starts = self.start[slots[moving]]
+            old_starts = meta[moving, _START]
             starts = np.zeros(len(moving), dtype=np.int64)
             for c in np.unique(new_cls[moving]).tolist():
                 if c >= 0:
@@ -224,10 +228,11 @@ class _Arena:
             for c in np.unique(old_cls[moving][freed]).tolist():
                 these = old_starts[freed[old_cls[moving][freed] == c]]
                 self.free[c] = np.concatenate([self.free.get(c, np.zeros(0, dtype=np.int64)), these])
-            self.start[slots[moving]] = starts
-            self.cls[slots[moving]] = new_cls[moving]
-        self.length[slots] = lengths
-        kernels.scatter_spans(self.data, self.start[slots] + at, parts.data, firsts, tails)
+            meta[moving, _START] = starts
+            meta[moving, _CLS] = new_cls[moving]
+        meta[:, _LENGTH] = lengths
+        self.meta[slots] = meta
+        kernels.scatter_spans(self.data, meta[:, _START] + at, parts.data, firsts, tails)
 
     def _blocks(self, c: int, n: int) -> np.ndarray:
         """Starts of ``n`` blocks of class ``c``: free ones first, then new ones at the end."""
@@ -329,6 +334,17 @@ class _WindowRows:
         self.index.add(ids, slots)
 
 
+@dataclass(frozen=True)
+class Located:
+    """Where a read found its ids in a window's cached rows (slot, -1 where absent)."""
+
+    rows: "_WindowRows"
+    slots: np.ndarray
+
+    def take(self, index) -> "Located":
+        return Located(self.rows, self.slots[index])
+
+
 def _take_parts(parts, index):
     """Variable parts at ``index``: of a :class:`Ragged`, or of an object array."""
     return parts.take(index) if isinstance(parts, Ragged) else parts[index]
@@ -370,15 +386,19 @@ class CommittedCache:
 
     def lookup(self, window: int, ids: np.ndarray) -> tuple[np.ndarray, Optional[np.ndarray], np.ndarray]:
         """(hit mask, their rows (``None`` without a row type), their texts) for ``ids``."""
+        return self.located(window, ids)[:3]
+
+    def located(self, window: int, ids: np.ndarray) -> tuple[np.ndarray, Optional[np.ndarray], np.ndarray, "Located"]:
+        """:meth:`lookup`, and where the ids were found, for :meth:`appended` to skip the search."""
         cached = self._windows.get(window)
         if cached is None:
             cached = _WindowRows(self.dtype, self.parts, self.part_item)
         slots = cached.find(ids)
         hit = slots >= 0
-        slots = slots[hit]
-        self.hits += len(slots)
-        self.misses += len(ids) - len(slots)
-        return hit, None if cached.rows is None else take_rows(cached.rows, slots), cached.get_parts(slots)
+        found = slots[hit]
+        self.hits += len(found)
+        self.misses += len(ids) - len(found)
+        return hit, None if cached.rows is None else take_rows(cached.rows, found), cached.get_parts(found), Located(cached, slots)
 
     def holds(self, window: int) -> bool:
         """Whether the cache has the window (it may have dropped it over its bound)."""
@@ -410,15 +430,24 @@ class CommittedCache:
         return self.appended(window, ids, rows, names, None)[0]
 
     def appended(self, window: int, ids: np.ndarray, rows: Optional[np.ndarray], parts: Optional[Ragged],
-                 at: Optional[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+                 at: Optional[np.ndarray], where: Optional["Located"] = None) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`upsert`, where each id's part starts at item ``at`` of its value (0: the whole
         value; above 0: an append to the cached value). Returns (positions declined, positions
         of appends to ids not cached): the caller completes the latter from the store (their
-        earlier items are not here) and upserts them whole."""
+        earlier items are not here) and upserts them whole. ``where``: the ids' slots as
+        :meth:`located` found them (same ids, same order)."""
         cached = self._windows.get(window)
         if cached is None:
             cached = self._windows[window] = _WindowRows(self.dtype, self.parts, self.part_item)
-        slots = cached.find(ids)
+        if where is not None and where.rows is cached and len(where.slots) == len(ids):
+            # found by the read before this commit: an id's slot never changes while its window's
+            # rows are cached (appended, never compacted), so only ids absent then are searched
+            slots = where.slots.copy()
+            absent = np.nonzero(slots < 0)[0]
+            if len(absent):
+                slots[absent] = cached.find(ids[absent])
+        else:
+            slots = cached.find(ids)
         known = slots >= 0
         if self.parts:
             cached.set_parts(slots[known], parts, np.nonzero(known)[0], None if at is None else at[known])
@@ -508,6 +537,7 @@ class UserStateColumns:
     group: np.ndarray  # int64 per entry: the group it belongs to (sorted)
     key: np.ndarray  # uint64 per entry
     trigger: np.ndarray  # int64 per entry
+    where: list = field(default_factory=list)  # per run of equal windows: where the cache had its users (:class:`Located`)
 
 
 class _WindowLog:
@@ -570,11 +600,12 @@ class _WindowLog:
             start = sk.window_prefix(self.log, self.qid, found[-1] + 1)
         return found
 
-    def read(self, window: int, ids: np.ndarray) -> tuple[np.ndarray, Optional[np.ndarray], np.ndarray]:
-        """(found mask, rows, parts) of ``ids`` (distinct); rows zero and parts None where not found."""
+    def read(self, window: int, ids: np.ndarray) -> tuple[np.ndarray, Optional[np.ndarray], np.ndarray, Located]:
+        """(found mask, rows, parts, where the cache has them) of ``ids`` (distinct); rows zero
+        and parts None where not found."""
         self.load(window)
         ids = np.asarray(ids, dtype=np.uint64)
-        hit, cached_rows, cached_parts = self.cache.lookup(window, ids)
+        hit, cached_rows, cached_parts, where = self.cache.located(window, ids)
         rows = None if self.cache.dtype is None else np.zeros(len(ids), dtype=self.cache.dtype)
         if rows is not None:
             put_rows(rows, hit, cached_rows)
@@ -596,7 +627,7 @@ class _WindowLog:
                     at_hit = positions[order]
                 found[at] = True
         parts = cached_parts.placed(len(ids), at_hit) if self.cache.parts else None
-        return found, rows, parts
+        return found, rows, parts, where
 
     def scan(self, window: int) -> tuple[np.ndarray, Optional[np.ndarray], np.ndarray]:
         """(ids, rows, parts) of every value of the window, in id order."""
@@ -619,10 +650,11 @@ class _WindowLog:
         return ids[order], None if rows is None else rows[order], None if parts is None else _take_parts(parts, order)
 
     def commit(self, batch: WriteBatch, window: int, ids: np.ndarray, rows: Optional[np.ndarray], parts: Optional[Ragged],
-               at: Optional[np.ndarray] = None) -> None:
+               at: Optional[np.ndarray] = None, where: Optional[Located] = None) -> None:
         """Write new values of ``ids`` (distinct) in ``batch``; the cache learns them once it is
         written. ``at`` (ragged parts only): where each part starts in its id's value (0: the
-        whole value; above 0: appended to the value's first ``at`` items, all it held)."""
+        whole value; above 0: appended to the value's first ``at`` items, all it held).
+        ``where``: the slots :meth:`read` found these ids at (same order), if it read them."""
         self.load(window)
         ids = np.asarray(ids, dtype=np.uint64)
         seq = self._next_seq[window]
@@ -639,19 +671,19 @@ class _WindowLog:
             pieces.append((parts.lengths * parts.data.dtype.itemsize).astype("<u4").tobytes())
             pieces.append(parts.data.tobytes())
         batch.put(sk.window_prefix(self.log, self.qid, window) + int(seq).to_bytes(8, "big"), b"".join(pieces))
-        batch.on_commit(functools.partial(self._committed, window, ids, rows, parts, at))
+        batch.on_commit(functools.partial(self._committed, window, ids, rows, parts, at, where))
 
     def _committed(self, window: int, ids: np.ndarray, rows: Optional[np.ndarray], parts: Optional[Ragged],
-                   at: Optional[np.ndarray]) -> None:
+                   at: Optional[np.ndarray], where: Optional[Located]) -> None:
         if not self.cache.holds(window) or window not in self._next_seq:
             return  # the cache dropped the window meanwhile: its next use replays the log, this blob included
-        if self._cache_or_spill(window, ids, rows, parts, at):
+        if self._cache_or_spill(window, ids, rows, parts, at, where):
             self._spilled[window] = True
 
     def _cache_or_spill(self, window: int, ids: np.ndarray, rows: Optional[np.ndarray], parts: Optional[Ragged],
-                        at: Optional[np.ndarray] = None) -> bool:
+                        at: Optional[np.ndarray] = None, where: Optional[Located] = None) -> bool:
         """Committed values into the cache; those it declines under their ids' own keys. True if any was spilled."""
-        declined, loose = self.cache.appended(window, ids, rows, parts, at)
+        declined, loose = self.cache.appended(window, ids, rows, parts, at, where)
         spilled = self._spill(window, ids, rows, parts, declined)
         if len(loose):  # appends to values that are not cached: completed from their spilled keys, then cached or spilled whole
             ids, rows, parts = ids[loose], None if rows is None else rows[loose], self._completed(window, ids[loose], parts.take(loose), at[loose])
@@ -740,46 +772,46 @@ class UserStates:
         """States of the groups ``(windows[g], users[g])`` (absent: nothing admitted yet)."""
         counts = np.zeros(len(users), dtype=np.int64)
         users = np.asarray(users, dtype=np.uint64)
-        pieces = []
+        pieces, where = [], []
         for w, lo, hi in _runs(windows):
-            found, rows, parts = self.log.read(w, users[lo:hi])
+            found, rows, parts, located = self.log.read(w, users[lo:hi])
             counts[lo:hi] = rows
             pieces.append(parts)
+            where.append(located)
         entries = Ragged.concat(pieces) if len(pieces) > 1 else pieces[0] if pieces else Ragged.empty(0, USER_ENTRY)
         lengths = entries.lengths
         group = np.repeat(np.arange(len(users), dtype=np.int64), lengths)
-        return UserStateColumns(counts, lengths, group, entries.data["key"].astype(np.uint64), entries.data["trigger"].astype(np.int64))
+        return UserStateColumns(counts, lengths, group, entries.data["key"].astype(np.uint64), entries.data["trigger"].astype(np.int64),
+                                where)
 
     def write(self, batch: WriteBatch, windows: np.ndarray, users: np.ndarray, admitted: np.ndarray, changed: np.ndarray,
               full: np.ndarray, entry_group: np.ndarray, entry_key: np.ndarray, entry_trigger: np.ndarray,
-              before: Optional[np.ndarray] = None) -> None:
+              before: Optional[np.ndarray] = None, where: Optional[list] = None) -> None:
         """New states of the ``changed`` groups (sorted by (window, user)). Entries are grouped by
         group (ascending); a ``full`` group (at the bound: it admits nothing more) keeps only its
-        count. ``before`` (per group): the entries its stored state held, which its new entries
-        begin with (key_histories keeps a group's entries, then appends): only the entries after
-        them are written, as appends. ``None``: every changed group's state is written whole."""
+        count. ``before`` (per group): the entries its stored state holds, and the entries given
+        are the ones appended after them (key_histories keeps a group's entries, then appends),
+        written as appends. ``None``: the entries given are each group's whole state.
+        ``where``: the read's :attr:`UserStateColumns.where` for the same groups."""
         entry_group = np.asarray(entry_group, dtype=np.int64)
         full, changed = np.asarray(full, dtype=bool), np.asarray(changed, dtype=bool)
-        size = np.bincount(entry_group, minlength=len(users))
-        # a full group's state is its count alone, written whole; another's entries past ``before``
+        # a full group's state is its count alone, written whole; another's entries after ``before``
         at = np.zeros(len(users), dtype=np.int64) if before is None else np.where(full, 0, np.asarray(before, dtype=np.int64))
-        if (at > size).any():
-            raise ValueError("a user's new state does not keep its stored entries")
-        # the entries of changed groups past their ``at``, and none of a full one's (it admits nothing more)
-        rank = np.arange(len(entry_group), dtype=np.int64) - (np.cumsum(size) - size)[entry_group]
-        kept = changed[entry_group] & ~full[entry_group] & (rank >= at[entry_group])
+        # the entries of changed groups, but none of a full one's (it admits nothing more)
+        kept = changed[entry_group] & ~full[entry_group]
         entries = kernels.pack_words(entry_key, entry_trigger, kept).view(USER_ENTRY).reshape(-1)
         size = np.bincount(entry_group[kept], minlength=len(users))
         starts = np.cumsum(size) - size  # each group's first entry in ``entries`` (grouped, ascending)
         counts = np.asarray(admitted).astype(USER_COUNT)
-        for w, first, last in _runs(windows):
+        for run, (w, first, last) in enumerate(_runs(windows)):
             groups = first + np.nonzero(changed[first:last])[0]
             if not len(groups):
                 continue
             lo = int(starts[groups[0]])
             hi = int(starts[groups[-1]] + size[groups[-1]])
             self.log.commit(batch, w, np.asarray(users, dtype=np.uint64)[groups], counts[groups],
-                            Ragged.of_lengths(size[groups], entries[lo:hi]), None if before is None else at[groups])
+                            Ragged.of_lengths(size[groups], entries[lo:hi]), None if before is None else at[groups],
+                            None if where is None else where[run].take(groups - first))
 
     def drop_window(self, window: int) -> None:
         self.log.drop_window(window)
@@ -899,7 +931,7 @@ class KeyRows:
 
     def load(self, window: int, ids: np.ndarray, blank: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Rows of ``ids`` (``blank``, a one-row array, for a key not stored) and whether each was stored."""
-        found, rows, _ = self.log.read(window, ids)
+        found, rows, _, _ = self.log.read(window, ids)
         put_rows(rows, ~found, np.asarray(blank, dtype=self.dtype).reshape(1))
         return rows, found
 

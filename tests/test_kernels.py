@@ -176,8 +176,11 @@ def test_the_key_histories_kernel_equals_numpy(data, distinct):
     sk = np.array([x[1] for x in state], dtype=np.uint64)
     st_ = np.array([x[2] for x in state], dtype=np.int64)
     def histories():
-        h = key_histories(g, k, t, sg, sk, st_, distinct=distinct)
-        return [np.asarray(a).tolist() for a in (h.previous, h.amend, h.group, h.key, h.trigger)]
+        out = []
+        for appended in (False, True):  # the whole new state, or its new entries only
+            h = key_histories(g, k, t, sg, sk, st_, distinct=distinct, appended=appended)
+            out += [np.asarray(a).tolist() for a in (h.previous, h.amend, h.group, h.key, h.trigger)]
+        return out
     in_numpy, compiled = _with_each(histories)
     assert in_numpy == compiled
 

@@ -222,3 +222,13 @@ def test_key_histories_match_a_plain_loop(data):
     assert len(entries) == len(set(entries))  # distinct
     assert set(entries) == {(a, b, c) for (a, b), ts in seen.items() for c in ts}
     assert out.group.tolist() == sorted(out.group.tolist())  # grouped by user
+    # the new entries alone (what the state's changelog appends): after each user's entries, they
+    # make exactly the new state, in its order
+    added = key_histories(g, k, t, sg, np.array([x[1] for x in state], dtype=np.uint64), st_, appended=True)
+    np.testing.assert_array_equal(added.previous, out.previous)
+    np.testing.assert_array_equal(added.amend, out.amend)
+    rebuilt = []
+    for u in range(groups):
+        rebuilt += [x for x in state if x[0] == u]
+        rebuilt += [e for e in zip(added.group.tolist(), added.key.tolist(), added.trigger.tolist()) if e[0] == u]
+    assert rebuilt == entries

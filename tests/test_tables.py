@@ -492,7 +492,7 @@ def test_new_ids_merge_into_a_sorted_index_alike_compiled_or_in_numpy(old, new):
 
 @settings(max_examples=80, deadline=None)
 @given(st.lists(st.tuples(st.dictionaries(st.integers(0, 30), st.integers(-1, 4), min_size=1, max_size=10),
-                          st.sampled_from(["go on", "restart", "drop"])), min_size=1, max_size=25),
+                          st.sampled_from(["go on", "restart", "drop", "drop between"])), min_size=1, max_size=25),
        st.sampled_from([3, 12, 100]), st.booleans())
 def test_user_states_written_as_appends_read_as_a_model_does_through_restarts(steps, capacity, whole_first):
     """Stage 1 writes a touched user's new entries only (its state keeps its entries, then
@@ -500,8 +500,10 @@ def test_user_states_written_as_appends_read_as_a_model_does_through_restarts(st
     each user, in the cache or, over its bound, under the user's spilled key (read back and
     written whole). Through any sequence of appends, users reaching the bound (count only),
     restarts (a replay of the whole log) and the cache dropping the window, every read gives
-    each user's latest state, entries in order. ``whole_first``: the window starts with a blob
-    of whole states as stages before appends wrote them, and appends follow it."""
+    each user's latest state, entries in order. The commit skips the search of the users the
+    read found, unless the cache dropped the window in between (before or after the commit is
+    prepared). ``whole_first``: the window starts with a blob of whole states as stages before
+    appends wrote them, and appends follow it."""
     store = MemoryStore()
     users = UserStates(store, b"qqqq", cache_entries=capacity)
     model: dict[int, tuple[int, list]] = {}
@@ -523,14 +525,18 @@ def test_user_states_written_as_appends_read_as_a_model_does_through_restarts(st
             new = old + [(1000 * u + step * 10 + j, step) for j in range(max(grow, 0))]
             counts.append(int(state.admitted[g]) + max(grow, 1))
             full.append(grow < 0)
-            entries.append(new)
+            entries.append(new[len(old):])  # the entries appended (key_histories(..., appended=True))
             model[u] = (counts[-1], [] if grow < 0 else new)
         group = np.repeat(np.arange(len(ids)), [len(e) for e in entries])
         flat = [x for e in entries for x in e]
         batch = WriteBatch()
+        if then == "drop between":
+            users.drop_window(0)
         users.write(batch, np.zeros(len(ids), dtype=np.int64), ids, np.array(counts), np.ones(len(ids), dtype=bool), np.array(full),
                     group, np.array([k for k, _ in flat], dtype=np.uint64), np.array([t for _, t in flat], dtype=np.int64),
-                    before=state.entries)
+                    before=state.entries, where=state.where)
+        if then == "drop between":  # the cache drops the window between the read and the commit
+            users.drop_window(0)
         store.write(batch)
         if then == "restart":
             users = UserStates(store, b"qqqq", cache_entries=capacity)
@@ -558,7 +564,7 @@ def test_an_append_that_does_not_follow_the_stored_state_is_refused():
     state = users.read(np.zeros(1, dtype=np.int64), np.array([5], dtype=np.uint64))
     batch = WriteBatch()
     users.write(batch, np.zeros(1, dtype=np.int64), np.array([5], dtype=np.uint64), np.array([3]), np.ones(1, dtype=bool),
-                np.zeros(1, dtype=bool), np.zeros(3, dtype=np.int64), np.array([1, 2, 3], dtype=np.uint64), np.array([1, 1, 2]),
+                np.zeros(1, dtype=bool), np.zeros(1, dtype=np.int64), np.array([3], dtype=np.uint64), np.array([2]),
                 before=state.entries)
     store.write(batch)
     first = next(iter(store.scan_prefix(sk.window_prefix(sk.USER_LOG, b"qqqq", 0))))[0]

@@ -662,7 +662,8 @@ class QueryPipeline:
         users = events.users[idx]
         units = self.bounder.units(events.values[idx])
         # group by (window, user): one contribution budget per privacy unit
-        order = np.lexsort((users, window))
+        # (a batch is mostly one window: one sort of the users then; any order within a group will do)
+        order = np.argsort(users) if len(window) and window[0] == window[-1] and (window == window[0]).all() else np.lexsort((users, window))
         boundary = np.ones(len(order), dtype=bool)
         boundary[1:] = (window[order][1:] != window[order][:-1]) | (users[order][1:] != users[order][:-1])
         group_of = np.empty(len(order), dtype=np.int64)
@@ -715,11 +716,11 @@ class QueryPipeline:
             rec_group, rec_trigger, rec_window, rec_users, rec_slots, rec_units = (
                 np.repeat(a, d) for a in (rec_group, rec_trigger, rec_window, rec_users, rec_slots, rec_units))
         history = key_histories(rec_group, rec_ids, rec_trigger, state.group, state.key, state.trigger,
-                                distinct=not self._per_key_counts)
+                                distinct=not self._per_key_counts, appended=True)  # the state's changelog takes appends
         # a user at the bound admits nothing more: the per-key entries are never needed again
         self.tables.users.write(batch, gw, gu, assigned.counts, assigned.counts != before,
                                 assigned.counts >= self.plan.contribution_bound, history.group, history.key, history.trigger,
-                                before=state.entries)
+                                before=state.entries, where=state.where)
         return BoundedRecords(rec_window, rec_trigger, rec_ids, rec_keys, rec_users, rec_slots, rec_units, history.previous,
                               history.amend, rec_levels, rec_roots.astype(np.uint64))
 

@@ -76,13 +76,14 @@ class KeyHistory:
 
     previous: np.ndarray  # per record: max trigger of the user's earlier-arrived records for the key with trigger <= its own (0: none)
     amend: np.ndarray  # per record: min trigger of the user's earlier-arrived records for the key with a later trigger (0: none)
-    group: np.ndarray  # updated state, grouped by group (ascending): one entry per distinct (group, key, trigger)
+    group: np.ndarray  # updated state (or its new entries only), grouped by group (ascending): one entry per distinct (group, key, trigger)
     key: np.ndarray
     trigger: np.ndarray
 
 
 def key_histories(group_of: np.ndarray, key_ids: np.ndarray, triggers: np.ndarray,
-                  state_group: np.ndarray, state_key: np.ndarray, state_trigger: np.ndarray, distinct: bool = True) -> KeyHistory:
+                  state_group: np.ndarray, state_key: np.ndarray, state_trigger: np.ndarray, distinct: bool = True,
+                  appended: bool = False) -> KeyHistory:
     """For admitted records (arrival order): each record's *predecessor* among the same user's
     records for the same key, and the updated per-user state (the set of (key, trigger) pairs the
     user has contributed in the window: at most C entries). ``distinct`` False (a per-key bound
@@ -111,7 +112,8 @@ def key_histories(group_of: np.ndarray, key_ids: np.ndarray, triggers: np.ndarra
     the same user: each record is compared with every state entry of its own user (fewer than C)
     and, after one sort of the batch, with its (user, key)'s earlier records in the batch. No
     sort touches the state, which grows through the window while batches do not. The new state
-    keeps a group's entries and appends its new ones.
+    keeps a group's entries and appends its new ones. ``appended``: the returned state entries
+    are the new ones only (what a changelog of appends writes: dpstream.state.tables.UserStates).
     """
     n = len(group_of)
     g = np.asarray(group_of, dtype=np.int64)
@@ -125,8 +127,8 @@ def key_histories(group_of: np.ndarray, key_ids: np.ndarray, triggers: np.ndarra
     later = np.full(n, big, dtype=np.int64)
     known = np.zeros(n, dtype=bool)  # (user, key, trigger) already in the state or earlier in the batch
     if n == 0:
-        return KeyHistory(previous, np.zeros(0, dtype=np.int64), sg, sk, st)
-    compiled = kernels.key_histories(g, k, t, sg, sk, st, distinct)  # the same answers, one user at a time
+        return KeyHistory(previous, np.zeros(0, dtype=np.int64), *((sg[:0], sk[:0], st[:0]) if appended else (sg, sk, st)))
+    compiled = kernels.key_histories(g, k, t, sg, sk, st, distinct, appended)  # the same answers, one user at a time
     if compiled is not None:
         return KeyHistory(*compiled)
 
@@ -172,6 +174,8 @@ def key_histories(group_of: np.ndarray, key_ids: np.ndarray, triggers: np.ndarra
     # the new state: a group's entries, then its new (key, trigger) pairs (``order`` is by group);
     # as a multiset, one per record
     fresh = order[~known[order]] if distinct else order
+    if appended:
+        return KeyHistory(previous, amend, g[fresh], k[fresh], t[fresh])
     if not len(fresh):
         return KeyHistory(previous, amend, sg, sk, st)
     at = bounds[g[fresh] + 1]  # after the group's last entry

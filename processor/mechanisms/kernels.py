@@ -192,7 +192,7 @@ def _kernels(numba, cache: bool) -> dict:
             out[i, 1] = first[t, 1]
 
     @numba.njit(cache=cache, nogil=True)
-    def key_histories(g, k, t, bounds, sk, st, distinct, previous, amend, out_g, out_k, out_t):
+    def key_histories(g, k, t, bounds, sk, st, distinct, whole, previous, amend, out_g, out_k, out_t):
         n, groups = g.shape[0], bounds.shape[0] - 1
         big = np.iinfo(np.int64).max
         # the records of each group in arrival order (a counting sort: groups are dense)
@@ -211,9 +211,10 @@ def _kernels(numba, cache: bool) -> dict:
         for grp in range(groups):
             a, b = start[grp], start[grp + 1]
             e0, e1 = bounds[grp], bounds[grp + 1]
-            for e in range(e0, e1):  # the group's entries stay, in their order
-                out_g[w], out_k[w], out_t[w] = grp, sk[e], st[e]
-                w += 1
+            if whole:
+                for e in range(e0, e1):  # the group's entries stay, in their order
+                    out_g[w], out_k[w], out_t[w] = grp, sk[e], st[e]
+                    w += 1
             m = 0
             for x in range(a, b):
                 i = order[x]
@@ -356,13 +357,14 @@ def lattice_scan(W: np.ndarray, offsets: np.ndarray, done: np.ndarray, base: np.
 
 # ------------------------------------------------------------------------- stage 1's key histories
 
-def key_histories(g: np.ndarray, k: np.ndarray, t: np.ndarray, sg: np.ndarray, sk: np.ndarray, st: np.ndarray, distinct: bool
-                  ) -> Optional[tuple]:
+def key_histories(g: np.ndarray, k: np.ndarray, t: np.ndarray, sg: np.ndarray, sk: np.ndarray, st: np.ndarray, distinct: bool,
+                  appended: bool = False) -> Optional[tuple]:
     """dpstream.processor.mechanisms.bounding.key_histories, compiled: per group (user), each
     record against the group's state entries and its earlier records of the batch, and the new
     state (the group's entries, then its new ones by (key, arrival)), one group at a time in one
     loop where numpy sorts the batch and expands every (record, entry) pair. (previous, amend,
-    state group, key, trigger), or None when the numpy version is in use."""
+    state group, key, trigger; ``appended``: the new entries only), or None when the numpy
+    version is in use."""
     kernels = _numba() if _choice == "numba" else None
     if kernels is None:
         return None
@@ -371,9 +373,9 @@ def key_histories(g: np.ndarray, k: np.ndarray, t: np.ndarray, sg: np.ndarray, s
     bounds = np.zeros(groups + 1, dtype=np.int64)
     np.cumsum(np.bincount(sg, minlength=groups), out=bounds[1:])
     previous, amend = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
-    size = len(sg) + n
+    size = (0 if appended else len(sg)) + n
     out_g, out_k, out_t = np.empty(size, dtype=np.int64), np.empty(size, dtype=np.uint64), np.empty(size, dtype=np.int64)
-    w = kernels["key_histories"](g, k, t, bounds, sk, st, distinct, previous, amend, out_g, out_k, out_t)
+    w = kernels["key_histories"](g, k, t, bounds, sk, st, distinct, not appended, previous, amend, out_g, out_k, out_t)
     return previous, amend, out_g[:w], out_k[:w], out_t[:w]
 
 
