@@ -209,3 +209,36 @@ def test_the_first_record_of_each_key_id_is_the_same_with_either_kernels(ids):
     arr = np.array(ids, dtype=np.uint64)
     in_numpy, compiled = _with_each(lambda: kernels.first_occurrences(arr).tolist())
     assert in_numpy == compiled == [ids.index(i) for i in ids]
+
+
+def test_a_workers_start_compiles_every_kernel_stage_one_calls():
+    """A worker compiles the kernels at start (``prepare``, off its event loop): it must succeed
+    with the kernels' current arguments, and stage 1's calls afterwards must find them compiled
+    (a signature prepare misses is compiled on the event loop, mid-batch, or not at all)."""
+    from dpstream.processor.mechanisms.bounding import key_histories
+    from dpstream.state import kernels as state_kernels
+    from dpstream.state.tables import USER_ENTRY, Ragged, _Arena
+
+    before = kernels._choice
+    try:
+        kernels.use("numba")
+        compiled = kernels._numba()
+        if compiled is None:
+            pytest.skip("numba is not installed")
+        kernels.prepare()
+        signatures = {name: len(k.signatures) for name, k in {**compiled, **state_kernels._kernel()}.items()}
+        g = np.array([0, 1, 1], dtype=np.int64)
+        for appended in (False, True):
+            key_histories(g, np.array([5, 6, 7], dtype=np.uint64), np.array([1, 2, 2]), np.array([1]), np.array([9], dtype=np.uint64),
+                          np.array([1]), appended=appended)
+        arena = _Arena(USER_ENTRY, size=4)
+        arena.grow(3)
+        data = np.zeros(4, dtype=USER_ENTRY)
+        arena.set(np.array([0, 2]), Ragged.of_lengths(np.array([1, 3]), data))
+        arena.set(np.array([2]), Ragged.of_lengths(np.array([2]), data[:2]), at=np.array([3]))
+        assert arena.get(np.array([0, 1, 2])).lengths.tolist() == [1, 0, 5]
+        state_kernels.merged(np.array([1, 5], dtype=np.uint64), np.array([0, 1]), np.array([3], dtype=np.uint64), np.array([2]))
+        after = {name: len(k.signatures) for name, k in {**compiled, **state_kernels._kernel()}.items()}
+        assert after == signatures
+    finally:
+        kernels.use(before)

@@ -71,7 +71,7 @@ def prepare() -> None:
         one = np.zeros(1, dtype=np.int64)
         kernels["stream_steps"](np.array([0, 1]), one, one.copy(), one.copy())
         kernels["key_histories"](one, np.zeros(1, dtype=np.uint64), one, np.zeros(2, dtype=np.int64), np.zeros(0, dtype=np.uint64),
-                                 np.zeros(0, dtype=np.int64), True, one.copy(), one.copy(), np.zeros(1, dtype=np.int64),
+                                 np.zeros(0, dtype=np.int64), True, True, one.copy(), one.copy(), np.zeros(1, dtype=np.int64),
                                  np.zeros(1, dtype=np.uint64), np.zeros(1, dtype=np.int64))
         kernels["group_ranks"](one, 1, one.copy())
         kernels["first_occurrences"](np.zeros(1, dtype=np.uint64), 4, one.copy())
