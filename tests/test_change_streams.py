@@ -534,7 +534,7 @@ def test_workers_on_a_partitioned_debezium_topic_one_killed_mid_stream_release_w
             values = sorted(values, key=lambda v: ((v["ts_ms"] - start) // tick_ms, *placed[id(v)]))
         horizon = (later + 1_500 - start) // tick_ms + 10
         time.sleep(max(0.0, (start + horizon * tick_ms + lateness_ms) / 1000 + 3 - time.time()))
-        deadline = time.time() + 60
+        deadline = time.time() + 120  # a loaded machine (CI) restarts a worker slowly
         while True:  # a group hands the killed worker's partitions over first (its session timeout)
             released = [r for r in sc.read(out) if r["tick"] <= horizon]
             sc.events.write_text("".join(json.dumps(v) + "\n" for v in values))
@@ -545,7 +545,8 @@ def test_workers_on_a_partitioned_debezium_topic_one_killed_mid_stream_release_w
             time.sleep(3)
         assert len(expected) >= 5 and {r["shard"] for r in expected} == {0, 1}
         assert max(r["tick"] for r in expected) > (later - start) // tick_ms
-        assert canonical(released) == canonical(expected)
+        assert canonical(released) == canonical(expected), (
+            f"{sc.drops()}; the workers' logs end: {a.log.read_text()[-1500:]!r} / {b.log.read_text()[-1500:]!r}")
         assert [d for d in sc.read(DEAD_LETTER_TOPIC) if d.get("query") == name] == []
         dropped = [w.metric("dpstream_events_dropped_total", query=name, reason="contribution_bound") for w in (a, b)]
         assert (sum(dropped) > 200) == unit
